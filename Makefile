@@ -1,0 +1,31 @@
+# The two commands a newcomer needs: `make demo` (the main job) and `make test`. Both set up
+# their own virtualenv on first use.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch is pinned to the CPU wheel this project is developed against; a GPU cluster installs its
+# own CUDA build of torch >= 2.9 into its environment instead (see docs/training.md).
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: demo test docs setup clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test,demo]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(PY) -m pan.cli demo
+
+test: setup
+	OMP_NUM_THREADS=2 $(PY) -m pytest tests
+
+docs: setup
+	$(PY) -m pan.config.docs --write docs/config.md
+
+clean:
+	rm -rf $(VENV) runs demo_out

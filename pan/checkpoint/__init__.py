@@ -1,0 +1,1 @@
+"""DCP checkpoints: atomic saves, retention, resume with fallback, warm start, export."""

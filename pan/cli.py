@@ -1,0 +1,88 @@
+"""The `pan` command: train, check, launch-command, data, sample, export, inspect, demo."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+EXIT_CONFIG_ERROR = 2
+
+
+def _is_main_rank() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def load_config_or_exit(argv: list[str]):
+    """Load a job config; on a ConfigError print one paragraph (rank 0 only) and exit with code 2."""
+    from pan.config import ConfigError, load_job_config
+    from pan.logging import get_logger
+
+    log = get_logger()
+    try:
+        return load_job_config(argv, warn=log.warning if _is_main_rank() else (lambda msg: None))
+    except ConfigError as e:
+        if _is_main_rank():
+            print(f"pan: config error: {e}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG_ERROR)
+
+
+def cmd_train(argv: list[str]) -> int:
+    """Train: `pan train --config X.yaml [--key value ...]` (the same as `train.py`)."""
+    if argv and argv[0] in ("-h", "--help"):
+        print("usage: pan train --config config/X.yaml [--key value ...]\n\n"
+              "Train with the run config X.yaml; any key can be overridden on the command line\n"
+              "(--learning_rate 1e-5, --transformer_config_overrides.num_layers 4). Every key is\n"
+              "listed in docs/config.md. Launch several processes with torchrun.")
+        return 0
+    job = load_config_or_exit(argv)
+    from pan.trainer import train
+    return train(job)
+
+
+def _not_built(name: str, issue: str):
+    def run(argv: list[str]) -> int:
+        if argv and argv[0] in ("-h", "--help"):
+            print(f"usage: pan {name} ...\n\nnot built yet ({issue}).")
+            return 0
+        print(f"pan {name}: not built yet ({issue}).", file=sys.stderr)
+        return 1
+    return run
+
+
+COMMANDS = {
+    "train": (cmd_train, "train a model from a YAML config (same as train.py)"),
+    "check": (_not_built("check", "the preflight check comes with the launch issue"),
+              "preflight: validate a config and the environment without training"),
+    "launch-command": (_not_built("launch-command", "comes with the launch issue"),
+                       "print a validated torchrun/srun command for a workflow"),
+    "data": (_not_built("data", "synth and precompute come with the data issues"),
+             "data tools: synth (demo dataset), precompute (latents and text features)"),
+    "sample": (_not_built("sample", "comes with the sampling work of the model issue"),
+               "generate videos from a checkpoint"),
+    "export": (_not_built("export", "comes with the checkpoint issue"),
+               "write consolidated safetensors weights from a checkpoint"),
+    "inspect": (_not_built("inspect", "comes with the checkpoint issue"),
+                "list a run's checkpoints with step, completeness and size"),
+    "demo": (_not_built("demo", "comes with the demo issue"),
+             "the tiny end-to-end CPU demo (make demo)"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(
+        prog="pan", description="pan: train video diffusion transformers.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="commands:\n" + "\n".join(f"  {n:<15} {h}" for n, (_, h) in COMMANDS.items()))
+    parser.add_argument("command", choices=list(COMMANDS), metavar="command")
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0 if argv else 2
+    args, rest = parser.parse_known_args(argv[:1])
+    fn, _ = COMMANDS[args.command]
+    return fn(argv[1:]) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,17 @@
+"""pan's config language: typed component dataclasses, YAML sections, command-line overrides."""
+
+from dataclasses import dataclass, field
+
+from pan.config.core import ConfigError, knob, require
+from pan.config.job import dump_job, load_job_config
+
+
+@dataclass(kw_only=True)
+class JobConfig:
+    """Base of a recipe's job config: one attribute per component config."""
+    # Keys the user set (in the file or on the command line), for rules such as "this key has no
+    # effect in this mode": a key only counts as set when it is written, not when left at default.
+    explicit_keys: set[str] = field(default_factory=set, repr=False, compare=False)
+
+
+__all__ = ["ConfigError", "JobConfig", "knob", "require", "load_job_config", "dump_job"]

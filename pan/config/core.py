@@ -1,0 +1,77 @@
+"""The pieces every component config is made of: `knob` fields, `ConfigError`, and checks.
+
+A component owns a kw-only dataclass of its keys, beside the code that reads them:
+
+    @dataclass(kw_only=True)
+    class FlowConfig:
+        SECTION: ClassVar[str] = "diffusion"    # where the key is listed in docs and config.yaml
+        flow_snr_type: Literal["uniform", "lognorm"] = knob("lognorm", "how timesteps are drawn")
+        flow_lognorm_scale: float = knob(1.0, "std of the logit-normal", gt=0)
+
+        def check(self, job) -> None:           # optional: cross-key rules, raise ConfigError
+            ...
+
+Types, `Literal` choices and the numeric bounds given to `knob` are enforced by the loader; `check`
+holds the rules that need more than one key. Keys are globally unique across components: section
+names in YAML files only group them.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+
+class ConfigError(Exception):
+    """A config the trainer refuses. `key` names the offending key; the message says how to fix it."""
+
+    def __init__(self, key: str | None, message: str):
+        self.key = key
+        self.message = message
+        self.location: str | None = None  # "file.yaml:12", filled in by the loader when known
+        super().__init__(message)
+
+    def __str__(self) -> str:
+        where = f" ({self.location})" if self.location else ""
+        head = f"`{self.key}`{where}: " if self.key else ""
+        return head + self.message
+
+
+def knob(default: Any, help: str, *, ge=None, gt=None, le=None, lt=None, length: int | None = None,
+         non_empty: bool = False):
+    """A config key: its default, a one-line meaning (shown in docs/config.md) and optional bounds.
+
+    Bounds apply to numbers and to every element of a list of numbers. `length` fixes a list's
+    length; `non_empty` rejects "" and [].
+    """
+    meta = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt, "length": length,
+            "non_empty": non_empty}
+    if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
+        return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def check_bounds(key: str, value: Any, meta: dict) -> None:
+    """Raise ConfigError if `value` breaks the bounds declared with `knob`."""
+    if value is None:
+        return
+    if meta.get("non_empty") and value in ("", []):
+        raise ConfigError(key, "must not be empty.")
+    if meta.get("length") is not None and isinstance(value, list) and len(value) != meta["length"]:
+        raise ConfigError(key, f"needs exactly {meta['length']} values, got {len(value)}: {value}.")
+    items = value if isinstance(value, list) else [value]
+    for v in items:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        for name, ok, word in (("ge", lambda b: v >= b, ">="), ("gt", lambda b: v > b, ">"),
+                               ("le", lambda b: v <= b, "<="), ("lt", lambda b: v < b, "<")):
+            bound = meta.get(name)
+            if bound is not None and not ok(bound):
+                raise ConfigError(key, f"must be {word} {bound}, got {value}.")
+
+
+def require(condition: bool, key: str, message: str) -> None:
+    """Shorthand for cross-key rules in `check`: raise ConfigError(key, message) unless condition."""
+    if not condition:
+        raise ConfigError(key, message)

@@ -1,0 +1,229 @@
+"""Turn a config file plus command-line overrides into a recipe's job config, or refuse it."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from pan.config import loader
+from pan.config.core import ConfigError
+from pan.config.loader import Entry, build_dataclass, field_types, parse_overrides
+
+DEFAULT_RECIPE = "pan"
+
+
+def components(job_cls) -> dict[str, type]:
+    """attribute name -> component dataclass of a job config class."""
+    return {f.name: tp for f, tp in zip(dataclasses.fields(job_cls), field_types(job_cls).values())
+            if dataclasses.is_dataclass(tp)}
+
+
+def key_owners(job_cls) -> dict[str, str]:
+    """key -> the component attribute that owns it. Keys must be unique across components."""
+    owners: dict[str, str] = {}
+    for attr, cls in components(job_cls).items():
+        for name in field_types(cls):
+            if name in owners:
+                raise TypeError(f"config key {name!r} is defined by both {owners[name]} and {attr}")
+            owners[name] = attr
+    return owners
+
+
+def nested_types(job_cls) -> dict[str, type]:
+    """key -> dataclass, for keys whose value is itself a config (transformer_config_overrides)."""
+    out = {}
+    for cls in components(job_cls).values():
+        for name, tp in field_types(cls).items():
+            if dataclasses.is_dataclass(tp):
+                out[name] = tp
+    return out
+
+
+def _recipe_of(entries: dict[str, list[Entry]], cli: list[tuple[str, Any]]) -> str:
+    name = DEFAULT_RECIPE
+    for entry in entries.get("recipe", []):
+        name = entry.value
+    for key, value in cli:
+        if key == "recipe":
+            name = value
+    return name
+
+
+def load_job_config(argv: list[str], *, warn: Callable[[str], None] = print):
+    """Parse `--config X.yaml --key value ...` into the recipe's job config (validated)."""
+    from pan.recipes import get_recipe, recipe_names
+
+    config_path, cli = parse_overrides(argv)
+    if config_path is None:
+        raise ConfigError("config", "no config file given: pass --config config/<run>.yaml "
+                                    "(for example config/demo_cpu.yaml).")
+    # The recipe decides which keys exist, so find it before reading the file's sections.
+    probe = _probe_recipe(Path(config_path))
+    recipe_name = _recipe_of({"recipe": [Entry(probe, "")]} if probe else {}, cli)
+    if recipe_name not in recipe_names():
+        raise ConfigError("recipe", f"unknown recipe {recipe_name!r}; known: {', '.join(recipe_names())}.")
+    job_cls = get_recipe(recipe_name).job_config
+    known = set(key_owners(job_cls)) | set(loader.TOP_LEVEL_KEYS)
+    entries = loader.yaml_entries(Path(config_path), known)
+    return build_job(job_cls, entries, cli, warn=warn)
+
+
+def _probe_recipe(path: Path) -> str | None:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return None  # reported properly when the file is read for real
+    if not isinstance(data, dict):
+        return None
+    if "recipe" in data:
+        return data["recipe"]
+    for value in data.values():
+        if isinstance(value, dict) and "recipe" in value:
+            return value["recipe"]
+    return None
+
+
+def build_job(job_cls, entries: dict[str, list[Entry]], cli: list[tuple[str, Any]],
+              *, warn: Callable[[str], None] = print):
+    owners = key_owners(job_cls)
+    nested = nested_types(job_cls)
+    comps = components(job_cls)
+    values: dict[str, Any] = {}
+    where: dict[str, str] = {}
+
+    for key, found in entries.items():
+        if key in loader.TOP_LEVEL_KEYS:
+            continue
+        first = found[0]
+        if key not in owners:
+            err = ConfigError(key, _unknown_message(key, owners, nested))
+            err.location = first.where
+            raise err
+        if len(found) > 1:
+            places = " and ".join(f"section `{e.section or '(top level)'}` ({e.where})" for e in found)
+            err = ConfigError(key, f"is set twice, in {places}. Section names only group keys: keep "
+                                   "one of them.")
+            raise err
+        values[key] = first.value
+        where[key] = first.where
+
+    for key, value in cli:
+        if key in loader.TOP_LEVEL_KEYS:
+            continue
+        head, dot, rest = key.partition(".")
+        if head not in owners:
+            raise ConfigError(key, "(command line) " + _unknown_message(head, owners, nested))
+        where.setdefault(head, "command line")
+        if dot:
+            if head not in nested:
+                raise ConfigError(key, f"`{head}` is not a nested config; pass --{head} <value>.")
+            current = dict(values.get(head) or {})
+            current[rest] = value
+            values[head] = current
+        elif head in nested and isinstance(value, dict):
+            merged = dict(values.get(head) or {})
+            merged.update(value)
+            values[head] = merged
+        else:
+            values[head] = value
+        where[head] = "command line"
+
+    built = {}
+    for attr, cls in comps.items():
+        mine = {k: v for k, v in values.items() if owners[k] == attr}
+        nested_here = {}
+        for k in list(mine):
+            if k in nested:
+                sub = mine.pop(k)
+                if sub is None:
+                    sub = {}
+                if not isinstance(sub, dict):
+                    raise _located(ConfigError(k, f"must be a mapping of {nested[k].__name__} keys, "
+                                                  f"got {sub!r}."), where)
+                nested_here[k] = _build_nested(k, nested[k], sub, owners, warn, where)
+        try:
+            component = build_dataclass(cls, mine)
+        except ConfigError as e:
+            raise _located(e, where) from None
+        for k, v in nested_here.items():
+            setattr(component, k, v)
+        built[attr] = component
+
+    job = job_cls(**built)
+    job.explicit_keys = set(values)
+    run_checks(job, where)
+    return job
+
+
+def _build_nested(key, cls, sub, owners, warn, where):
+    legacy = getattr(cls, "LEGACY_NAMES", {})
+    for name in sub:
+        if name in owners and name not in field_types(cls):
+            raise _located(ConfigError(f"{key}.{name}", f"`{name}` is a top-level key, not part of "
+                                       f"`{key}`: move it out of `{key}` (set it once, beside "
+                                       f"`{key}`)."), where, key)
+    try:
+        return build_dataclass(cls, sub, prefix=f"{key}.", legacy=legacy, warn=warn)
+    except ConfigError as e:
+        raise _located(e, where, key) from None
+
+
+def _located(err: ConfigError, where: dict[str, str], key: str | None = None) -> ConfigError:
+    if err.location is None:
+        err.location = where.get(key or (err.key or "").split(".")[0])
+    return err
+
+
+def run_checks(job, where: dict[str, str] | None = None) -> None:
+    """Run every component's cross-key `check(job)` (and a nested config's own `check()`)."""
+    for attr in components(type(job)):
+        component = getattr(job, attr)
+        for value in vars(component).values():
+            if dataclasses.is_dataclass(value) and hasattr(value, "check"):
+                try:
+                    value.check(job)
+                except ConfigError as e:
+                    raise _located(e, where or {}) from None
+        if hasattr(component, "check"):
+            try:
+                component.check(job)
+            except ConfigError as e:
+                raise _located(e, where or {}) from None
+
+
+def _unknown_message(key: str, owners: dict[str, str], nested: dict[str, type]) -> str:
+    for parent, cls in nested.items():
+        names = set(field_types(cls)) | set(getattr(cls, "LEGACY_NAMES", {}))
+        if key in names:
+            return (f"is an architecture key: put it inside `{parent}` "
+                    f"(for example `{parent}: {{{key}: ...}}` or --{parent}.{key} <value>).")
+    close = difflib.get_close_matches(key, list(owners), n=3, cutoff=0.6)
+    hint = f" Did you mean {', '.join('`' + c + '`' for c in close)}?" if close else ""
+    return f"unknown key.{hint} Every key is listed in docs/config.md."
+
+
+# ----------------------------------------------------------------------------------------------
+# The resolved config, written to output_dir/config.yaml
+# ----------------------------------------------------------------------------------------------
+
+def job_to_sections(job, recipe: str) -> dict[str, Any]:
+    """The fully resolved config as {section: {key: value}}, ready for YAML."""
+    out: dict[str, Any] = {"recipe": recipe}
+    for attr, cls in components(type(job)).items():
+        section = out.setdefault(cls.SECTION, {})
+        component = getattr(job, attr)
+        for f in dataclasses.fields(cls):
+            value = getattr(component, f.name)
+            section[f.name] = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+    return out
+
+
+def dump_job(job, recipe: str) -> str:
+    header = ("# Resolved by pan: every key with the value this run used (file, overrides and\n"
+              "# renamed keys applied). Reproduce the run with: train.py --config <this file>\n")
+    return header + yaml.safe_dump(job_to_sections(job, recipe), sort_keys=False, default_flow_style=None,
+                                   width=100)
