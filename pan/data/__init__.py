@@ -1,0 +1,1 @@
+"""Data pipeline: video CSVs, image tars and precomputed latents -> packed batches."""

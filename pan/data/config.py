@@ -1,0 +1,140 @@
+"""The `data` keys: sources, resolution and frame rules, token budgets, workers and resume."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from pan.config.core import ConfigError, knob, require
+
+
+def parse_bucket(text: str) -> tuple[int, int]:
+    """"1248x704" -> (height 704, width 1248). Buckets are written WIDTHxHEIGHT, like ffmpeg."""
+    parts = str(text).lower().split("x")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"{text!r} is not WIDTHxHEIGHT (for example 1248x704)")
+    width, height = (int(p) for p in parts)
+    return height, width
+
+
+def valid_frame_count(n: int, mod: int, remainder: int) -> bool:
+    return n % mod == remainder % mod
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    SECTION: ClassVar[str] = "data"
+
+    # --- sources ---------------------------------------------------------------------------------
+    video_csv_paths: list[str] = knob(
+        [], "CSV files of video clips (columns path, caption; optional fps, num_frames, width, height, "
+            "start_time, end_time) or of precomputed rows (a latent_path column)")
+    video_csv_weights: list[float] | None = knob(
+        None, "relative sampling weight of each video CSV; null = proportional to its number of rows "
+              "(every clip equally likely)", gt=0)
+    image_tar_paths: list[str] = knob(
+        [], "webdataset tars of images (key.jpg|png|webp + key.txt or key.json caption); an image is "
+            "a 1-frame video")
+    image_sample_prob: float = knob(
+        0.0, "probability that the next sample is an image rather than a video (0 for SFT, 1 for an "
+             "image-only run)", ge=0.0, le=1.0)
+
+    # --- what a sample looks like ----------------------------------------------------------------
+    resolution_buckets: list[str] = knob(
+        ["1248x704", "704x1248", "960x960"], "output sizes WIDTHxHEIGHT; each clip goes to the bucket "
+        "nearest its aspect ratio, is resized to cover it (aspect kept) and centre-cropped", non_empty=True)
+    allow_upscale: bool = knob(
+        True, "resize clips smaller than their bucket up to it; false skips them (reason too_small)")
+    target_fps: float | None = knob(
+        None, "resample clips to this frame rate by frame selection; null keeps each clip's own rate; "
+              "clips slower than it are skipped (reason low_fps)", gt=0)
+    min_frames: int = knob(1, "clips with fewer usable frames are skipped (reason too_short)", ge=1)
+    max_frames: int = knob(121, "at most this many frames are taken from the start of a clip", ge=1)
+    frames_mod: int = knob(4, "frame counts must satisfy count % frames_mod == frames_remainder "
+                              "(4 and 1: the 1 + 4k rule of causal VAEs)", ge=1)
+    frames_remainder: int = knob(1, "see frames_mod", ge=0)
+
+    # --- batches ---------------------------------------------------------------------------------
+    max_tokens_per_batch: int = knob(
+        65536, "token budget of one packed batch on one data-parallel rank (model tokens, as the "
+               "recipe counts them); a sample larger than it is skipped (reason over_budget)", gt=0)
+    max_samples_per_batch: int = knob(64, "at most this many samples in one packed batch", ge=1)
+    packing_lookahead: int = knob(
+        32, "decoded samples held back to choose from when filling a batch (best fit); more packs "
+            "tighter, costs host memory", ge=1)
+    packed_dataloader_num_workers: int = knob(
+        4, "decoding processes per rank (0 decodes in the training process)", ge=0)
+    packed_dataloader_prefetch_factor: int = knob(
+        2, "samples each decoding process prepares ahead", ge=1)
+
+    # --- resume ----------------------------------------------------------------------------------
+    resume_video_csv: bool = knob(
+        True, "on resume, continue the video CSVs where the checkpoint left them; false restarts "
+              "them from the top (the image-tar cursor is kept)")
+    restart_data_on_dp_change: bool = knob(
+        False, "allow resuming with a different number of data-parallel ranks by restarting every "
+               "data stream (otherwise such a resume is refused)")
+
+    def frame_count_range(self) -> list[int]:
+        """Every clip length the rules allow, shortest first."""
+        return [n for n in range(self.min_frames, self.max_frames + 1)
+                if valid_frame_count(n, self.frames_mod, self.frames_remainder)]
+
+    def buckets(self) -> list[tuple[int, int]]:
+        """(height, width) of each resolution bucket."""
+        return [parse_bucket(b) for b in self.resolution_buckets]
+
+    def check(self, job) -> None:
+        self._check_sources()
+        for text in self.resolution_buckets:
+            try:
+                parse_bucket(text)
+            except ValueError as e:
+                raise ConfigError("resolution_buckets", f"{e}.") from None
+        require(self.frames_remainder < self.frames_mod, "frames_remainder",
+                f"is {self.frames_remainder}, but it is a remainder of frames_mod "
+                f"({self.frames_mod}): use a value below {self.frames_mod}.")
+        require(self.min_frames <= self.max_frames, "min_frames",
+                f"({self.min_frames}) exceeds max_frames ({self.max_frames}).")
+        require(bool(self.frame_count_range()), "max_frames",
+                f"no frame count between min_frames {self.min_frames} and max_frames "
+                f"{self.max_frames} satisfies count % {self.frames_mod} == {self.frames_remainder}: "
+                "widen the range or change frames_mod / frames_remainder.")
+        explicit = getattr(job, "explicit_keys", set())
+        require(not (self.packed_dataloader_num_workers == 0
+                     and "packed_dataloader_prefetch_factor" in explicit),
+                "packed_dataloader_prefetch_factor",
+                "has no effect with packed_dataloader_num_workers: 0 (nothing decodes ahead): "
+                "remove it or use decoding workers.")
+
+    def _check_sources(self) -> None:
+        videos, images = self.video_csv_paths, self.image_tar_paths
+        require(bool(videos or images), "video_csv_paths",
+                "no data: set video_csv_paths and/or image_tar_paths.")
+        if self.video_csv_weights is not None:
+            require(len(self.video_csv_weights) == len(videos), "video_csv_weights",
+                    f"has {len(self.video_csv_weights)} values for {len(videos)} video_csv_paths: "
+                    "give one weight per CSV, or null to weigh CSVs by their number of rows.")
+        if images:
+            require(self.image_sample_prob > 0, "image_tar_paths",
+                    "is set but image_sample_prob is 0, so no image would be read: raise "
+                    "image_sample_prob or remove image_tar_paths.")
+        else:
+            require(self.image_sample_prob == 0, "image_sample_prob",
+                    f"is {self.image_sample_prob} but image_tar_paths is empty: add image tars or set 0.")
+        if videos:
+            require(self.image_sample_prob < 1, "image_sample_prob",
+                    "is 1, so the video_csv_paths would never be read: lower it or remove the CSVs.")
+        else:
+            require(self.image_sample_prob == 1 or not images, "image_sample_prob",
+                    f"is {self.image_sample_prob} but there are no video_csv_paths: set 1.0 for an "
+                    "image-only run.")
+        for key, paths in (("video_csv_paths", videos), ("image_tar_paths", images)):
+            for p in paths:
+                require(Path(p).is_file(), key, f"{p} does not exist (or is not a file).")
+        names = [Path(p).stem for p in videos + images]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        require(not dupes, "video_csv_paths",
+                f"several data files are named {dupes}: sample ids and resume cursors use file "
+                "names (without extension), so rename them apart.")
