@@ -1,0 +1,21 @@
+#!/bin/bash
+# SFT, warm-started from a pretrain checkpoint (`pretrained_transformer_path` in the YAML).
+# Usage, from the repository root (or with PAN_ROOT set to it):
+#   sbatch scripts/sft.sh [config.yaml] [train.py overrides...]
+# Everything about the run is in the YAML; this header only owns the cluster side.
+#SBATCH --job-name=pan-sft
+#SBATCH --nodes=240
+#SBATCH --ntasks-per-node=1
+#SBATCH --exclusive
+#SBATCH --exclude=
+#SBATCH --output=%x-%j.out
+##SBATCH --partition=<partition>
+##SBATCH --qos=<qos>
+##SBATCH --account=<account>
+# `--exclude` takes known-bad nodes, e.g. `--exclude=node[017,042]`.
+# `--exclusive` gives the job every GPU and core of its nodes; add `--gpus-per-node=8` where the
+# cluster requires GPUs to be requested explicitly.
+set -euo pipefail
+export PAN_ROOT="${PAN_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}" # sbatch runs a spool copy of this file
+PAN_DEFAULT_CONFIG=config/sft_29B_720p.yaml
+source "$PAN_ROOT/scripts/_launch.sh" "$@"
