@@ -1,0 +1,1 @@
+"""Frozen encoders: the text encoder (transformers) and the VAE (identity, diffusers)."""
