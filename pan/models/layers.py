@@ -1,0 +1,223 @@
+"""Building blocks of `PanVideoDiffusionTransformer`; single-device code on packed token rows.
+
+Shapes: Nv / Nt = video / text rows held by this process, L = Nv + Nt, B = samples,
+D = hidden size, H = heads, d = head dim. Per-sample vectors ([B, D]) reach tokens through the
+pack's sample index, so the same code runs on one context-parallel rank's share of the tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from pan.models.attention import InnerAttention
+from pan.models.packing import PackInfo
+from pan.models.rope import apply_rope
+
+
+def per_token(values: Tensor, sample_index: Tensor, num_samples: int) -> Tensor:
+    """Per-sample rows [B, X] -> per-token rows [N, X] (broadcast [1, X] when there is one sample)."""
+    return values if num_samples == 1 else values.index_select(0, sample_index)
+
+
+def layer_norm(x: Tensor, eps: float) -> Tensor:
+    """LayerNorm without affine parameters (the modulation supplies scale and shift)."""
+    return F.layer_norm(x, x.shape[-1:], eps=eps)
+
+
+def modulate(x: Tensor, shift: Tensor, one_plus_scale: Tensor) -> Tensor:
+    return torch.addcmul(shift, x, one_plus_scale)
+
+
+def adaln_vectors(mod: Tensor, n: int) -> Tensor:
+    """Linear(SiLU(temb)) output [B, n*D] of (shift, scale, gate, ...) -> same with scale+1 (per sample)."""
+    chunks = list(mod.chunk(n, dim=-1))
+    for i in range(1, n, 3):  # scales sit at 1, 4: add 1 on [B, D], before expanding to tokens
+        chunks[i] = chunks[i] + 1
+    return torch.cat(chunks, dim=-1)
+
+
+def to_joint(video_rows: Tensor, text_rows: Tensor, pack: PackInfo) -> Tensor:
+    """Video rows [Nv, ...] and text rows [Nt, ...] -> joint order [L, ...] (one copy of each)."""
+    out = video_rows.new_empty((video_rows.shape[0] + text_rows.shape[0], *video_rows.shape[1:]))
+    out.index_copy_(0, pack.video_joint_rows, video_rows)
+    out.index_copy_(0, pack.text_joint_rows, text_rows)
+    return out
+
+
+def from_joint(rows: Tensor, pack: PackInfo) -> tuple[Tensor, Tensor]:
+    """Joint order [L, ...] -> (video rows [Nv, ...], text rows [Nt, ...])."""
+    return rows.index_select(0, pack.video_joint_rows), rows.index_select(0, pack.text_joint_rows)
+
+
+class TimestepEmbedder(nn.Module):
+    """Timesteps in [0, 1000] -> sinusoidal features [B, freq_dim] -> MLP -> temb [B, D]."""
+
+    def __init__(self, hidden_size: int, freq_dim: int):
+        super().__init__()
+        self.freq_dim = freq_dim
+        self.fc1 = nn.Linear(freq_dim, hidden_size)
+        self.fc2 = nn.Linear(hidden_size, hidden_size)
+
+    def forward(self, t: Tensor) -> Tensor:
+        half = self.freq_dim // 2
+        freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=t.device, dtype=torch.float32)
+                          / half)
+        args = t.float()[:, None] * freqs[None]
+        emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1).to(self.fc1.weight.dtype)
+        return self.fc2(F.silu(self.fc1(emb)))
+
+
+class QKV(nn.Module):
+    """One fused q/k/v projection plus per-head RMSNorm on q and k: [N, D] -> 3 x [N, H, d]."""
+
+    def __init__(self, hidden_size: int, num_heads: int, eps: float, bias: bool):
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(hidden_size, 3 * hidden_size, bias=bias)
+        self.q_norm = nn.RMSNorm(hidden_size // num_heads, eps=eps)
+        self.k_norm = nn.RMSNorm(hidden_size // num_heads, eps=eps)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, -1)).unbind(-3)
+        return self.q_norm(q), self.k_norm(k), v
+
+
+class GeluMLP(nn.Module):
+    """Linear -> GELU (tanh) -> Linear, with bias."""
+
+    def __init__(self, hidden_size: int, inner_size: int):
+        super().__init__()
+        self.fc1 = nn.Linear(hidden_size, inner_size)
+        self.fc2 = nn.Linear(inner_size, hidden_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class SwiGLU(nn.Module):
+    """SiLU(x W1) * (x W3) -> W2, no bias; W1 and W3 are one fused matrix `w13` ([W1; W3])."""
+
+    def __init__(self, hidden_size: int, inner_size: int):
+        super().__init__()
+        self.w13 = nn.Linear(hidden_size, 2 * inner_size, bias=False)
+        self.w2 = nn.Linear(inner_size, hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class RefinerBlock(nn.Module):
+    """Caption self-attention block: pre-RMSNorm attention (QK RMSNorm, no bias, no RoPE) + SwiGLU."""
+
+    def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float, eps: float):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(hidden_size, eps=eps)
+        self.attn_qkv = QKV(hidden_size, num_heads, eps, bias=False)
+        self.attn_out = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.inner_attention = InnerAttention()
+        self.ffn_norm = nn.RMSNorm(hidden_size, eps=eps)
+        self.ffn = SwiGLU(hidden_size, int(hidden_size * mlp_ratio))
+
+    def forward(self, txt: Tensor, pack: PackInfo) -> Tensor:
+        q, k, v = self.attn_qkv(self.attn_norm(txt))                      # [Nt, H, d]
+        txt = txt + self.attn_out(self.inner_attention(q, k, v, pack.text).flatten(1))
+        return txt + self.ffn(self.ffn_norm(txt))
+
+
+class DoubleStreamBlock(nn.Module):
+    """MMDiT block: separate video/text weights, one joint attention over [video_i; text_i].
+
+    Video: AdaLN-Zero from temb (per sample). Text: a static learned modulation table (no timestep).
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float, text_mlp_ratio: float,
+                 eps: float):
+        super().__init__()
+        self.eps = eps
+        self.video_mod = nn.Linear(hidden_size, 6 * hidden_size)
+        self.text_mod = nn.Parameter(torch.empty(6, hidden_size))
+        self.video_qkv = QKV(hidden_size, num_heads, eps, bias=True)
+        self.text_qkv = QKV(hidden_size, num_heads, eps, bias=True)
+        self.inner_attention = InnerAttention()
+        self.video_out = nn.Linear(hidden_size, hidden_size)
+        self.text_out = nn.Linear(hidden_size, hidden_size)
+        self.video_mlp = GeluMLP(hidden_size, int(hidden_size * mlp_ratio))
+        self.text_mlp = GeluMLP(hidden_size, int(hidden_size * text_mlp_ratio))
+
+    def forward(self, vid: Tensor, txt: Tensor, temb_act: Tensor, rope: Tensor, pack: PackInfo
+                ) -> tuple[Tensor, Tensor]:
+        # vid [Nv, D], txt [Nt, D], temb_act = SiLU(temb) [B, D], rope [Nv, d/2] complex
+        v_mod = per_token(adaln_vectors(self.video_mod(temb_act), 6), pack.video_sample, pack.num_samples)
+        v_shift1, v_scale1, v_gate1, v_shift2, v_scale2, v_gate2 = v_mod.chunk(6, dim=-1)  # [Nv|1, D]
+        t_shift1, t_scale1, t_gate1, t_shift2, t_scale2, t_gate2 = adaln_vectors(
+            self.text_mod.reshape(1, -1), 6).chunk(6, dim=-1)                               # [1, D]
+
+        vq, vk, vv = self.video_qkv(modulate(layer_norm(vid, self.eps), v_shift1, v_scale1))
+        tq, tk, tv = self.text_qkv(modulate(layer_norm(txt, self.eps), t_shift1, t_scale1))
+        vq, vk = apply_rope(vq, rope), apply_rope(vk, rope)
+        out = self.inner_attention(to_joint(vq, tq, pack), to_joint(vk, tk, pack), to_joint(vv, tv, pack),
+                                   pack.joint)                                            # [L, H, d]
+        v_attn, t_attn = from_joint(out.flatten(1), pack)
+        vid = torch.addcmul(vid, v_gate1, self.video_out(v_attn))
+        txt = torch.addcmul(txt, t_gate1, self.text_out(t_attn))
+
+        vid = torch.addcmul(vid, v_gate2, self.video_mlp(modulate(layer_norm(vid, self.eps), v_shift2, v_scale2)))
+        txt = torch.addcmul(txt, t_gate2, self.text_mlp(modulate(layer_norm(txt, self.eps), t_shift2, t_scale2)))
+        return vid, txt
+
+
+class SingleStreamBlock(nn.Module):
+    """HunyuanVideo-style single block over both streams with shared weights, modulated by temb.
+
+    One Linear produces q, k, v and the MLP input; one Linear maps [attention; GELU(mlp)] back.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.num_heads = num_heads
+        self.mlp_size = int(hidden_size * mlp_ratio)
+        self.mod = nn.Linear(hidden_size, 3 * hidden_size)
+        self.linear1 = nn.Linear(hidden_size, 3 * hidden_size + self.mlp_size)
+        self.q_norm = nn.RMSNorm(hidden_size // num_heads, eps=eps)
+        self.k_norm = nn.RMSNorm(hidden_size // num_heads, eps=eps)
+        self.inner_attention = InnerAttention()
+        self.linear2 = nn.Linear(hidden_size + self.mlp_size, hidden_size)
+
+    def forward(self, x: Tensor, temb_act: Tensor, rope: Tensor, pack: PackInfo) -> Tensor:
+        # x [L, D] in stream order: the Nv video rows, then the Nt text rows
+        nv = pack.num_video_tokens
+        sample = torch.cat([pack.video_sample, pack.text_sample])
+        shift, scale, gate = per_token(adaln_vectors(self.mod(temb_act), 3), sample,
+                                       pack.num_samples).chunk(3, dim=-1)
+        qkv, mlp = self.linear1(modulate(layer_norm(x, self.eps), shift, scale)).split(
+            [x.shape[-1] * 3, self.mlp_size], dim=-1)
+        q, k, v = qkv.unflatten(-1, (3, self.num_heads, -1)).unbind(-3)   # [L, H, d]
+        q, k = self.q_norm(q), self.k_norm(k)
+        q = torch.cat([apply_rope(q[:nv], rope), q[nv:]])
+        k = torch.cat([apply_rope(k[:nv], rope), k[nv:]])
+        joint = [to_joint(t[:nv], t[nv:], pack) for t in (q, k, v)]
+        v_attn, t_attn = from_joint(self.inner_attention(*joint, pack.joint).flatten(1), pack)
+        out = self.linear2(torch.cat([torch.cat([v_attn, t_attn]), F.gelu(mlp, approximate="tanh")], -1))
+        return torch.addcmul(x, gate, out)
+
+
+class FinalLayer(nn.Module):
+    """AdaLN-continuous (scale, shift from temb; LayerNorm without affine) then Linear to patch values."""
+
+    def __init__(self, hidden_size: int, out_size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.mod = nn.Linear(hidden_size, 2 * hidden_size)
+        self.proj = nn.Linear(hidden_size, out_size)
+
+    def forward(self, vid: Tensor, temb_act: Tensor, pack: PackInfo) -> Tensor:
+        scale, shift = self.mod(temb_act).chunk(2, dim=-1)               # [B, D] each
+        mod = per_token(torch.cat([shift, 1 + scale], -1), pack.video_sample, pack.num_samples)
+        shift, scale = mod.chunk(2, dim=-1)
+        return self.proj(modulate(layer_norm(vid, self.eps), shift, scale))

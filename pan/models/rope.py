@@ -1,0 +1,31 @@
+"""3-D rotary position embedding over the post-patch (t, h, w) grid of video tokens.
+
+The head dim is split into per-axis chunks (`axes_dim`, e.g. 16 + 56 + 56 = 128); chunk a rotates
+interleaved pairs (2k, 2k+1) by angle pos_a * theta^(-2k / dim_a). The frame axis position is scaled
+(Pan: 16/24) before the angles are taken.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def rope_frequencies(positions: Tensor, axes_dim: list[int] | tuple[int, ...], theta: float,
+                     frame_scale: float) -> Tensor:
+    """[N, 3] integer (t, h, w) positions -> [N, head_dim / 2] complex64 rotations e^(i * angle)."""
+    pos = positions.to(torch.float64)
+    pos[:, 0] *= frame_scale
+    angles = []
+    for axis, dim in enumerate(axes_dim):
+        inv_freq = theta ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=pos.device) / dim)
+        angles.append(pos[:, axis, None] * inv_freq)  # [N, dim / 2]
+    angle = torch.cat(angles, dim=1)
+    # Angles in float64 so large positions keep their precision; rotations are used in fp32.
+    return torch.polar(torch.ones_like(angle), angle).to(torch.complex64)
+
+
+def apply_rope(x: Tensor, freqs: Tensor) -> Tensor:
+    """Rotate interleaved pairs of x [N, heads, head_dim] by freqs [N, head_dim / 2] (complex)."""
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))  # [N, H, d/2]
+    return torch.view_as_real(pairs * freqs[:, None, :]).flatten(-2).type_as(x)
