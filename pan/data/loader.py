@@ -1,0 +1,493 @@
+"""The packed data loader: seeded streams -> decoding workers -> lookahead buffer -> packed batches.
+
+How exact resume works. Every rank walks its own sequence of sample references, planned in the
+training process from nothing but counters:
+- each source (a video CSV, or all image tars together) is a stream: a seeded shuffle per epoch, of
+  which rank r owns positions r, r + dp_size, r + 2 dp_size, ...;
+- the n-th sample's stream (image or video, and which CSV) is drawn from an RNG seeded by
+  (seed, rank, n), so the "mixing RNG" state is the counter n.
+Worker processes only turn references into samples (or skip reasons), in order. The training
+process replays the plan in step with what it receives, so its cursor (n, and each stream's epoch
+and position) describes exactly what reached the buffer, however far the workers ran ahead. The
+buffer's samples are saved as references and decoded again on resume.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import logging
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+from torch.utils.data import DataLoader, Dataset
+
+from pan.data.config import DataConfig
+from pan.data.decode import FrameRules, SkipSample, decode_image, decode_video, frame_step, pick_bucket
+from pan.data.packing import Pending, take_batch
+from pan.data.sources import (ImageTarSet, SourceError, VideoCsvSource, caption_from_bytes,
+                              read_image_tars, read_video_csv)
+
+logger = logging.getLogger(__name__)
+
+IMAGE_STREAM = "images"
+STATE_VERSION = 1
+TokensOf = Callable[[int, int, int], int]
+
+
+# ----------------------------------------------------------------------------------------------
+# What the trainer receives
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class Sample:
+    """One clip or image. Decoded samples carry `frames`; precomputed rows carry `latent` + `text`."""
+    sample_id: str                       # "<csv stem>:<row>" (row 0 = first data row) or "<tar stem>:<key>"
+    kind: Literal["video", "image"]
+    caption: str
+    grid: tuple[int, int, int]           # (T, H, W) of frames (pixels) or of the latent (latent cells)
+    tokens: int                          # model tokens, as tokens_of / latent_tokens_of count them
+    frames: torch.Tensor | None = None   # uint8 [T, 3, H, W], RGB, 0..255
+    fps: float | None = None             # frame rate of `frames` (after target_fps resampling)
+    latent: torch.Tensor | None = None   # [C, T, H, W], already normalised
+    text: torch.Tensor | None = None     # [L, D] text features
+
+
+@dataclass
+class RawBatch:
+    """One packed batch for one data-parallel rank: samples of different shapes, no padding."""
+    samples: list[Sample]
+    tokens: int                          # sum of the samples' tokens
+    token_budget: int                    # max_tokens_per_batch
+    skipped: dict[str, int]              # bad samples dropped since the previous batch, by reason
+
+    @property
+    def packing_efficiency(self) -> float:
+        """Real tokens / budget: the share of the batch's compute spent on data."""
+        return self.tokens / self.token_budget
+
+
+class DataResumeError(ValueError):
+    """A dataloader state that cannot be restored under the current config."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Planning: streams, shares and the mixing RNG (runs in the training process)
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Ref:
+    """A reference to one sample of one rank's sequence."""
+    seq: int      # the sample's number in this rank's sequence
+    stream: str   # "video:<csv stem>" or "images"
+    epoch: int
+    pos: int      # position within this rank's share of the epoch
+    index: int    # row (CSV) or image (tars) index in the source
+
+
+def stable_int(*parts) -> int:
+    """A 64-bit integer from the parts, equal in every process (unlike hash())."""
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little")
+
+
+class StreamOrder:
+    """A source's per-epoch seeded shuffle and one rank's share of it."""
+
+    def __init__(self, name: str, size: int, seed: int, dp_rank: int, dp_size: int):
+        self.name, self.size, self.seed = name, size, seed
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.share = size // dp_size  # equal shares keep ranks in the same epoch; the rest waits
+        self._cache: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
+
+    def index(self, epoch: int, pos: int) -> int:
+        return int(self._permutation(epoch)[pos * self.dp_size + self.dp_rank])
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch not in self._cache:
+            rng = np.random.default_rng([self.seed, stable_int(self.name), epoch])
+            self._cache[epoch] = rng.permutation(self.size).astype(np.int64)
+            while len(self._cache) > 2:  # the planner and its replica may sit in adjacent epochs
+                self._cache.popitem(last=False)
+        return self._cache[epoch]
+
+
+class Planner:
+    """Which sample comes next: the mixing draw for step n, then that stream's next position."""
+
+    def __init__(self, streams: dict[str, StreamOrder], weights: dict[str, float], image_prob: float,
+                 seed: int, dp_rank: int):
+        self.streams, self.seed, self.dp_rank = streams, seed, dp_rank
+        self.image_prob = image_prob
+        self.video_names = list(weights)
+        total = sum(weights.values())
+        self.cumulative = np.cumsum([weights[n] / total for n in self.video_names]).tolist()
+        self.step = 0
+        self.cursor = {name: (0, 0) for name in streams}  # stream -> (epoch, pos)
+
+    def next_ref(self) -> Ref:
+        rng = random.Random(f"{self.seed}/{self.dp_rank}/{self.step}")
+        if rng.random() < self.image_prob:
+            name = IMAGE_STREAM
+        else:
+            u = rng.random()
+            name = self.video_names[min(np.searchsorted(self.cumulative, u, side="right"),
+                                        len(self.video_names) - 1)]
+        epoch, pos = self.cursor[name]
+        stream = self.streams[name]
+        ref = Ref(self.step, name, epoch, pos, stream.index(epoch, pos))
+        self.cursor[name] = (epoch + 1, 0) if pos + 1 == stream.share else (epoch, pos + 1)
+        self.step += 1
+        return ref
+
+    def copy(self) -> Planner:
+        twin = Planner.__new__(Planner)
+        twin.__dict__.update(self.__dict__)
+        twin.cursor = dict(self.cursor)
+        return twin
+
+    def state_dict(self) -> dict:
+        return {"step": self.step,
+                "streams": {n: {"epoch": e, "pos": p, "size": self.streams[n].size}
+                            for n, (e, p) in self.cursor.items()}}
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading: reference -> sample (runs in the decoding workers)
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class Loaded:
+    ref: Ref
+    sample: Sample | None
+    reason: str = ""   # skip reason when sample is None
+    detail: str = ""
+
+
+class SampleReader(Dataset):
+    """Map-style dataset over references: decodes one sample, or reports why it cannot."""
+
+    def __init__(self, csvs: dict[str, VideoCsvSource], tars: ImageTarSet | None, rules: FrameRules):
+        self.csvs, self.tars, self.rules = csvs, tars, rules
+
+    def __getitem__(self, ref: Ref) -> Loaded:
+        try:
+            if ref.stream == IMAGE_STREAM:
+                return Loaded(ref, self._image(ref.index))
+            return Loaded(ref, self._video_row(self.csvs[ref.stream], ref.index))
+        except SkipSample as e:
+            return Loaded(ref, None, e.reason, e.detail)
+        except FileNotFoundError as e:
+            return Loaded(ref, None, "missing_file", str(e))
+        except Exception as e:  # noqa: BLE001 - any error in a file (FFmpeg, Pillow, safetensors,
+            # I/O) spoils that sample only; it is logged with its type so real bugs stay visible.
+            return Loaded(ref, None, "decode_error", f"{type(e).__name__}: {e}")
+
+    def _video_row(self, src: VideoCsvSource, i: int) -> Sample:
+        row = src.rows[i]
+        sample_id = f"{src.name}:{i}"
+        caption = src.field(row, "caption")
+        if not caption:
+            raise SkipSample("empty_caption", "the caption cell is empty")
+        if src.precomputed:
+            return self._precomputed(src, row, sample_id, caption)
+        path = src.field(row, "path")
+        if path is None:
+            raise SkipSample("missing_file", "the path cell is empty")
+        start = number(src, row, "start_time") or 0.0
+        end = number(src, row, "end_time")
+        self._precheck(src, row, start, end)
+        path = src.resolve(path)
+        if not path.is_file():
+            raise SkipSample("missing_file", str(path))
+        frames, fps = decode_video(str(path), self.rules, start, end)
+        return Sample(sample_id, "video", caption, tuple(frames.shape[i] for i in (0, 2, 3)), 0,
+                      frames=frames, fps=fps)
+
+    def _precheck(self, src: VideoCsvSource, row: list[str], start: float, end: float | None) -> None:
+        """Skip a row its own metadata columns rule out, without opening the file."""
+        fps, count = number(src, row, "fps"), number(src, row, "num_frames")
+        width, height = number(src, row, "width"), number(src, row, "height")
+        if width and height:
+            pick_bucket(int(height), int(width), self.rules)
+        if not fps:
+            return
+        step = frame_step(fps, self.rules)
+        if count is None:
+            return
+        source_frames = round(((end if end is not None else count / fps) - start) * fps)
+        selected = sum(1 for k in range(self.rules.max_frames) if round(k * step) < source_frames)
+        if self.rules.usable_count(selected) < self.rules.min_frames:
+            raise SkipSample("too_short", f"the CSV says {count} frames at {fps} fps from {start} s to "
+                                          f"{end} s; min_frames is {self.rules.min_frames}")
+
+    def _precomputed(self, src: VideoCsvSource, row: list[str], sample_id: str, caption: str) -> Sample:
+        path = src.field(row, "latent_path")
+        if path is None:
+            raise SkipSample("missing_file", "the latent_path cell is empty")
+        path = src.resolve(path)
+        if not path.is_file():
+            raise SkipSample("missing_file", str(path))
+        tensors = load_file(str(path))
+        latent, text = tensors.get("latent"), tensors.get("text")
+        if latent is None or text is None or latent.dim() != 4 or text.dim() != 2:
+            raise SkipSample("decode_error", f"{path} must hold latent [C, T, H, W] and text [L, D]; "
+                                             f"it holds {sorted(tensors)}")
+        return Sample(sample_id, "video", caption, tuple(latent.shape[1:]), 0, latent=latent, text=text)
+
+    def _image(self, i: int) -> Sample:
+        image = self.tars.images[i]
+        data, caption_bytes = self.tars.read(image)
+        caption = caption_from_bytes(caption_bytes, image.caption.ext if image.caption else None)
+        if not caption:
+            raise SkipSample("empty_caption", "no caption file, or an empty caption")
+        frames = decode_image(data, self.rules)
+        return Sample(self.tars.sample_id(image), "image", caption, tuple(frames.shape[i] for i in (0, 2, 3)),
+                      0, frames=frames)
+
+
+def number(src: VideoCsvSource, row: list[str], column: str) -> float | None:
+    text = src.field(row, column)
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise SkipSample("bad_row", f"{column} is {text!r}, not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise SkipSample("bad_row", f"{column} is {text!r}")
+    return value
+
+
+def _keep(item: Loaded) -> Loaded:
+    return item  # the DataLoader's collate step: samples travel as they are
+
+
+class RefSequence:
+    """The DataLoader's sampler: buffered references to re-read first, then the plan onwards."""
+
+    def __init__(self, replay: list[Ref], planner: Planner):
+        self.replay, self.planner = replay, planner
+
+    def __iter__(self):
+        yield from self.replay
+        while True:
+            yield self.planner.next_ref()
+
+
+# ----------------------------------------------------------------------------------------------
+# The loader
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class _Fresh:
+    """What the loader restarts from: the consumed cursor and the buffered references to re-read."""
+    planner: Planner
+    replay: list[Ref] = field(default_factory=list)
+
+
+class PackedLoader:
+    """An endless iterator of RawBatch for one data-parallel rank, with exact state_dict/load."""
+
+    def __init__(self, cfg: DataConfig, *, csvs: dict[str, VideoCsvSource], tars: ImageTarSet | None,
+                 planner: Planner, tokens_of: TokensOf, latent_tokens_of: TokensOf | None,
+                 dp_rank: int, dp_size: int, seed: int):
+        self.cfg, self.seed, self.dp_rank, self.dp_size = cfg, seed, dp_rank, dp_size
+        self.tokens_of, self.latent_tokens_of = tokens_of, latent_tokens_of
+        self.reader = SampleReader(csvs, tars, rules_of(cfg))
+        self._initial = planner.copy()
+        self.planner = planner              # advanced only by samples that reached this process
+        self.buffer: list[Pending] = []     # items: (Ref, Sample)
+        self.replay: list[Ref] = []         # buffered references still to be re-read after a resume
+        self.skipped_total: collections.Counter[str] = collections.Counter()
+        self._skipped_since: collections.Counter[str] = collections.Counter()
+        self._logged: set[str] = set()
+        self._results = None
+        self.rows_per_rank = sum(s.share for s in planner.streams.values())
+
+    # --- iteration -------------------------------------------------------------------------------
+
+    def __iter__(self) -> PackedLoader:
+        return self
+
+    def __next__(self) -> RawBatch:
+        misses = 0
+        while self._wants_more():
+            if not self._receive():
+                misses += 1
+                if misses > self.rows_per_rank + self.cfg.packing_lookahead:
+                    raise RuntimeError(f"no usable sample in a whole pass over the data; skipped so "
+                                       f"far: {dict(self.skipped_total)}. See the warnings above.")
+            else:
+                misses = 0
+        chosen = take_batch(self.buffer, self.cfg.max_tokens_per_batch, self.cfg.max_samples_per_batch)
+        skipped, self._skipped_since = dict(self._skipped_since), collections.Counter()
+        return RawBatch(samples=[p.item[1] for p in chosen], tokens=sum(p.tokens for p in chosen),
+                        token_budget=self.cfg.max_tokens_per_batch, skipped=skipped)
+
+    def _wants_more(self) -> bool:
+        """Hold at least `packing_lookahead` samples, and enough tokens to fill a batch when small
+        samples (images) would otherwise leave it part-empty."""
+        if len(self.buffer) < self.cfg.packing_lookahead:
+            return True
+        return (sum(p.tokens for p in self.buffer) < self.cfg.max_tokens_per_batch
+                and len(self.buffer) < self.cfg.max_samples_per_batch)
+
+    def _receive(self) -> bool:
+        """Take the next decoded sample into the buffer; False if it was skipped."""
+        if self._results is None:
+            self._results = iter(self._data_loader())
+        got: Loaded = next(self._results)
+        if self.replay:
+            expected = self.replay.pop(0)
+        else:
+            expected = self.planner.next_ref()
+        assert got.ref == expected, f"decoded {got.ref}, expected {expected}"
+        sample = got.sample
+        if sample is not None:
+            sample.tokens = self._tokens(sample)
+            if sample.tokens > self.cfg.max_tokens_per_batch:
+                got = Loaded(got.ref, None, "over_budget", f"{sample.tokens} tokens > max_tokens_per_batch "
+                                                           f"{self.cfg.max_tokens_per_batch}")
+        if got.sample is None:
+            self._skip(got)
+            return False
+        self.buffer.append(Pending(got.ref.seq, got.sample.tokens, (got.ref, got.sample)))
+        return True
+
+    def _tokens(self, sample: Sample) -> int:
+        if sample.latent is not None:
+            return int(self.latent_tokens_of(*sample.grid))
+        return int(self.tokens_of(*sample.grid))
+
+    def _skip(self, got: Loaded) -> None:
+        self.skipped_total[got.reason] += 1
+        self._skipped_since[got.reason] += 1
+        sample_id = self._sample_id(got.ref)
+        if sample_id not in self._logged:
+            self._logged.add(sample_id)
+            logger.warning("skipping %s (%s): %s", sample_id, got.reason, got.detail)
+
+    def _sample_id(self, ref: Ref) -> str:
+        if ref.stream == IMAGE_STREAM:
+            return self.reader.tars.sample_id(self.reader.tars.images[ref.index])
+        return f"{self.reader.csvs[ref.stream].name}:{ref.index}"
+
+    def _data_loader(self) -> DataLoader:
+        workers = self.cfg.packed_dataloader_num_workers
+        sampler = RefSequence(list(self.replay), self.planner.copy())
+        return DataLoader(self.reader, batch_size=None, sampler=sampler, collate_fn=_keep,
+                          num_workers=workers,
+                          prefetch_factor=self.cfg.packed_dataloader_prefetch_factor if workers else None)
+
+    def close(self) -> None:
+        """Stop the decoding workers (they restart on the next batch)."""
+        self._results = None
+
+    # --- state -----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The cursor of what the trainer has consumed (JSON-serialisable)."""
+        pending = [p.item[0] for p in sorted(self.buffer, key=lambda p: p.seq)] + self.replay
+        return {"version": STATE_VERSION, "dp_rank": self.dp_rank, "dp_size": self.dp_size,
+                "seed": self.seed, "planner": self.planner.state_dict(),
+                "buffer": [[r.seq, r.stream, r.epoch, r.pos] for r in pending],
+                "skipped_total": dict(self.skipped_total)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue exactly where `state` (from state_dict) left off; restarts the workers."""
+        self.close()
+        self.buffer, self.replay = [], []
+        self._skipped_since = collections.Counter()
+        if state.get("version") != STATE_VERSION:
+            raise DataResumeError(f"dataloader state version {state.get('version')} is not "
+                                  f"{STATE_VERSION}: it was written by another pan version.")
+        if state["dp_size"] != self.dp_size:
+            if not self.cfg.restart_data_on_dp_change:
+                raise DataResumeError(
+                    f"the checkpoint's data cursors were written by {state['dp_size']} data-parallel "
+                    f"ranks, this run has {self.dp_size}: each rank's cursor covers its own share of "
+                    "the data, so they cannot be carried over. Resume with the same world_size / "
+                    "cp_size, or set restart_data_on_dp_change: true to restart every data stream.")
+            logger.warning("data-parallel size changed from %d to %d: restarting every data stream "
+                           "(restart_data_on_dp_change)", state["dp_size"], self.dp_size)
+            self.planner = self._initial.copy()
+            self.skipped_total = collections.Counter()
+            return
+        if state["dp_rank"] != self.dp_rank:
+            raise DataResumeError(f"this is the cursor of rank {state['dp_rank']}, loaded on rank "
+                                  f"{self.dp_rank}: load dataloader/<rank>.json of your own rank.")
+        if state["seed"] != self.seed:
+            logger.warning("data seed changed from %s to %s: the streams keep their positions in "
+                           "differently shuffled epochs", state["seed"], self.seed)
+        self.skipped_total = collections.Counter(state.get("skipped_total", {}))
+        self.planner, restarted = self._restored_planner(state["planner"])
+        for seq, stream, epoch, pos in state["buffer"]:
+            if stream not in restarted:
+                self.replay.append(Ref(seq, stream, epoch, pos, self.planner.streams[stream].index(epoch, pos)))
+
+    def _restored_planner(self, saved: dict) -> tuple[Planner, set[str]]:
+        """The saved cursor applied to today's streams, and the streams that restart from the top."""
+        planner = self._initial.copy()
+        planner.step = saved["step"]
+        restarted = set()
+        for name, order in planner.streams.items():
+            cursor = saved["streams"].get(name)
+            if cursor is None:
+                logger.warning("data stream %s is new since the checkpoint: it starts from the top", name)
+            elif cursor["size"] != order.size:
+                logger.warning("data stream %s has %d samples, %d when saved: it restarts from the top",
+                               name, order.size, cursor["size"])
+            elif name != IMAGE_STREAM and not self.cfg.resume_video_csv:
+                logger.info("resume_video_csv is false: video stream %s restarts from the top", name)
+            else:
+                planner.cursor[name] = (cursor["epoch"], cursor["pos"])
+                continue
+            restarted.add(name)
+        restarted |= set(saved["streams"]) - set(planner.streams)
+        return planner, restarted
+
+
+# ----------------------------------------------------------------------------------------------
+# Building
+# ----------------------------------------------------------------------------------------------
+
+def rules_of(cfg: DataConfig) -> FrameRules:
+    return FrameRules(buckets=tuple(cfg.buckets()), allow_upscale=cfg.allow_upscale,
+                      target_fps=cfg.target_fps, min_frames=cfg.min_frames, max_frames=cfg.max_frames,
+                      frames_mod=cfg.frames_mod, frames_remainder=cfg.frames_remainder)
+
+
+def build_data_loader(cfg: DataConfig, *, tokens_of: TokensOf, dp_rank: int, dp_size: int, seed: int,
+                      latent_tokens_of: TokensOf | None = None) -> PackedLoader:
+    """The packed loader of one data-parallel rank.
+
+    tokens_of(num_frames, height, width) -> model tokens of a decoded sample (pixel dims);
+    latent_tokens_of(t, h, w) -> model tokens of a precomputed latent grid (needed only when a CSV
+    has a latent_path column). Every rank reads a disjoint share of every stream.
+    """
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank {dp_rank} is outside 0..{dp_size - 1}")
+    csvs = {f"video:{s.name}": s for s in (read_video_csv(p) for p in cfg.video_csv_paths)}
+    if latent_tokens_of is None and any(s.precomputed for s in csvs.values()):
+        raise ValueError("a video CSV has a latent_path column (precomputed rows): pass "
+                         "latent_tokens_of to build_data_loader.")
+    tars = read_image_tars(cfg.image_tar_paths) if cfg.image_tar_paths else None
+    sizes = {name: len(s) for name, s in csvs.items()}
+    if tars is not None:
+        sizes[IMAGE_STREAM] = len(tars)
+    for name, size in sizes.items():
+        if size < dp_size:
+            raise SourceError(f"{name} has {size} samples, fewer than the {dp_size} data-parallel ranks "
+                              "that share it.")
+    streams = {name: StreamOrder(name, size, seed, dp_rank, dp_size) for name, size in sizes.items()}
+    given = cfg.video_csv_weights or [len(s) for s in csvs.values()]
+    weights = dict(zip(csvs, given))
+    image_prob = cfg.image_sample_prob if tars is not None else 0.0
+    planner = Planner(streams, weights, image_prob, seed, dp_rank)
+    return PackedLoader(cfg, csvs=csvs, tars=tars, planner=planner, tokens_of=tokens_of,
+                        latent_tokens_of=latent_tokens_of, dp_rank=dp_rank, dp_size=dp_size, seed=seed)
