@@ -10,7 +10,8 @@ over a black background. This analyser reads a video the same way a person would
 3. colour = weighted majority vote of the foreground pixels' nearest palette colour, compared after
    dividing each colour by its largest channel, so a dim or anti-aliased red is still red;
 4. direction = sign and axis of the least-squares slope of the mask-weighted centroid over time,
-   "static" when it moves less than a fraction of the frame, "unknown" when no axis dominates;
+   "static" when it moves less than a fraction of the frame, "unknown" when no axis dominates or
+   the centroid does not follow a line;
 5. shape, from the object's largest connected blob cut at half its peak contrast: an apex-up
    triangle has its centroid 2/3 of the way down its bounding box (square and circle: 1/2); between
    the other two, the fill ratio (area / bounding-box area) is ~1.0 for a square, ~pi/4 for a circle.
@@ -50,6 +51,7 @@ class Thresholds:
     min_colour_confidence: float = 0.5  # share of the colour vote the winner needs
     min_displacement: float = 0.08  # smaller centroid travel over the clip reads as "static"
     axis_dominance: float = 1.5  # the motion axis must move this many times more than the other
+    min_line_fit: float = 0.5  # R^2 of the centroid on the motion axis vs a line; below: "unknown"
     triangle_depth: float = 0.56  # centroid this deep in the bounding box: apex-up triangle (2/3)
     square_fill: float = 0.88  # otherwise fill ratio above this: square (1.0), else circle (pi/4)
 
@@ -137,17 +139,23 @@ def _classify_direction(contrast: np.ndarray, mask: np.ndarray, object_frames: n
     mass = weights.sum(axis=(1, 2))  # [T]
     ys, xs = np.mgrid[0:height, 0:width]
     t = np.flatnonzero(object_frames)
-    centre_x = (weights[t] * xs).sum(axis=(1, 2)) / mass[t]
+    centre_x = (weights[t] * xs).sum(axis=(1, 2)) / mass[t]  # [frames with an object]
     centre_y = (weights[t] * ys).sum(axis=(1, 2)) / mass[t]
-    # Least-squares slopes (pixels per frame), turned into travel over the whole clip per frame side.
-    dx = float(np.polyfit(t, centre_x, 1)[0]) * (num_frames - 1) / width
-    dy = float(np.polyfit(t, centre_y, 1)[0]) * (num_frames - 1) / height
-    along, across = (abs(dx), abs(dy)) if abs(dx) >= abs(dy) else (abs(dy), abs(dx))
+    centres = np.stack([centre_x, centre_y], axis=1)  # [n, 2]
+    # Least-squares lines through the centroids; slopes (pixels per frame) become the travel over
+    # the whole clip as a fraction of the frame side.
+    slopes, offsets = np.polyfit(t, centres, 1)
+    dx, dy = float(slopes[0]) * (num_frames - 1) / width, float(slopes[1]) * (num_frames - 1) / height
+    axis = 0 if abs(dx) >= abs(dy) else 1
+    along, across = (abs(dx), abs(dy)) if axis == 0 else (abs(dy), abs(dx))
     if along < thresholds.min_displacement:
         return STATIC, dx, dy
-    if along < thresholds.axis_dominance * across:
+    # A drift that is not a line (an object jumping around) or has no main axis names no direction.
+    residual = centres[:, axis] - (slopes[axis] * t + offsets[axis])
+    line_fit = 1.0 - residual.var() / max(float(centres[:, axis].var()), 1e-12)
+    if along < thresholds.axis_dominance * across or line_fit < thresholds.min_line_fit:
         return UNKNOWN, dx, dy
-    if abs(dx) >= abs(dy):
+    if axis == 0:
         return ("right" if dx > 0 else "left"), dx, dy
     return ("down" if dy > 0 else "up"), dx, dy
 

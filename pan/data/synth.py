@@ -159,9 +159,11 @@ def write_mp4(path: Path, frames: np.ndarray, fps: int) -> None:
         stream = container.add_stream(codec, rate=fps)
         stream.height, stream.width = frames.shape[1:3]
         stream.pix_fmt = "yuv420p"
-        # Near-lossless: the demo should learn colour and motion, not compression artefacts.
-        stream.options = {"crf": "10"} if codec == "libx264" else {"qscale": "2"}
-        stream.codec_context.thread_count = 1  # one thread: identical bytes on every machine
+        # Near-lossless, so the demo learns colour and motion rather than compression artefacts; a
+        # constant quantiser and one thread, because x264's rate control (crf) and frame threads
+        # write different bytes for the same frames from one run to the next.
+        stream.options = {"qp": "10"} if codec == "libx264" else {"qscale": "2"}
+        stream.codec_context.thread_count = 1
         for frame in frames:
             container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         container.mux(stream.encode())  # flush
