@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import os
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar, Literal
 
+import torch
+
 from pan.config.core import knob
+from pan.logging import get_logger
 
 
 @dataclass(kw_only=True)
@@ -18,3 +25,127 @@ class MetricsConfig:
         "none", "where metrics also go: wandb (WANDB_PROJECT / WANDB_RUN_ID / WANDB_API_KEY from the "
                 "environment) or tensorboard (output_dir/tensorboard)")
     progress_bar: bool = knob(True, "show a progress bar on the console (rank 0)")
+
+
+# Dense bf16 tensor-core peaks (FLOP/s) for MFU on GPUs; CPUs are measured at start-up instead.
+GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12, "GB200": 2500e12,
+                  "L40S": 362e12, "A10": 125e12}
+
+
+def measured_matmul_peak(device: torch.device, n: int = 1024, repeats: int = 5) -> float:
+    """FLOP/s of a square fp32 matmul on this device: the CPU yardstick for MFU."""
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best
+
+
+def peak_flops(device: torch.device, dtype: str) -> tuple[float, str]:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, value in GPU_PEAK_FLOPS.items():
+            if key in name:
+                return (value if dtype == "bf16" else value / 2), f"{name} datasheet"
+        return measured_matmul_peak(device, 4096), f"{name} measured matmul"
+    return measured_matmul_peak(device), "measured fp32 matmul"
+
+
+class Metrics:
+    """Console log every `log_interval` steps, a progress bar, and the `report_to` backend (rank 0).
+
+    `step()` takes global numbers: samples, tokens and FLOPs summed over all ranks.
+    """
+
+    def __init__(self, cfg: MetricsConfig, output_dir: Path, world, device: torch.device, dtype: str,
+                 job_sections: dict | None = None):
+        self.cfg, self.output_dir, self.world = cfg, Path(output_dir), world
+        self.log = get_logger()
+        self.peak, self.peak_source = peak_flops(device, dtype)
+        self.peak *= world.size
+        self.window: list[dict] = []
+        self.bar = None
+        self.backend = None
+        self.jsonl = None
+        if world.is_main:
+            self.jsonl = open(self.output_dir / "metrics.jsonl", "a")
+            self.backend = self._open_backend(job_sections or {})
+
+    def _open_backend(self, sections: dict):
+        if self.cfg.report_to == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+            return SummaryWriter(str(self.output_dir / "tensorboard"))
+        if self.cfg.report_to == "wandb":
+            import wandb
+            wandb.init(project=os.environ.get("WANDB_PROJECT"), id=os.environ.get("WANDB_RUN_ID"),
+                       resume="allow", config=sections, dir=str(self.output_dir))
+            return wandb
+        return None
+
+    def start(self, step: int, max_steps: int) -> None:
+        self.log.info("MFU is measured against %.1f TFLOP/s in all (%s)", self.peak / 1e12, self.peak_source)
+        if self.world.is_main and self.cfg.progress_bar:
+            from tqdm import tqdm
+            self.bar = tqdm(total=max_steps, initial=step, desc="train", unit="step", dynamic_ncols=True)
+
+    def step(self, step: int, values: dict) -> None:
+        self.window.append(values)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{values['loss']:.4f}")
+        if step % self.cfg.log_interval == 0:
+            self._flush(step)
+
+    def _flush(self, step: int) -> None:
+        w, self.window = self.window, []
+        seconds = sum(v["step_time"] for v in w)
+        finite = [v["loss"] for v in w if v["finite"]]
+        row = {
+            "step": step,
+            "loss": sum(finite) / len(finite) if finite else float("nan"),
+            "grad_norm": w[-1]["grad_norm"],
+            "lr": w[-1]["lr"],
+            "step_time": seconds / len(w),
+            "samples_per_s": sum(v["samples"] for v in w) / max(seconds, 1e-9),
+            "tokens_per_s": sum(v["tokens"] for v in w) / max(seconds, 1e-9),
+            "mfu": sum(v["flops"] for v in w) / max(seconds, 1e-9) / self.peak,
+            "data_wait": sum(v["data_wait"] for v in w) / max(seconds, 1e-9),
+            "packing": sum(v["packing"] for v in w) / len(w),
+            "skipped_steps": w[-1]["skipped_steps"],
+            "bad_samples": w[-1].get("bad_samples", 0),
+        }
+        if not self.world.is_main:
+            return
+        message = (f"step {step} | loss {row['loss']:.4f} | grad {row['grad_norm']:.3f} | "
+                   f"lr {row['lr']:.2e} | {row['step_time']:.2f} s/step | "
+                   f"{row['samples_per_s']:.1f} samples/s | {row['tokens_per_s']:.0f} tok/s | "
+                   f"MFU {100 * row['mfu']:.1f}% | data wait {100 * row['data_wait']:.1f}% | "
+                   f"packing {100 * row['packing']:.1f}% | bad samples {row['bad_samples']}")
+        if self.bar is not None:
+            self.bar.write(message)
+        else:
+            self.log.info(message)
+        self.jsonl.write(json.dumps(row) + "\n")
+        self.jsonl.flush()
+        if self.cfg.report_to == "tensorboard":
+            for k, v in row.items():
+                if k != "step":
+                    self.backend.add_scalar(f"train/{k}", v, step)
+        elif self.cfg.report_to == "wandb":
+            self.backend.log({f"train/{k}": v for k, v in row.items() if k != "step"}, step=step)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.cfg.report_to == "tensorboard" and self.backend is not None:
+            self.backend.close()
+        elif self.cfg.report_to == "wandb" and self.backend is not None:
+            self.backend.finish()

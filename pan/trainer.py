@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar, Literal
 
+import torch
+import torch.distributed as dist
+
+from pan import parallel
 from pan.config.core import knob, require
+from pan.logging import get_logger
 
 
 @dataclass(kw_only=True)
@@ -32,3 +41,202 @@ class TrainerConfig:
         require(self.legacy_eager_mode, "legacy_eager_mode",
                 "false is not supported: the validated eager mode is the only execution mode (there "
                 "is no CUDA-graph mode). Remove the key or set legacy_eager_mode: true.")
+
+
+# ------------------------------------------------------------------------------------------------
+# The loop
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainState:
+    """What the loop itself must carry across a resume (besides model, optimizer and data cursors)."""
+    step: int = 0
+    nonfinite_streak: int = 0
+    skipped_steps: int = 0
+    samples_seen: int = 0
+    tokens_seen: int = 0
+
+    def state_dict(self) -> dict:
+        return dict(vars(self))
+
+    def load_state_dict(self, d: dict) -> None:
+        for k, v in d.items():
+            setattr(self, k, v)
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+def global_sums(values: list[float], group=None) -> list[float]:
+    """Sum host numbers over all ranks (every rank calls this), in one collective."""
+    if not dist.is_initialized():
+        return [float(v) for v in values]
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    if dist.get_backend(group) == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, group=group)
+    return t.tolist()
+
+
+def global_sum(value: float, group=None) -> float:
+    return global_sums([value], group)[0]
+
+
+def autocast_context(dtype: str, device: torch.device):
+    if dtype == "fp32":
+        return contextlib.nullcontext()
+    # Autocast's weight-cast cache is off in the validated eager mode: FSDP frees the unsharded
+    # weights after each block, so a cached cast would keep a stale copy alive.
+    return torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False)
+
+
+class Trainer:
+    """Runs one recipe's job: everything recipe-specific lives in `task` (see pan/recipes)."""
+
+    def __init__(self, job, task, world, dims, model, optimizer, scheduler, loader, checkpointer,
+                 metrics):
+        self.job, self.task, self.world, self.dims = job, task, world, dims
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.loader, self.checkpointer, self.metrics = loader, checkpointer, metrics
+        self.state = TrainState()
+        self.log = get_logger()
+
+    # -- one optimizer step --------------------------------------------------------------------
+    def next_micro_batches(self) -> tuple[list, float]:
+        """The k micro-batches of one step, prepared for the model; and the seconds spent waiting."""
+        t0 = time.perf_counter()
+        batches = [self.task.next_batch(self.loader) for _ in range(
+            self.job.trainer.gradient_accumulation_steps)]
+        return batches, time.perf_counter() - t0
+
+    def train_step(self, micro_batches: list) -> dict:
+        cfg = self.job.trainer
+        # Normalise by the number of loss elements of the whole global batch (all micro-batches,
+        # all ranks), so the loss and gradients are the same for any dp x cp x accumulation layout.
+        global_count = global_sum(sum(self.task.loss_count(mb) for mb in micro_batches))
+        sse_total = 0.0
+        for i, mb in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            parallel.set_gradient_sync(self.model, last)
+            with autocast_context(cfg.dtype, self.world.device):
+                sse = self.task.loss_sum(self.model, mb)
+            (sse / global_count).backward()
+            sse_total += sse.detach().float().item()
+        loss = global_sum(sse_total) / global_count
+        grad_norm = parallel.clip_grad_norm(self.model, self.job.optim.max_grad_norm)
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        if finite:
+            self.optimizer.step()
+            self.state.nonfinite_streak = 0
+        else:
+            self.state.nonfinite_streak += 1
+            self.state.skipped_steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        if self.state.nonfinite_streak >= cfg.max_nonfinite_steps:
+            raise NonFiniteLossError(
+                f"{self.state.nonfinite_streak} steps in a row had a non-finite loss or gradient "
+                f"(last loss {loss}, grad norm {grad_norm}); each was skipped. Lower learning_rate, "
+                "check the data, or resume from an earlier checkpoint.")
+        return {"loss": loss, "grad_norm": grad_norm, "finite": finite}
+
+    # -- the loop ----------------------------------------------------------------------------
+    def fit(self) -> None:
+        cfg = self.job.trainer
+        ckpt_cfg = self.job.checkpoint
+        self.metrics.start(self.state.step, cfg.max_steps)
+        while self.state.step < cfg.max_steps:
+            t0 = time.perf_counter()
+            micro_batches, data_wait = self.next_micro_batches()
+            out = self.train_step(micro_batches)
+            self.state.step += 1
+            stats = self.task.batch_stats(micro_batches)  # this rank's share
+            totals = global_sums([stats["samples"], stats["tokens"], stats["flops"],
+                                  stats["bad_samples"]])
+            self.state.samples_seen += int(totals[0])
+            self.state.tokens_seen += int(totals[1])
+            step_time = time.perf_counter() - t0
+            self.metrics.step(self.state.step, {
+                **out, "samples": totals[0], "tokens": totals[1], "flops": totals[2],
+                "bad_samples": int(totals[3]), "packing": stats["packing"],
+                "lr": self.scheduler.get_last_lr()[0], "step_time": step_time,
+                "data_wait": data_wait, "skipped_steps": self.state.skipped_steps})
+            last = self.state.step == cfg.max_steps
+            if self.task.wants_validation(self.state.step):
+                self.task.validate(self.model, self.state.step, self.checkpointer.output_dir)
+            if self.state.step % ckpt_cfg.save_interval == 0 or last:
+                self.checkpointer.save(self.state.step, self.checkpoint_parts())
+        self.metrics.close()
+
+    def checkpoint_parts(self) -> dict:
+        """Everything a resume restores, by name (the checkpointer decides how each is stored)."""
+        return {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler,
+                "loader": self.loader, "train_state": self.state, "task": self.task}
+
+
+def build_trainer(job) -> Trainer:
+    """World, model (parallelised and initialised), optimizer, data, checkpoints: ready to fit()."""
+    from pan.checkpoint.manager import Checkpointer
+    from pan.config import dump_job
+    from pan.metrics import Metrics
+    from pan.optim.builder import build_optimizer, build_scheduler
+    from pan.parallel.dims import ParallelDims
+    from pan.parallel.world import init_world
+    from pan.recipes import get_recipe
+
+    log = get_logger()
+    world = init_world()
+    dims = ParallelDims.from_config(job.parallel, world.size, world.local_size)
+    cfg = job.trainer
+    if cfg.gradient_accumulation_steps > 1:
+        log.warning("gradient_accumulation_steps is %d: Pan's production runs validated the eager mode "
+                    "with 1; pan accumulates exactly (tested against one large batch).",
+                    cfg.gradient_accumulation_steps)
+    output_dir = Path(job.checkpoint.output_dir)
+    if world.is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "config.yaml").write_text(dump_job(job))
+    mesh = parallel.build_mesh(dims, world)
+    cp = parallel.context_parallel_for(mesh, dims)
+    task = get_recipe(job.recipe).make_task(job, world, dims, cp)
+    log.info("world: %d processes (dp_replicate %d x dp_shard %d x cp %d) on %s",
+             world.size, dims.dp_replicate, dims.dp_shard, dims.cp, world.device)
+
+    checkpointer = Checkpointer(job, world, dims)
+    model = task.build_model()
+    model = parallel.materialize_and_init(model, world.device, cfg.seed, mesh, dims,
+                                          before_sharding=checkpointer.plain_warm_start)
+    model = parallel.parallelize_model(model, mesh, dims, job.parallel, cfg)
+    optimizer, report = build_optimizer(model, job.optim)
+    log.info("optimizer:\n%s", report)
+    scheduler = build_scheduler(optimizer, job.optim, cfg.max_steps)
+    task.load_encoders()
+    loader = task.build_loader(dims) if task.reads_data else None
+    metrics = Metrics(job.logging, output_dir, world, world.device, cfg.dtype)
+    trainer = Trainer(job, task, world, dims, model, optimizer, scheduler, loader, checkpointer, metrics)
+    resumed = checkpointer.resume(trainer.checkpoint_parts())
+    if resumed is None:
+        checkpointer.checkpoint_warm_start(model)
+    return trainer
+
+
+def train(job) -> int:
+    """Entry point of `train.py` / `pan train`: build everything from the job config and train."""
+    from pan.parallel.world import close_world
+
+    log = get_logger()
+    trainer = None
+    try:
+        trainer = build_trainer(job)
+        trainer.fit()
+        log.info("training finished at step %d", trainer.state.step)
+        return 0
+    except NonFiniteLossError as e:
+        log.error("%s", e)
+        return 1
+    finally:
+        if trainer is not None and hasattr(trainer.loader, "close"):
+            trainer.loader.close()
+        close_world()

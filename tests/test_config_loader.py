@@ -106,7 +106,7 @@ def test_legacy_names_translate_with_one_warning(tmp_path):
 
 def test_resolved_config_round_trip(tmp_path):
     job = load(tmp_path, "model:\n  arch: {heads_num: 6}\n", ["--learning_rate", "3e-4", "--name", "x"])
-    (tmp_path / "r.yaml").write_text(dump_job(job, "toy"))
+    (tmp_path / "r.yaml").write_text(dump_job(job))
     again = load(tmp_path, (tmp_path / "r.yaml").read_text())
     assert again == job
 

@@ -154,6 +154,7 @@ def build_job(job_cls, entries: dict[str, list[Entry]], cli: list[tuple[str, Any
         built[attr] = component
 
     job = job_cls(**built)
+    job.recipe = _recipe_of(entries, cli)
     job.explicit_keys = set(values)
     run_checks(job, where)
     return job
@@ -210,9 +211,9 @@ def _unknown_message(key: str, owners: dict[str, str], nested: dict[str, type]) 
 # The resolved config, written to output_dir/config.yaml
 # ----------------------------------------------------------------------------------------------
 
-def job_to_sections(job, recipe: str) -> dict[str, Any]:
+def job_to_sections(job) -> dict[str, Any]:
     """The fully resolved config as {section: {key: value}}, ready for YAML."""
-    out: dict[str, Any] = {"recipe": recipe}
+    out: dict[str, Any] = {"recipe": job.recipe}
     for attr, cls in components(type(job)).items():
         section = out.setdefault(cls.SECTION, {})
         component = getattr(job, attr)
@@ -222,8 +223,8 @@ def job_to_sections(job, recipe: str) -> dict[str, Any]:
     return out
 
 
-def dump_job(job, recipe: str) -> str:
+def dump_job(job) -> str:
     header = ("# Resolved by pan: every key with the value this run used (file, overrides and\n"
               "# renamed keys applied). Reproduce the run with: train.py --config <this file>\n")
-    return header + yaml.safe_dump(job_to_sections(job, recipe), sort_keys=False, default_flow_style=None,
+    return header + yaml.safe_dump(job_to_sections(job), sort_keys=False, default_flow_style=None,
                                    width=100)

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
+import random
 from dataclasses import dataclass
 from typing import ClassVar, Literal
+
+import torch
+from torch import Tensor
 
 from pan.checkpoint.manager import CheckpointConfig
 from pan.checkpoint.warm_start import WarmStartConfig
 from pan.config import JobConfig
 from pan.config.core import knob, require
 from pan.data.config import DataConfig
-from pan.diffusion.flow import FlowConfig
+from pan.diffusion.flow import FlowConfig, add_noise, sample_timesteps, velocity_target
 from pan.encoders.text import TextEncoderConfig
 from pan.encoders.vae import VAEConfig
 from pan.metrics import MetricsConfig
-from pan.models.pan_dit import PanDiTConfig
+from pan.models.packing import PackInfo, patchify
+from pan.models.pan_dit import PanDiTConfig, PanVideoDiffusionTransformer
 from pan.optim.builder import OptimConfig
 from pan.parallel.dims import ParallelConfig
 from pan.recipes import Recipe
@@ -94,3 +100,181 @@ class PanJobConfig(JobConfig):
 
 RECIPE = Recipe(name="pan", job_config=PanJobConfig,
                 description="Pan: flow-matching MMDiT on packed video + image sequences")
+
+
+
+# ------------------------------------------------------------------------------------------------
+# Training: raw batch -> model inputs -> loss
+# ------------------------------------------------------------------------------------------------
+
+@dataclass
+class ModelInputs:
+    """One packed micro-batch as the model and the loss see it (this process's rows of it)."""
+    x: Tensor           # [Nv, in_ch * p]  noisy latents (+ condition latents + mask) as patch tokens
+    target: Tensor      # [Nv, out_ch * p] velocity target
+    weight: Tensor      # [Nv] 1 where the token counts in the loss, 0 on given (condition) frames
+    timesteps: Tensor   # [B] sigma in [0, 1]
+    text: Tensor        # [Nt, text_dim] caption features
+    pack: PackInfo
+    sample_ids: list[str]
+    samples: int        # samples in the micro-batch (0 on cp ranks > 0, which only hold a share)
+    tokens: int         # video tokens in the micro-batch (idem)
+    packing: float      # real tokens / token budget of the packed batch
+    bad_samples: int    # samples this rank's data loader has skipped so far
+
+    def to(self, device) -> ModelInputs:
+        moved = {k: getattr(self, k).to(device) for k in ("x", "target", "weight", "timesteps", "text")}
+        return dataclasses.replace(self, pack=self.pack.to(device), **moved)
+
+
+def condition_frames(tasks: TaskConfig, latent_frames: int, rng: random.Random) -> int:
+    """How many leading latent frames a sample is given as condition (0: plain text-to-video)."""
+    r = rng.random()
+    if r < tasks.image_cond_prob:
+        return 1
+    if r < tasks.image_cond_prob + tasks.video_cond_prob and latent_frames > 1:
+        return rng.randint(1, latent_frames - 1)
+    return 0
+
+
+def model_input_latent(x_t: Tensor, x0: Tensor, given: int, schema: str) -> Tensor:
+    """Channels the model reads for one sample: [x_t ; condition latents ; mask], or x_t alone.
+
+    Condition latents are the clean latents on the first `given` frames and zeros elsewhere; the
+    mask channel is 1 on those frames (the released model's image-to-video layout).
+    """
+    if schema == "none":
+        return x_t
+    cond = torch.zeros_like(x0)
+    mask = torch.zeros_like(x0[:1])
+    if given:
+        cond[:, :given] = x0[:, :given]
+        mask[:, :given] = 1.0
+    return torch.cat([x_t, cond, mask], dim=0)
+
+
+class PanTask:
+    """Everything the Pan recipe adds to the generic loop: its model, encoders, data and loss.
+
+    Only cp rank 0 of each context-parallel group reads data and runs the frozen encoders; the
+    prepared micro-batch is broadcast to the group and each rank keeps its strided share.
+    """
+
+    def __init__(self, job: PanJobConfig, world, dims, cp=None):
+        from pan.encoders.vae import vae_geometry
+
+        self.job, self.world, self.dims, self.cp = job, world, dims, cp
+        self.arch = job.model.transformer_config_overrides
+        self.geometry = vae_geometry(job.vae)
+        self.cp_rank = cp.rank if cp is not None else 0
+        self.reads_data = self.cp_rank == 0
+        self.dp_rank = world.rank // dims.cp
+        # Noise, timesteps and task draws: one stream per data-parallel rank, saved in checkpoints so
+        # that a resumed run draws exactly what the uninterrupted run would have drawn.
+        self.generator = torch.Generator().manual_seed(job.trainer.seed * 100003 + self.dp_rank)
+        self.rng = random.Random(job.trainer.seed * 100003 + self.dp_rank)
+        self.text_encoder = self.vae = None
+        self._empty_text: Tensor | None = None
+
+    # -- what gets built -------------------------------------------------------------------------
+    def build_model(self) -> PanVideoDiffusionTransformer:
+        return PanVideoDiffusionTransformer(self.arch, zero_init_modulation=self.job.model.zero_init_modulation)
+
+    def load_encoders(self) -> None:
+        """Frozen text encoder and VAE, on the processes that read data."""
+        if not self.reads_data:
+            return
+        from pan.encoders.text import TextEncoder
+        from pan.encoders.vae import build_vae
+
+        self.text_encoder = TextEncoder(self.job.text_encoder, device=self.world.device)
+        self.vae = build_vae(self.job.vae, device=self.world.device)
+        self._empty_text = self.text_encoder.empty_embedding().float()
+
+    def tokens_of(self, num_frames: int, height: int, width: int) -> int:
+        """Model tokens of a clip of this pixel shape (what the data packer budgets)."""
+        _, t, h, w = self.geometry.latent_shape(num_frames, height, width)
+        pt, ph, pw = self.arch.patch_size
+        return (t // pt) * (h // ph) * (w // pw)
+
+    # -- one micro-batch -------------------------------------------------------------------------
+    def sample_latent(self, sample) -> Tensor:
+        """A sample's clean latent [C, T, H, W] (fp32): precomputed, or encoded from its frames."""
+        if getattr(sample, "latent", None) is not None:
+            return sample.latent.float()
+        frames = sample.frames.to(self.world.device).float().div(127.5).sub(1.0)  # uint8 -> [-1, 1]
+        with torch.no_grad():
+            return self.vae.encode(frames).float()
+
+    def caption_features(self, samples) -> list[Tensor]:
+        """Caption features per sample; with probability cfg_drop_prob, the empty caption's."""
+        texts = [getattr(s, "text", None) for s in samples]
+        need = [i for i, t in enumerate(texts) if t is None]
+        if need:
+            encoded = self.text_encoder.encode([samples[i].caption for i in need])
+            for i, features in zip(need, encoded):
+                texts[i] = features.float()
+        drop = self.job.tasks.cfg_drop_prob
+        return [self._empty_text.to(t.device) if self.rng.random() < drop else t.float() for t in texts]
+
+    def prepare(self, batch) -> ModelInputs:
+        """Raw packed batch -> noisy inputs, targets and loss weights (all samples, all tokens)."""
+        patch = self.arch.patch_size
+        samples = batch.samples
+        latents = [self.sample_latent(s) for s in samples]
+        texts = self.caption_features(samples)
+        grids = [(t // patch[0], h // patch[1], w // patch[2]) for _, t, h, w in (x.shape for x in latents)]
+        token_counts = [gt * gh * gw for gt, gh, gw in grids]
+        sigmas = sample_timesteps(self.job.flow, len(samples), token_counts, self.generator)
+        xs, targets, weights = [], [], []
+        for x0, sigma in zip(latents, sigmas):
+            noise = torch.randn(x0.shape, generator=self.generator).to(x0.device)
+            given = condition_frames(self.job.tasks, x0.shape[1], self.rng)
+            x_t = add_noise(x0, noise, sigma.item())
+            xs.append(patchify(model_input_latent(x_t, x0, given, self.job.tasks.conditioning_schema), patch))
+            targets.append(patchify(velocity_target(x0, noise), patch))
+            frame_weight = torch.ones(x0.shape[1], device=x0.device)
+            frame_weight[:given] = 0.0  # given frames are inputs, not predictions
+            w = frame_weight[:, None, None].expand(x0.shape[1:])[None]
+            weights.append(patchify(w, patch).amax(dim=1))
+        pack = PackInfo.build(grids, [t.shape[0] for t in texts])
+        return ModelInputs(
+            x=torch.cat(xs), target=torch.cat(targets), weight=torch.cat(weights),
+            timesteps=sigmas.to(xs[0].device), text=torch.cat(texts), pack=pack,
+            sample_ids=[s.sample_id for s in samples], samples=len(samples), tokens=sum(token_counts),
+            packing=batch.packing, bad_samples=batch.bad_samples)
+
+    def next_batch(self, loader) -> ModelInputs:
+        """The next micro-batch for this process (its cp share when context parallel is on)."""
+        inputs = self.prepare(next(loader)) if self.reads_data else None
+        if self.cp is not None:
+            inputs = self.cp.distribute(inputs)
+        return inputs.to(self.world.device)
+
+    def loss_count(self, inputs: ModelInputs) -> float:
+        """Loss elements of this process's rows (summed over ranks to normalise the loss)."""
+        return float(inputs.weight.sum().item()) * inputs.target.shape[1]
+
+    def loss_sum(self, model, inputs: ModelInputs) -> Tensor:
+        """Sum of squared velocity errors over the loss elements of this process's rows."""
+        pred = model(inputs.x, inputs.timesteps, inputs.text, inputs.pack)
+        err = (pred.float() - inputs.target).square().sum(dim=1)
+        return (err * inputs.weight).sum()
+
+    def flops(self, batches: list[ModelInputs]) -> float:
+        """Training FLOPs this process executes for these micro-batches (3x forward)."""
+        from pan.models.pan_dit import forward_flops
+        return sum(3 * forward_flops(self.arch, b.pack) for b in batches) / self.dims.cp
+
+    def batch_stats(self, batches: list[ModelInputs]) -> dict:
+        return {"samples": sum(b.samples for b in batches), "tokens": sum(b.tokens for b in batches),
+                "flops": self.flops(batches), "bad_samples": batches[-1].bad_samples,
+                "packing": sum(b.packing for b in batches) / len(batches)}
+
+    # -- what a checkpoint keeps of the task ------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state(), "rng": self.rng.getstate()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+        self.rng.setstate(state["rng"])
