@@ -12,7 +12,6 @@ from typing import ClassVar, Literal
 import torch
 import torch.distributed as dist
 
-from pan import parallel
 from pan.config.core import knob, require
 from pan.logging import get_logger
 
@@ -92,6 +91,16 @@ def autocast_context(dtype: str, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False)
 
 
+def set_gradient_sync(model, enabled: bool) -> None:
+    from pan.parallel.fsdp import set_gradient_sync as sync
+    sync(model, enabled)
+
+
+def clip_grad_norm(model, max_norm: float | None) -> float:
+    from pan.parallel.fsdp import clip_grad_norm as clip
+    return clip(model, max_norm)
+
+
 class Trainer:
     """Runs one recipe's job: everything recipe-specific lives in `task` (see pan/recipes)."""
 
@@ -119,13 +128,13 @@ class Trainer:
         sse_total = 0.0
         for i, mb in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
-            parallel.set_gradient_sync(self.model, last)
+            set_gradient_sync(self.model, last)
             with autocast_context(cfg.dtype, self.world.device):
                 sse = self.task.loss_sum(self.model, mb)
             (sse / global_count).backward()
             sse_total += sse.detach().float().item()
         loss = global_sum(sse_total) / global_count
-        grad_norm = parallel.clip_grad_norm(self.model, self.job.optim.max_grad_norm)
+        grad_norm = clip_grad_norm(self.model, self.job.optim.max_grad_norm)
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if finite:
             self.optimizer.step()
@@ -183,6 +192,8 @@ def build_trainer(job) -> Trainer:
     from pan.metrics import Metrics
     from pan.optim.builder import build_optimizer, build_scheduler
     from pan.parallel.dims import ParallelDims
+    from pan.parallel.fsdp import materialize_and_init, parallelize_model
+    from pan.parallel.mesh import build_mesh, context_parallel_for
     from pan.parallel.world import init_world
     from pan.recipes import get_recipe
 
@@ -198,17 +209,17 @@ def build_trainer(job) -> Trainer:
     if world.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.yaml").write_text(dump_job(job))
-    mesh = parallel.build_mesh(dims, world)
-    cp = parallel.context_parallel_for(mesh, dims)
+    mesh = build_mesh(dims, world)
+    cp = context_parallel_for(mesh, dims)
     task = get_recipe(job.recipe).make_task(job, world, dims, cp)
     log.info("world: %d processes (dp_replicate %d x dp_shard %d x cp %d) on %s",
              world.size, dims.dp_replicate, dims.dp_shard, dims.cp, world.device)
 
     checkpointer = Checkpointer(job, world, dims)
     model = task.build_model()
-    model = parallel.materialize_and_init(model, world.device, cfg.seed, mesh, dims,
+    model = materialize_and_init(model, world.device, cfg.seed, mesh, dims,
                                           before_sharding=checkpointer.plain_warm_start)
-    model = parallel.parallelize_model(model, mesh, dims, job.parallel, cfg)
+    model = parallelize_model(model, mesh, dims, job.parallel, cfg)
     optimizer, report = build_optimizer(model, job.optim)
     log.info("optimizer:\n%s", report)
     scheduler = build_scheduler(optimizer, job.optim, cfg.max_steps)
