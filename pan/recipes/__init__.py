@@ -21,6 +21,7 @@ _MODULES = {
 class Recipe:
     name: str
     job_config: type        # a pan.config.JobConfig subclass
+    task: type              # built as task(job, world, dims, cp): model, data, loss (see PanTask)
     description: str
 
 

@@ -98,8 +98,6 @@ class PanJobConfig(JobConfig):
     validation: ValidationConfig = knob(ValidationConfig(), "")
 
 
-RECIPE = Recipe(name="pan", job_config=PanJobConfig,
-                description="Pan: flow-matching MMDiT on packed video + image sequences")
 
 
 
@@ -278,3 +276,7 @@ class PanTask:
     def load_state_dict(self, state: dict) -> None:
         self.generator.set_state(state["generator"])
         self.rng.setstate(state["rng"])
+
+
+RECIPE = Recipe(name="pan", job_config=PanJobConfig, task=PanTask,
+                description="Pan: flow-matching MMDiT on packed video + image sequences")
