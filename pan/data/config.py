@@ -61,8 +61,8 @@ class DataConfig:
                "recipe counts them); a sample larger than it is skipped (reason over_budget)", gt=0)
     max_samples_per_batch: int = knob(64, "at most this many samples in one packed batch", ge=1)
     packing_lookahead: int = knob(
-        32, "decoded samples held back to choose from when filling a batch (best fit); more packs "
-            "tighter, costs host memory", ge=1)
+        32, "decoded samples (at least) held back to choose from when filling a batch (best fit); "
+            "more packs tighter, costs host memory", ge=1)
     packed_dataloader_num_workers: int = knob(
         4, "decoding processes per rank (0 decodes in the training process)", ge=0)
     packed_dataloader_prefetch_factor: int = knob(
