@@ -50,14 +50,32 @@ def _not_built(name: str, issue: str):
     return run
 
 
+def cmd_data(argv: list[str]) -> int:
+    """`pan data synth ...` (the demo dataset) and `pan data precompute ...` (latents + text features)."""
+    tools = {"synth": "pan.data.synth"}
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in tools:
+        print("usage: pan data {synth} [options]\n\n"
+              "  synth       write the demo's synthetic captioned videos (MP4 + CSV + held-out prompts)\n"
+              "(precompute comes with the data issue's encoder work)")
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    import importlib
+    return importlib.import_module(tools[argv[0]]).main(argv[1:])
+
+
+def cmd_eval(argv: list[str]) -> int:
+    """Score videos against their prompts (colour, direction, shape) with the demo's analyser."""
+    from pan.eval import main as eval_main
+    return eval_main(argv)
+
+
 COMMANDS = {
     "train": (cmd_train, "train a model from a YAML config (same as train.py)"),
     "check": (_not_built("check", "the preflight check comes with the launch issue"),
               "preflight: validate a config and the environment without training"),
     "launch-command": (_not_built("launch-command", "comes with the launch issue"),
                        "print a validated torchrun/srun command for a workflow"),
-    "data": (_not_built("data", "synth and precompute come with the data issues"),
-             "data tools: synth (demo dataset), precompute (latents and text features)"),
+    "data": (cmd_data, "data tools: synth (the demo's dataset)"),
+    "eval": (cmd_eval, "score generated videos against their prompts (the demo's analyser)"),
     "sample": (_not_built("sample", "comes with the sampling work of the model issue"),
                "generate videos from a checkpoint"),
     "export": (_not_built("export", "comes with the checkpoint issue"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar, Literal
 
 import torch
@@ -173,10 +174,16 @@ class PanTask:
         self.rng = random.Random(job.trainer.seed * 100003 + self.dp_rank)
         self.text_encoder = self.vae = None
         self._empty_text: Tensor | None = None
+        self.bad_samples = 0  # skipped by this rank's data loader since the run started
 
     # -- what gets built -------------------------------------------------------------------------
     def build_model(self) -> PanVideoDiffusionTransformer:
-        return PanVideoDiffusionTransformer(self.arch, zero_init_modulation=self.job.model.zero_init_modulation)
+        """The transformer on the meta device (the trainer parallelises and initialises it)."""
+        with torch.device("meta"):
+            self.model = PanVideoDiffusionTransformer(
+                self.arch, zero_init_modulation=self.job.model.zero_init_modulation,
+                attention_backend=self.job.model.attention_backend)
+        return self.model
 
     def load_encoders(self) -> None:
         """Frozen text encoder and VAE, on the processes that read data."""
@@ -192,8 +199,18 @@ class PanTask:
     def tokens_of(self, num_frames: int, height: int, width: int) -> int:
         """Model tokens of a clip of this pixel shape (what the data packer budgets)."""
         _, t, h, w = self.geometry.latent_shape(num_frames, height, width)
+        return self.latent_tokens_of(t, h, w)
+
+    def latent_tokens_of(self, t: int, h: int, w: int) -> int:
         pt, ph, pw = self.arch.patch_size
         return (t // pt) * (h // ph) * (w // pw)
+
+    def build_loader(self, dims):
+        from pan.data.loader import build_data_loader
+
+        return build_data_loader(self.job.data, tokens_of=self.tokens_of, dp_rank=self.dp_rank,
+                                 dp_size=dims.dp, seed=self.job.trainer.seed,
+                                 latent_tokens_of=self.latent_tokens_of)
 
     # -- one micro-batch -------------------------------------------------------------------------
     def sample_latent(self, sample) -> Tensor:
@@ -204,7 +221,7 @@ class PanTask:
         with torch.no_grad():
             return self.vae.encode(frames).float()
 
-    def caption_features(self, samples) -> list[Tensor]:
+    def caption_features(self, samples, drop: bool = True) -> list[Tensor]:
         """Caption features per sample; with probability cfg_drop_prob, the empty caption's."""
         texts = [getattr(s, "text", None) for s in samples]
         need = [i for i, t in enumerate(texts) if t is None]
@@ -212,22 +229,28 @@ class PanTask:
             encoded = self.text_encoder.encode([samples[i].caption for i in need])
             for i, features in zip(need, encoded):
                 texts[i] = features.float()
-        drop = self.job.tasks.cfg_drop_prob
-        return [self._empty_text.to(t.device) if self.rng.random() < drop else t.float() for t in texts]
+        p = self.job.tasks.cfg_drop_prob if drop else 0.0
+        return [self._empty_text.to(t.device) if self.rng.random() < p else t.float() for t in texts]
 
-    def prepare(self, batch) -> ModelInputs:
-        """Raw packed batch -> noisy inputs, targets and loss weights (all samples, all tokens)."""
+    def prepare(self, batch, fixed_sigma: float | None = None, training: bool = True) -> ModelInputs:
+        """Raw packed batch -> noisy inputs, targets and loss weights (all samples, all tokens).
+
+        Validation passes `fixed_sigma` and `training=False`: no caption dropout, no condition frames.
+        """
         patch = self.arch.patch_size
         samples = batch.samples
         latents = [self.sample_latent(s) for s in samples]
-        texts = self.caption_features(samples)
+        texts = self.caption_features(samples, drop=training)
         grids = [(t // patch[0], h // patch[1], w // patch[2]) for _, t, h, w in (x.shape for x in latents)]
         token_counts = [gt * gh * gw for gt, gh, gw in grids]
-        sigmas = sample_timesteps(self.job.flow, len(samples), token_counts, self.generator)
+        if fixed_sigma is None:
+            sigmas = sample_timesteps(self.job.flow, len(samples), token_counts, self.generator)
+        else:
+            sigmas = torch.full((len(samples),), float(fixed_sigma))
         xs, targets, weights = [], [], []
         for x0, sigma in zip(latents, sigmas):
             noise = torch.randn(x0.shape, generator=self.generator).to(x0.device)
-            given = condition_frames(self.job.tasks, x0.shape[1], self.rng)
+            given = condition_frames(self.job.tasks, x0.shape[1], self.rng) if training else 0
             x_t = add_noise(x0, noise, sigma.item())
             xs.append(patchify(model_input_latent(x_t, x0, given, self.job.tasks.conditioning_schema), patch))
             targets.append(patchify(velocity_target(x0, noise), patch))
@@ -236,11 +259,12 @@ class PanTask:
             w = frame_weight[:, None, None].expand(x0.shape[1:])[None]
             weights.append(patchify(w, patch).amax(dim=1))
         pack = PackInfo.build(grids, [t.shape[0] for t in texts])
+        self.bad_samples += sum(batch.skipped.values())
         return ModelInputs(
             x=torch.cat(xs), target=torch.cat(targets), weight=torch.cat(weights),
             timesteps=sigmas.to(xs[0].device), text=torch.cat(texts), pack=pack,
             sample_ids=[s.sample_id for s in samples], samples=len(samples), tokens=sum(token_counts),
-            packing=batch.packing, bad_samples=batch.bad_samples)
+            packing=batch.packing_efficiency, bad_samples=self.bad_samples)
 
     def next_batch(self, loader) -> ModelInputs:
         """The next micro-batch for this process (its cp share when context parallel is on)."""
@@ -261,21 +285,113 @@ class PanTask:
 
     def flops(self, batches: list[ModelInputs]) -> float:
         """Training FLOPs this process executes for these micro-batches (3x forward)."""
-        from pan.models.pan_dit import forward_flops
-        return sum(3 * forward_flops(self.arch, b.pack) for b in batches) / self.dims.cp
+        return sum(self.model.flops_per_step(b.pack) for b in batches) / self.dims.cp
 
     def batch_stats(self, batches: list[ModelInputs]) -> dict:
         return {"samples": sum(b.samples for b in batches), "tokens": sum(b.tokens for b in batches),
                 "flops": self.flops(batches), "bad_samples": batches[-1].bad_samples,
                 "packing": sum(b.packing for b in batches) / len(batches)}
 
+    # -- validation ----------------------------------------------------------------------------------
+    def wants_validation(self, step: int) -> bool:
+        interval = self.job.validation.validation_interval
+        return bool(interval) and step % interval == 0
+
+    @torch.no_grad()
+    def validate(self, model, step: int, output_dir) -> dict:
+        """Held-out loss at fixed timesteps and samples of the validation prompts.
+
+        Every rank takes part (sharded models need all ranks in each forward); only the main
+        process writes files.
+        """
+        from pan.logging import get_logger
+
+        results = {}
+        if self.job.validation.validation_csv:
+            results.update(self.heldout_loss(model))
+        if self.job.validation.validation_prompts:
+            self.write_samples(model, step, Path(output_dir) / "samples" / f"step-{step:08d}")
+        if self.world.is_main and results:
+            get_logger().info("validation at step %d: %s", step,
+                              " | ".join(f"{k} {v:.4f}" for k, v in results.items()))
+        return results
+
+    def heldout_loss(self, model) -> dict:
+        """Loss on the first held-out batch of this rank at each of validation_timesteps, with the
+        same clips and noise every time, so values are comparable across a run."""
+        from pan.data.loader import build_data_loader
+        from pan.trainer import global_sums
+
+        cfg = dataclasses.replace(self.job.data, video_csv_paths=[self.job.validation.validation_csv],
+                                  video_csv_weights=None, image_tar_paths=[], image_sample_prob=0.0,
+                                  packed_dataloader_num_workers=0)
+        out = {}
+        batch = None
+        if self.reads_data:
+            loader = build_data_loader(cfg, tokens_of=self.tokens_of, dp_rank=self.dp_rank,
+                                       dp_size=self.dims.dp, seed=self.job.trainer.seed,
+                                       latent_tokens_of=self.latent_tokens_of)
+            batch = next(iter(loader))
+            loader.close()
+        for sigma in self.job.validation.validation_timesteps:
+            inputs = None
+            if self.reads_data:
+                saved = (self.generator.get_state(), self.rng.getstate())
+                self.generator.manual_seed(12345)
+                self.rng.seed(12345)
+                inputs = self.prepare(batch, fixed_sigma=sigma, training=False)
+                self.generator.set_state(saved[0])
+                self.rng.setstate(saved[1])
+            if self.cp is not None:
+                inputs = self.cp.distribute(inputs)
+            inputs = inputs.to(self.world.device)
+            sse, count = global_sums([self.loss_sum(model, inputs).item(), self.loss_count(inputs)])
+            out[f"heldout_loss@{sigma:g}"] = sse / count
+        return out
+
+    def prompt_features(self, prompts: list[str]) -> tuple[list[Tensor], Tensor]:
+        """Caption features of `prompts` and of the empty caption on every rank of the cp group."""
+        feats = None
+        if self.reads_data:
+            feats = ([t.float().cpu() for t in self.text_encoder.encode(prompts)], self._empty_text.cpu())
+        if self.cp is not None:
+            feats = self.cp.broadcast_object(feats)
+        return [t.to(self.world.device) for t in feats[0]], feats[1].to(self.world.device)
+
+    def write_samples(self, model, step: int, out_dir: Path) -> list[Path]:
+        from pan.media import to_uint8_frames, write_gif, write_mp4
+        from pan.sampling import SampleSettings, sample_latent
+
+        v = self.job.validation
+        texts, empty = self.prompt_features(v.validation_prompts)
+        shape = self.geometry.latent_shape(v.sample_num_frames, v.sample_height, v.sample_width)
+        settings = SampleSettings(v.sample_num_frames, v.sample_height, v.sample_width, v.sample_steps,
+                                  v.sample_guidance_scale, v.sample_shift, seed=self.job.trainer.seed)
+        written = []
+        for i, (prompt, text) in enumerate(zip(v.validation_prompts, texts)):
+            latent = sample_latent(model, schema=self.job.tasks.conditioning_schema,
+                                   patch=self.arch.patch_size, latent_shape=shape, text=text,
+                                   empty_text=empty, settings=dataclasses.replace(settings, seed=settings.seed + i),
+                                   device=self.world.device)
+            if self.world.is_main:
+                out_dir.mkdir(parents=True, exist_ok=True)
+                frames = to_uint8_frames(self.vae.decode(latent))
+                stem = out_dir / f"{i:02d}"
+                write_mp4(stem.with_suffix(".mp4"), frames, fps=8)
+                write_gif(stem.with_suffix(".gif"), frames, fps=8)
+                (out_dir / f"{i:02d}.txt").write_text(prompt + "\n")
+                written.append(stem.with_suffix(".mp4"))
+        return written
+
     # -- what a checkpoint keeps of the task ------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"generator": self.generator.get_state(), "rng": self.rng.getstate()}
+        return {"generator": self.generator.get_state(), "rng": self.rng.getstate(),
+                "bad_samples": self.bad_samples}
 
     def load_state_dict(self, state: dict) -> None:
         self.generator.set_state(state["generator"])
         self.rng.setstate(state["rng"])
+        self.bad_samples = state["bad_samples"]
 
 
 RECIPE = Recipe(name="pan", job_config=PanJobConfig, task=PanTask,
