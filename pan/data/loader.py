@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from pan.data.config import DataConfig
 from pan.data.decode import FrameRules, SkipSample, decode_image, decode_video, frame_step, pick_bucket
-from pan.data.packing import Pending, take_batch
+from pan.data.packing import LookaheadPacker
 from pan.data.sources import (ImageTarSet, SourceError, VideoCsvSource, caption_from_bytes,
                               read_image_tars, read_video_csv)
 
@@ -301,7 +301,8 @@ class PackedLoader:
         self.reader = SampleReader(csvs, tars, rules_of(cfg))
         self._initial = planner.copy()
         self.planner = planner              # advanced only by samples that reached this process
-        self.buffer: list[Pending] = []     # items: (Ref, Sample)
+        self.packer = LookaheadPacker(cfg.max_tokens_per_batch, cfg.max_samples_per_batch,
+                                      cfg.packing_lookahead)  # items: (Ref, Sample)
         self.replay: list[Ref] = []         # buffered references still to be re-read after a resume
         self.skipped_total: collections.Counter[str] = collections.Counter()
         self._skipped_since: collections.Counter[str] = collections.Counter()
@@ -316,7 +317,7 @@ class PackedLoader:
 
     def __next__(self) -> RawBatch:
         misses = 0
-        while self._wants_more():
+        while self.packer.wants_more():
             if not self._receive():
                 misses += 1
                 if misses > self.rows_per_rank + self.cfg.packing_lookahead:
@@ -324,18 +325,10 @@ class PackedLoader:
                                        f"far: {dict(self.skipped_total)}. See the warnings above.")
             else:
                 misses = 0
-        chosen = take_batch(self.buffer, self.cfg.max_tokens_per_batch, self.cfg.max_samples_per_batch)
+        chosen = self.packer.take()
         skipped, self._skipped_since = dict(self._skipped_since), collections.Counter()
         return RawBatch(samples=[p.item[1] for p in chosen], tokens=sum(p.tokens for p in chosen),
                         token_budget=self.cfg.max_tokens_per_batch, skipped=skipped)
-
-    def _wants_more(self) -> bool:
-        """Hold at least `packing_lookahead` samples, and enough tokens to fill a batch when small
-        samples (images) would otherwise leave it part-empty."""
-        if len(self.buffer) < self.cfg.packing_lookahead:
-            return True
-        return (sum(p.tokens for p in self.buffer) < self.cfg.max_tokens_per_batch
-                and len(self.buffer) < self.cfg.max_samples_per_batch)
 
     def _receive(self) -> bool:
         """Take the next decoded sample into the buffer; False if it was skipped."""
@@ -356,7 +349,7 @@ class PackedLoader:
         if got.sample is None:
             self._skip(got)
             return False
-        self.buffer.append(Pending(got.ref.seq, got.sample.tokens, (got.ref, got.sample)))
+        self.packer.add(got.ref.seq, got.sample.tokens, (got.ref, got.sample))
         return True
 
     def _tokens(self, sample: Sample) -> int:
@@ -392,7 +385,7 @@ class PackedLoader:
 
     def state_dict(self) -> dict:
         """The cursor of what the trainer has consumed (JSON-serialisable)."""
-        pending = [p.item[0] for p in sorted(self.buffer, key=lambda p: p.seq)] + self.replay
+        pending = [p.item[0] for p in sorted(self.packer.buffer, key=lambda p: p.seq)] + self.replay
         return {"version": STATE_VERSION, "dp_rank": self.dp_rank, "dp_size": self.dp_size,
                 "seed": self.seed, "planner": self.planner.state_dict(),
                 "buffer": [[r.seq, r.stream, r.epoch, r.pos] for r in pending],
@@ -401,7 +394,7 @@ class PackedLoader:
     def load_state_dict(self, state: dict) -> None:
         """Continue exactly where `state` (from state_dict) left off; restarts the workers."""
         self.close()
-        self.buffer, self.replay = [], []
+        self.packer.buffer, self.replay = [], []
         self._skipped_since = collections.Counter()
         if state.get("version") != STATE_VERSION:
             raise DataResumeError(f"dataloader state version {state.get('version')} is not "

@@ -38,3 +38,26 @@ def take_batch(buffer: list[Pending], budget: int, max_samples: int) -> list[Pen
     taken = {id(p) for p in chosen}
     buffer[:] = [p for p in buffer if id(p) not in taken]
     return chosen
+
+
+class LookaheadPacker:
+    """The lookahead buffer and its batching policy: keep at least `lookahead` samples, and enough
+    tokens to fill a batch, then take one batch with `take_batch`."""
+
+    def __init__(self, budget: int, max_samples: int, lookahead: int):
+        self.budget, self.max_samples, self.lookahead = budget, max_samples, lookahead
+        self.buffer: list[Pending] = []
+
+    def wants_more(self) -> bool:
+        if len(self.buffer) < self.lookahead:
+            return True
+        # Many small samples (images) may be needed to fill one batch.
+        return sum(p.tokens for p in self.buffer) < self.budget and len(self.buffer) < self.max_samples
+
+    def add(self, seq: int, tokens: int, item: Any) -> None:
+        if tokens > self.budget:
+            raise ValueError(f"a sample of {tokens} tokens cannot fit the budget of {self.budget}")
+        self.buffer.append(Pending(seq, tokens, item))
+
+    def take(self) -> list[Pending]:
+        return take_batch(self.buffer, self.budget, self.max_samples)
