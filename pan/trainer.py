@@ -211,7 +211,7 @@ def build_trainer(job) -> Trainer:
         (output_dir / "config.yaml").write_text(dump_job(job))
     mesh = build_mesh(dims, world)
     cp = context_parallel_for(mesh, dims)
-    task = get_recipe(job.recipe).make_task(job, world, dims, cp)
+    task = get_recipe(job.recipe).task(job, world, dims, cp)
     log.info("world: %d processes (dp_replicate %d x dp_shard %d x cp %d) on %s",
              world.size, dims.dp_replicate, dims.dp_shard, dims.cp, world.device)
 
