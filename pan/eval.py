@@ -104,14 +104,15 @@ def to_unit_frames(video: Any) -> np.ndarray:
     return np.clip(array, 0.0, 1.0)
 
 
-def _chroma_directions(colours: np.ndarray) -> np.ndarray:
-    """Colours relative to the background, divided by their largest channel: [..., 3]."""
-    lifted = np.clip(colours - np.asarray(BACKGROUND, np.float32) / 255.0, 0.0, None)
+def _chroma_directions(colours: np.ndarray, background: np.ndarray) -> np.ndarray:
+    """Colours lifted off the background, divided by their largest channel: [..., 3]."""
+    lifted = np.clip(colours - background, 0.0, None)
     return lifted / np.maximum(lifted.max(axis=-1, keepdims=True), 1e-6)
 
 
 _PALETTE_NAMES = list(PALETTE)
-_PALETTE_DIRECTIONS = _chroma_directions(np.array(list(PALETTE.values()), np.float32) / 255.0)  # [K, 3]
+_PALETTE_DIRECTIONS = _chroma_directions(np.array(list(PALETTE.values()), np.float32) / 255.0,
+                                         np.array(BACKGROUND, np.float32) / 255.0)  # [K, 3]
 
 
 def _border_background(frames: np.ndarray) -> np.ndarray:
@@ -120,10 +121,10 @@ def _border_background(frames: np.ndarray) -> np.ndarray:
     return np.median(border.reshape(-1, 3), axis=0)
 
 
-def _classify_colour(frames: np.ndarray, contrast: np.ndarray, mask: np.ndarray,
+def _classify_colour(frames: np.ndarray, background: np.ndarray, contrast: np.ndarray, mask: np.ndarray,
                      thresholds: Thresholds) -> tuple[str, float]:
-    pixels = frames[mask]  # [N, 3]
-    nearest = np.linalg.norm(_chroma_directions(pixels)[:, None] - _PALETTE_DIRECTIONS[None], axis=-1)
+    pixels = _chroma_directions(frames[mask], background)  # [N, 3]
+    nearest = np.linalg.norm(pixels[:, None] - _PALETTE_DIRECTIONS[None], axis=-1)  # [N, K]
     votes = np.bincount(nearest.argmin(axis=1), weights=contrast[mask], minlength=len(_PALETTE_NAMES))
     winner = int(votes.argmax())
     confidence = float(votes[winner] / votes.sum())
@@ -187,7 +188,8 @@ def analyse_video(video: Any, thresholds: Thresholds = Thresholds()) -> VideoAna
     """Colour, direction and shape of the single moving object in `video` (see `to_unit_frames`)."""
     frames = to_unit_frames(video)  # [T, H, W, 3]
     num_frames, height, width, _ = frames.shape
-    contrast = np.abs(frames - _border_background(frames)).max(axis=-1)  # [T, H, W]
+    background = _border_background(frames)  # [3]
+    contrast = np.abs(frames - background).max(axis=-1)  # [T, H, W]
     mask = contrast > thresholds.foreground
     foreground_fraction = float(mask.mean())
     min_pixels = max(3.0, thresholds.min_object_area * height * width)
@@ -196,7 +198,7 @@ def analyse_video(video: Any, thresholds: Thresholds = Thresholds()) -> VideoAna
              and foreground_fraction <= thresholds.max_foreground_fraction)
     if not found:
         return VideoAnalysis(UNKNOWN, 0.0, UNKNOWN, 0.0, 0.0, UNKNOWN, 0.0, 0.0, foreground_fraction)
-    colour, confidence = _classify_colour(frames, contrast, mask, thresholds)
+    colour, confidence = _classify_colour(frames, background, contrast, mask, thresholds)
     direction, dx, dy = _classify_direction(contrast, mask, object_frames, thresholds)
     shape, fill, depth = _classify_shape(contrast, mask, object_frames, thresholds)
     return VideoAnalysis(colour, confidence, direction, dx, dy, shape, fill, depth, foreground_fraction)

@@ -92,6 +92,10 @@ def test_hand_drawn_clips_on_a_non_square_frame():
     # A dim colour is still its colour: brightness is divided out before the palette look-up.
     left = analyse_video(square_video([(36 - 3 * t, 10) for t in range(9)], colour=(0.1, 0.15, 0.45)))
     assert (left.colour, left.direction) == ("blue", "left")
+    # A grey background, as a half-trained model may paint it, is estimated and subtracted.
+    on_grey = square_video([(4 + 3 * t, 10) for t in range(9)], colour=(0.3, 0.85, 0.3))
+    on_grey[on_grey.max(axis=-1) == 0] = 0.25
+    assert (analyse_video(on_grey).colour, analyse_video(on_grey).direction) == ("green", "right")
 
 
 def test_static_jumping_and_diagonal_objects_name_no_direction():
