@@ -1,0 +1,208 @@
+"""The packed loader: determinism, data-parallel shares, mixing, exact resume, precomputed rows."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import pan
+from pan.data import DataResumeError, build_data_loader
+from test_data_sources import CARPHONE, clips_csv, images_tar, small_config, tokens_of, write_csv
+
+TESTS_DIR = Path(__file__).parent
+
+
+def fingerprint(batch) -> list:
+    """What must be equal between two runs: ids, kinds, captions and the pixels themselves."""
+    return [[s.sample_id, s.kind, s.caption, s.tokens, hashlib.sha256(s.frames.numpy().tobytes()).hexdigest()]
+            for s in batch.samples]
+
+
+def take(loader, n: int) -> list:
+    return [fingerprint(next(loader)) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    return {"csv": clips_csv(root / "clips.csv"), "tar": images_tar(root / "shard.tar", 10), "root": root}
+
+
+def mixed_config(data, **kw):
+    return small_config(video_csv_paths=[str(data["csv"])], image_tar_paths=[str(data["tar"])],
+                        image_sample_prob=0.3, **kw)
+
+
+def loader_of(cfg, rank=0, size=1, seed=0):
+    return build_data_loader(cfg, tokens_of=tokens_of, dp_rank=rank, dp_size=size, seed=seed)
+
+
+def test_batches_are_packed_within_budget_and_report_efficiency(data):
+    loader = loader_of(mixed_config(data))
+    kinds = collections.Counter()
+    for _ in range(8):
+        batch = next(loader)
+        assert batch.tokens == sum(s.tokens for s in batch.samples) <= batch.token_budget == 64
+        assert 0 < batch.packing_efficiency <= 1 and len(batch.samples) <= 8
+        for s in batch.samples:
+            kinds[s.kind] += 1
+            assert s.frames.dtype == torch.uint8 and s.frames.shape[1] == 3
+            assert s.tokens == tokens_of(*s.grid) and s.grid == (s.frames.shape[0], *s.frames.shape[2:])
+            assert s.frames.shape[0] == (1 if s.kind == "image" else 5)
+    assert kinds["image"] > 0 and kinds["video"] > 0
+
+
+def test_same_seed_same_stream_other_seed_other_stream(data):
+    cfg = mixed_config(data)
+    first = take(loader_of(cfg, seed=7), 3)
+    assert take(loader_of(cfg, seed=7), 3) == first
+    assert take(loader_of(cfg, seed=8), 3) != first
+
+
+def test_workers_give_the_same_stream(data):
+    assert take(loader_of(mixed_config(data, packed_dataloader_num_workers=2)), 4) == \
+        take(loader_of(mixed_config(data)), 4)
+
+
+def test_ranks_read_disjoint_shares_in_a_new_order_each_epoch(data):
+    cfg = mixed_config(data)
+    plans = {}
+    for rank in range(2):
+        planner = loader_of(cfg, rank=rank, size=2).planner.copy()
+        refs = [planner.next_ref() for _ in range(60)]
+        plans[rank] = [r for r in refs if r.stream == "video:clips"]
+    share = len(loader_of(cfg, rank=0, size=2).reader.csvs["video:clips"]) // 2
+    for epoch in (0, 1):
+        ours = [[r.index for r in plans[rank] if r.epoch == epoch] for rank in range(2)]
+        assert all(len(x) == share for x in ours)
+        assert not set(ours[0]) & set(ours[1])
+    epochs = [[r.index for r in plans[0] if r.epoch == e] for e in (0, 1)]
+    assert epochs[0] != epochs[1]  # reshuffled per epoch
+
+
+def test_mixing_follows_image_prob_and_csv_weights(data, tmp_path):
+    other = clips_csv(tmp_path / "other.csv", seconds=2, videos=(CARPHONE,))  # 2 rows vs clips' 8
+    cfg = small_config(video_csv_paths=[str(data["csv"]), str(other)], image_tar_paths=[str(data["tar"])],
+                       image_sample_prob=0.25)
+
+    def counts(cfg):
+        planner = loader_of(cfg).planner.copy()
+        return collections.Counter(planner.next_ref().stream for _ in range(4000))
+    got = counts(cfg)  # weights null: proportional to rows, 8 : 2
+    assert abs(got["images"] / 4000 - 0.25) < 0.03
+    assert abs(got["video:clips"] / (got["video:clips"] + got["video:other"]) - 0.8) < 0.03
+    got = counts(dataclasses.replace(cfg, video_csv_weights=[1.0, 3.0]))
+    assert abs(got["video:clips"] / (got["video:clips"] + got["video:other"]) - 0.25) < 0.03
+
+
+@pytest.mark.parametrize("dp_size,workers", [(1, 0), (2, 0), (2, 2)])
+def test_resume_continues_exactly(data, dp_size, workers):
+    cfg = mixed_config(data, packed_dataloader_num_workers=workers)
+    for rank in range(dp_size):
+        straight = take(loader_of(cfg, rank, dp_size), 7)
+        first = loader_of(cfg, rank, dp_size)
+        assert take(first, 3) == straight[:3]
+        state = json.loads(json.dumps(first.state_dict()))
+        assert state["buffer"], "the test should save while samples wait in the lookahead buffer"
+        first.close()
+        second = loader_of(cfg, rank, dp_size)
+        second.load_state_dict(state)
+        assert take(second, 4) == straight[3:]
+
+
+def test_resume_in_a_fresh_process(data, tmp_path):
+    cfg = mixed_config(data, packed_dataloader_num_workers=2)
+    straight = take(loader_of(cfg, 1, 2), 6)
+    first = loader_of(cfg, 1, 2)
+    take(first, 2)
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"cfg": dataclasses.asdict(cfg), "state": first.state_dict()}))
+    first.close()
+    script = (
+        "import json, sys\n"
+        f"sys.path.insert(0, {str(TESTS_DIR)!r})\n"
+        "from pan.data import DataConfig, build_data_loader\n"
+        "from test_data_loader import take\n"
+        "from test_data_sources import tokens_of\n"
+        "job = json.load(open(sys.argv[1]))\n"
+        "loader = build_data_loader(DataConfig(**job['cfg']), tokens_of=tokens_of, dp_rank=1, dp_size=2, seed=0)\n"
+        "loader.load_state_dict(job['state'])\n"
+        "print(json.dumps(take(loader, 4)))\n")
+    repo = Path(pan.__file__).parents[1]
+    out = subprocess.run([sys.executable, "-c", script, str(job)], cwd=repo, capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == straight[2:]
+
+
+def test_resume_video_csv_false_restarts_videos_and_keeps_images(data):
+    cfg = mixed_config(data)
+    first = loader_of(cfg)
+    take(first, 4)
+    state = first.state_dict()
+    assert state["planner"]["streams"]["video:clips"] != {"epoch": 0, "pos": 0, "size": 8}
+    second = loader_of(dataclasses.replace(cfg, resume_video_csv=False))
+    second.load_state_dict(state)
+    assert second.planner.cursor["video:clips"] == (0, 0)
+    assert second.planner.cursor["images"] == first.planner.cursor["images"]
+    assert all(r.stream == "images" for r in second.replay)
+    assert len(second.replay) == sum(s == "images" for _, s, _, _ in state["buffer"])
+
+    def next_indices(planner, stream, n):
+        planner = planner.copy()
+        out = []
+        while len(out) < n:
+            ref = planner.next_ref()
+            if ref.stream == stream:
+                out.append(ref.index)
+        return out
+    fresh = loader_of(cfg).planner
+    assert next_indices(second.planner, "video:clips", 5) == next_indices(fresh, "video:clips", 5)
+    assert next_indices(second.planner, "images", 5) == next_indices(first.planner, "images", 5)
+    next(second)  # and it runs
+
+
+def test_different_dp_size_is_refused_unless_restart_is_allowed(data):
+    cfg = mixed_config(data)
+    old = loader_of(cfg, 0, 2)
+    take(old, 2)
+    state = old.state_dict()
+    with pytest.raises(DataResumeError, match="restart_data_on_dp_change"):
+        loader_of(cfg, 0, 1).load_state_dict(state)
+    with pytest.raises(DataResumeError, match="rank 0"):
+        loader_of(cfg, 1, 2).load_state_dict(state)
+    allowed = loader_of(dataclasses.replace(cfg, restart_data_on_dp_change=True), 0, 1)
+    allowed.load_state_dict(state)
+    assert take(allowed, 2) == take(loader_of(cfg, 0, 1), 2)  # every stream from the top
+
+
+def test_precomputed_rows_are_read_without_decoding(tmp_path):
+    (tmp_path / "latents").mkdir()
+    rows = []
+    for i, (t, h, w) in enumerate([(3, 4, 6), (1, 4, 4), (2, 6, 4)]):
+        save_file({"latent": torch.full((4, t, h, w), float(i)), "text": torch.randn(5 + i, 16)},
+                  str(tmp_path / "latents" / f"{i}.safetensors"))
+        rows.append([f"latents/{i}.safetensors", f"clip {i}"])
+    csv_path = write_csv(tmp_path / "pre.csv", ["latent_path", "caption"], rows)
+    cfg = small_config(video_csv_paths=[str(csv_path)], max_tokens_per_batch=200, packing_lookahead=3)
+    with pytest.raises(ValueError, match="latent_tokens_of"):
+        loader_of(cfg)
+    latent_tokens = lambda t, h, w: t * (h // 2) * (w // 2)  # noqa: E731
+    loader = build_data_loader(cfg, tokens_of=tokens_of, latent_tokens_of=latent_tokens,
+                               dp_rank=0, dp_size=1, seed=0)
+    batch = next(loader)
+    assert {s.sample_id for s in batch.samples} == {"pre:0", "pre:1", "pre:2"}
+    for s in batch.samples:
+        i = int(s.sample_id[-1])
+        assert s.frames is None and s.latent.shape[1:] == s.grid and s.text.shape == (5 + i, 16)
+        assert torch.all(s.latent == i) and s.tokens == latent_tokens(*s.grid)
