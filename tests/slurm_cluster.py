@@ -1,0 +1,71 @@
+"""A real one-node Slurm cluster for a pytest session, started and stopped by scripts/local_slurm.sh.
+
+Use it from a test module with `from slurm_cluster import slurm_cluster  # noqa: F401` and take the
+`slurm_cluster` fixture. Tests that need it are skipped (with the reason) when Slurm is not installed;
+`.ci/install_slurm.sh` installs it. The daemons are stopped by PID at the end of the session, also
+when tests fail.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+LOCAL_SLURM = REPO_ROOT / "scripts" / "local_slurm.sh"
+
+
+def slurm_installed() -> bool:
+    # Debian puts the daemons in /usr/sbin, which is not on every user's PATH.
+    return all(shutil.which(p) or Path("/usr/sbin", p).exists() for p in ("slurmctld", "slurmd", "munged"))
+
+
+def environ_outside_slurm() -> dict[str, str]:
+    """This process's environment minus every SLURM_* variable (pytest may itself run in a job)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+
+
+@dataclass
+class SlurmCluster:
+    base: Path  # holds etc/slurm.conf, log/, state/, munge/ of this cluster
+    env: dict[str, str]  # an environment whose Slurm commands talk to this cluster
+
+    def sbatch_wait(self, script: Path, args: list[str], *, env: dict[str, str], cwd: Path, output: Path,
+                    timeout: float, options: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+        """Submit `script args` with `sbatch --wait [options]` (they beat the script's #SBATCH lines);
+        returns once the job ended, with the job's exit code."""
+        return subprocess.run(
+            ["sbatch", "--wait", f"--output={output}", *options, str(script), *args],
+            env={**self.env, **env}, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+        )
+
+    def job_log(self, output: Path) -> str:
+        return output.read_text() if output.exists() else "<no job output>"
+
+
+def _local_slurm(command: str, base: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([str(LOCAL_SLURM), command, str(base)], capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory) -> Iterator[SlurmCluster]:
+    if not slurm_installed():
+        pytest.skip("Slurm is not installed (slurmctld/slurmd/munged missing): run .ci/install_slurm.sh")
+    base = tmp_path_factory.mktemp("slurm")
+    started = _local_slurm("start", base)
+    if started.returncode != 0:
+        _local_slurm("stop", base)  # start stops what it began, but be sure
+        pytest.fail(f"local Slurm did not start:\n{started.stderr}")
+    env = environ_outside_slurm()
+    env["SLURM_CONF"] = str(base / "etc" / "slurm.conf")
+    try:
+        yield SlurmCluster(base=base, env=env)
+    finally:
+        stopped = _local_slurm("stop", base)
+        assert stopped.returncode == 0, f"local Slurm did not stop cleanly:\n{stopped.stderr}"

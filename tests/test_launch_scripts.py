@@ -1,0 +1,253 @@
+"""The launch scripts (scripts/pretrain.sh, scripts/sft.sh over scripts/_launch.sh), run for real.
+
+Without Slurm the scripts run one torchrun here; under a real one-node Slurm (tests/slurm_cluster.py)
+they go through `sbatch --wait` and `srun`. A stand-in train.py records each rank's arguments and
+environment, which proves the plumbing: processes per node, node rank, master address, argument
+pass-through, exported caches, exit code. The last test runs the real trainer when it exists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from slurm_cluster import REPO_ROOT, LOCAL_SLURM, environ_outside_slurm, slurm_cluster, slurm_installed  # noqa: F401
+
+SCRIPTS = ("_launch.sh", "pretrain.sh", "sft.sh")
+STAND_IN_TRAIN = '''\
+import json, os, sys
+KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_NODEID",
+        "SLURM_STEP_ID", "HF_HOME", "HF_HUB_OFFLINE", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR",
+        "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "QUACK_CACHE_DIR", "WANDB_PROJECT", "WANDB_API_KEY",
+        "FI_PROVIDER", "NCCL_SOCKET_IFNAME")
+record = {"cwd": os.getcwd(), "argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in KEYS}}
+with open(os.path.join(os.environ["STANDIN_OUT"], "rank%s.json" % os.environ["RANK"]), "w") as f:
+    json.dump(record, f)
+sys.exit(int(os.environ.get("STANDIN_EXIT", "0")))
+'''
+FIRST_JOB_TIMEOUT_S = 180  # a cold page cache makes the first `import torch` slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_repo(root: Path) -> Path:
+    """A repository layout holding the real launch scripts, a stand-in train.py and the default YAMLs."""
+    (root / "scripts").mkdir(parents=True)
+    for name in SCRIPTS:
+        shutil.copy2(REPO_ROOT / "scripts" / name, root / "scripts" / name)
+    (root / "train.py").write_text(STAND_IN_TRAIN)
+    (root / "config").mkdir()
+    for name in ("pretrain_29B_720p.yaml", "sft_29B_720p.yaml", "tiny.yaml"):
+        (root / "config" / name).write_text("# stand-in config\n")
+    return root
+
+
+def launch_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """The caller's environment for one launch; ranks write their records to tmp_path/ranks."""
+    out = tmp_path / "ranks"
+    out.mkdir(exist_ok=True)
+    env = environ_outside_slurm()
+    for key in ("USER", "HF_HOME", "PAN_ROOT", "PAN_NPROC_PER_NODE", "PAN_TRAIN_SCRIPT", "CUDA_VISIBLE_DEVICES",
+                "FI_PROVIDER", "NCCL_SOCKET_IFNAME", "WANDB_PROJECT", "WANDB_RUN_ID", "WANDB_API_KEY"):
+        env.pop(key, None)
+    env.update(PAN_PYTHON=sys.executable, STANDIN_OUT=str(out), MASTER_PORT=str(free_port()),
+               OMP_NUM_THREADS="1", XDG_CACHE_HOME=str(tmp_path / "xdg"),
+               PAN2_CACHE_ROOT=str(tmp_path / "pan2"), WANDB_PROJECT="pan-launch-test")
+    env.update(extra)
+    return env
+
+
+def rank_records(tmp_path: Path) -> list[dict]:
+    files = sorted((tmp_path / "ranks").glob("rank*.json"))
+    return [json.loads(f.read_text()) for f in files]
+
+
+def user_name() -> str:
+    return pwd.getpwuid(os.getuid()).pw_name
+
+
+# ---- the scripts themselves -------------------------------------------------------------------
+
+
+def sbatch_options(script: Path) -> list[str]:
+    return re.findall(r"^#SBATCH (\S+)", script.read_text(), flags=re.M)
+
+
+def test_pretrain_and_sft_differ_only_in_header_and_default_config():
+    pretrain, sft = REPO_ROOT / "scripts" / "pretrain.sh", REPO_ROOT / "scripts" / "sft.sh"
+    for path in (*(REPO_ROOT / "scripts" / n for n in SCRIPTS), LOCAL_SLURM, REPO_ROOT / ".ci" / "install_slurm.sh"):
+        subprocess.run(["bash", "-n", str(path)], check=True)
+
+    assert "--nodes=1" in sbatch_options(pretrain) and "--nodes=240" in sbatch_options(sft)
+    assert "--job-name=pan-pretrain" in sbatch_options(pretrain) and "--job-name=pan-sft" in sbatch_options(sft)
+    for script in (pretrain, sft):
+        text = script.read_text()
+        assert "--exclude=" in text
+        for option in ("partition", "qos", "account"):  # present, but commented out
+            assert re.search(rf"^##SBATCH --{option}=", text, flags=re.M), (script.name, option)
+
+    def body(script: Path) -> list[str]:  # what runs: neither comments nor the default YAML
+        return [line for line in script.read_text().splitlines()
+                if line and not line.startswith("#") and not line.startswith("PAN_DEFAULT_CONFIG=")]
+
+    assert body(pretrain) == body(sft)
+    assert "PAN_DEFAULT_CONFIG=config/pretrain_29B_720p.yaml" in pretrain.read_text()
+    assert "PAN_DEFAULT_CONFIG=config/sft_29B_720p.yaml" in sft.read_text()
+
+
+# ---- outside Slurm: one single-node torchrun here -------------------------------------------
+
+
+def run_local(script: str, args: list[str], repo: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", f"scripts/{script}", *args], cwd=repo, env=env, capture_output=True,
+                          text=True, timeout=FIRST_JOB_TIMEOUT_S)
+
+
+def test_local_run_uses_default_config_and_passes_overrides(tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    env = launch_env(tmp_path, PAN_NPROC_PER_NODE="2")
+    result = run_local("sft.sh", ["--max_steps", "3", "--run_name", "a b'c"], repo, env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "torch.distributed.run --node_rank=0 --nnodes=1 --nproc_per_node=2" in result.stdout
+    assert "torchrun exited with code 0" in result.stdout
+
+    records = rank_records(tmp_path)
+    assert sorted(r["env"]["RANK"] for r in records) == ["0", "1"]
+    user = user_name()
+    for r in records:
+        assert r["cwd"] == str(repo)
+        assert r["argv"] == ["--config", "config/sft_29B_720p.yaml", "--max_steps", "3", "--run_name", "a b'c"]
+        e = r["env"]
+        assert (e["WORLD_SIZE"], e["GROUP_RANK"], e["MASTER_ADDR"], e["MASTER_PORT"]) == (
+            "2", "0", "127.0.0.1", env["MASTER_PORT"])
+        assert e["HF_HOME"] == str(tmp_path / "xdg" / "huggingface") and e["HF_HUB_OFFLINE"] == "1"
+        assert e["TRITON_CACHE_DIR"] == f"/tmp/triton_{user}"
+        assert e["TORCHINDUCTOR_CACHE_DIR"] == f"/tmp/inductor_{user}"
+        assert e["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] == str(tmp_path / "pan2" / "fa4_cute_dsl")
+        assert e["QUACK_CACHE_DIR"] == str(tmp_path / "pan2" / "quack")
+        assert e["WANDB_PROJECT"] == "pan-launch-test" and e["WANDB_API_KEY"] is None
+        if shutil.which("nvidia-smi") is None:  # a CPU node: the EFA/NCCL block stays off
+            assert e["FI_PROVIDER"] is None
+
+
+def test_local_run_starts_one_process_per_visible_gpu(tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    env = launch_env(tmp_path, CUDA_VISIBLE_DEVICES="0,1", NCCL_SOCKET_IFNAME="eth7")
+    result = run_local("pretrain.sh", ["config/tiny.yaml", "--seed", "1"], repo, env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = rank_records(tmp_path)
+    assert sorted(r["env"]["RANK"] for r in records) == ["0", "1"]
+    for r in records:
+        assert r["argv"] == ["--config", "config/tiny.yaml", "--seed", "1"]
+        assert r["env"]["FI_PROVIDER"] == "efa"  # the networking block is on for GPU nodes ...
+        assert r["env"]["NCCL_SOCKET_IFNAME"] == "eth7"  # ... and a cluster's own setting wins
+
+
+def test_missing_config_fails_before_launching(tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    result = run_local("pretrain.sh", ["config/missing.yaml"], repo, launch_env(tmp_path))
+    assert result.returncode == 2
+    assert "config 'config/missing.yaml' not found" in result.stderr and "PAN_ROOT" in result.stderr
+    assert rank_records(tmp_path) == []
+
+
+# ---- under a real one-node Slurm ------------------------------------------------------------
+
+
+def test_sbatch_runs_torchrun_through_srun(slurm_cluster, tmp_path):
+    """Submitted from the repository root: the spool copy of the script finds it via SLURM_SUBMIT_DIR."""
+    repo = make_repo(tmp_path / "repo")
+    log = tmp_path / "job.out"
+    env = launch_env(tmp_path, PAN_NPROC_PER_NODE="2")
+    result = slurm_cluster.sbatch_wait(repo / "scripts" / "pretrain.sh",
+                                       ["config/tiny.yaml", "--output_dir", "runs/x y", "--learning_rate", "5e-5"],
+                                       env=env, cwd=repo, output=log, timeout=FIRST_JOB_TIMEOUT_S)
+    job_log = slurm_cluster.job_log(log)
+    assert result.returncode == 0, result.stderr + job_log
+    assert "pan launch: srun --ntasks-per-node=1 --nodes=1" in job_log
+    assert "torchrun exited with code 0" in job_log
+
+    records = rank_records(tmp_path)
+    assert sorted(r["env"]["RANK"] for r in records) == ["0", "1"]
+    for r in records:
+        assert r["cwd"] == str(repo)
+        assert r["argv"] == ["--config", "config/tiny.yaml", "--output_dir", "runs/x y", "--learning_rate", "5e-5"]
+        e = r["env"]
+        # Started by srun (a job step) on node 0, which is also torchrun's node rank.
+        assert (e["SLURM_STEP_ID"], e["SLURM_NODEID"], e["GROUP_RANK"], e["WORLD_SIZE"]) == ("0", "0", "0", "2")
+        assert e["MASTER_ADDR"] in (socket.gethostname().split(".")[0], "127.0.0.1")
+        assert e["MASTER_PORT"] == env["MASTER_PORT"]
+        assert e["WANDB_PROJECT"] == "pan-launch-test"
+
+
+def test_sbatch_with_pan_root_exits_with_torchrun_code(slurm_cluster, tmp_path):
+    """Submitted from elsewhere with PAN_ROOT set; a failing rank fails torchrun, the step and the job."""
+    repo = make_repo(tmp_path / "repo")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    failing_train = repo / "failing_train.py"
+    failing_train.write_text(STAND_IN_TRAIN)
+    log = tmp_path / "job.out"
+    env = launch_env(tmp_path, PAN_ROOT=str(repo), PAN_TRAIN_SCRIPT=failing_train.name,
+                     PAN_NPROC_PER_NODE="2", STANDIN_EXIT="3")
+    result = slurm_cluster.sbatch_wait(repo / "scripts" / "sft.sh", ["--max_steps", "1"], env=env,
+                                       cwd=elsewhere, output=log, timeout=FIRST_JOB_TIMEOUT_S,
+                                       options=("--nodes=1",))  # sft.sh asks for 240 nodes
+    job_log = slurm_cluster.job_log(log)
+    assert result.returncode == 1, result.stderr + job_log  # torchrun reports any failed worker as 1
+    assert "torchrun exited with code 1" in job_log
+    records = rank_records(tmp_path)
+    assert len(records) == 2 and all(r["argv"] == ["--config", "config/sft_29B_720p.yaml", "--max_steps", "1"]
+                                     for r in records)
+
+
+@pytest.mark.skipif(not slurm_installed(), reason="Slurm is not installed: run .ci/install_slurm.sh")
+def test_local_slurm_stop_ends_every_daemon(tmp_path_factory):
+    base = tmp_path_factory.mktemp("slurm_stop")
+    started = subprocess.run([str(LOCAL_SLURM), "start", str(base)], capture_output=True, text=True, timeout=60)
+    pid_files = [base / "run" / "slurmd.pid", base / "run" / "slurmctld.pid", base / "munge" / "munged.pid"]
+    pids = [int(f.read_text()) for f in pid_files if f.exists()]
+    stopped = subprocess.run([str(LOCAL_SLURM), "stop", str(base)], capture_output=True, text=True, timeout=60)
+    assert started.returncode == 0, started.stderr
+    assert started.stdout == f"export SLURM_CONF={base}/etc/slurm.conf\n"
+    assert len(pids) == 3 and stopped.returncode == 0, stopped.stderr
+    assert all(not Path(f"/proc/{pid}").exists() for pid in pids)
+
+
+# ---- the real trainer -----------------------------------------------------------------------
+# Runs once train.py can train the tiny CPU config; until then it is skipped with the reason below.
+TINY_CPU_CONFIG = REPO_ROOT / "config" / "demo_cpu.yaml"
+
+
+@pytest.mark.skipif(not (REPO_ROOT / "train.py").exists() or not TINY_CPU_CONFIG.exists(),
+                    reason="waits for the trainer: train.py and config/demo_cpu.yaml must both exist")
+def test_pretrain_script_trains_and_resumes_under_slurm(slurm_cluster, tmp_path):
+    out_dir = tmp_path / "run"
+    env = launch_env(tmp_path, PAN_ROOT=str(REPO_ROOT), PAN_NPROC_PER_NODE="2")
+    config = str(TINY_CPU_CONFIG.relative_to(REPO_ROOT))
+
+    def submit(max_steps: int, log: Path) -> str:
+        args = [config, "--output_dir", str(out_dir), "--max_steps", str(max_steps), "--save_interval", "2"]
+        result = slurm_cluster.sbatch_wait(REPO_ROOT / "scripts" / "pretrain.sh", args, env=env, cwd=tmp_path,
+                                           output=log, timeout=FIRST_JOB_TIMEOUT_S)
+        job_log = slurm_cluster.job_log(log)
+        assert result.returncode == 0, result.stderr + job_log
+        return job_log
+
+    submit(2, tmp_path / "first.out")
+    assert (out_dir / "checkpoint-2").is_dir()
+    second = submit(4, tmp_path / "second.out")
+    assert "resuming from" in second
+    assert (out_dir / "checkpoint-4").is_dir()
