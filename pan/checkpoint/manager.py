@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import io
+import random
+import time
 from dataclasses import dataclass
-from typing import ClassVar
+from pathlib import Path
+from typing import Any, ClassVar
 
-from pan.config.core import knob
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
+
+from pan.checkpoint import dcp as layout
+from pan.config.core import ConfigError, knob
+from pan.logging import get_logger
 
 
 @dataclass(kw_only=True)
@@ -18,3 +30,313 @@ class CheckpointConfig:
                               ge=1)
     save_total_limit: int | None = knob(
         None, "keep at most this many complete checkpoints, deleting the oldest (null: keep all)", ge=1)
+
+
+# ------------------------------------------------------------------------------------------------
+# Saving and resuming
+# ------------------------------------------------------------------------------------------------
+
+class UnreadableRunError(RuntimeError):
+    """Every checkpoint in output_dir is unreadable: starting fresh would overwrite the run."""
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _broadcast_from_main(obj: Any) -> Any:
+    """Rank 0's value of `obj` on every rank (so that all ranks take the same decision)."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _all_ok(ok: bool, reason: str | None) -> tuple[bool, str | None]:
+    """True on every rank when `ok` holds on every rank; else the first failing rank's reason."""
+    if not dist.is_initialized():
+        return ok, reason
+    reasons: list = [None] * dist.get_world_size()
+    dist.all_gather_object(reasons, None if ok else f"rank {dist.get_rank()}: {reason}")
+    failed = [r for r in reasons if r is not None]
+    return not failed, (failed[0] if failed else None)
+
+
+def _dcp_save(state: dict, path: Path) -> None:
+    dcp.save(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+
+
+def _dcp_load(state: dict, path: Path) -> None:
+    dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+
+
+def _optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    """The real torch optimizers behind the trainer's optimizer (an OptimizerSet or a plain one)."""
+    return list(getattr(optimizer, "optimizers", [optimizer]))
+
+
+def _has_cursor(loader) -> bool:
+    """Only cp rank 0 of each cp group holds a real data loader."""
+    return loader is not None and hasattr(loader, "state_dict")
+
+
+def rank_rng_state(task) -> dict:
+    """This process's random state: torch CPU (and CUDA) generators, Python's, and the task's."""
+    state = {"cpu": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    if task is not None and hasattr(task, "state_dict"):
+        state["task"] = task.state_dict()
+    return state
+
+
+def restore_rng_state(state: dict, task) -> None:
+    torch.set_rng_state(state["cpu"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if "task" in state and task is not None:
+        task.load_state_dict(state["task"])
+
+
+class Checkpointer:
+    """Writes and resumes `output_dir/checkpoint-N/` (layout in pan/checkpoint/dcp.py).
+
+    Every method is collective: all ranks call it together, and all ranks take the same decision.
+    `restart_data_on_dp_change` is the data config's key: without it a resume with another number
+    of data-parallel ranks is refused, with it the data streams restart (model and optimizer load).
+    """
+
+    def __init__(self, cfg: CheckpointConfig, world, dims, *, restart_data_on_dp_change: bool = False):
+        self.cfg, self.world, self.dims = cfg, world, dims
+        self.output_dir = Path(cfg.output_dir)
+        self.restart_data_on_dp_change = restart_data_on_dp_change
+        self.log = get_logger()
+        # (checkpoint, what was wrong) for each checkpoint the last resume skipped.
+        self.skipped: list[tuple[Path, str]] = []
+
+    # -- ranks ------------------------------------------------------------------------------------
+    @property
+    def dp_rank(self) -> int:
+        return self.world.rank // self.dims.cp  # cp is the innermost mesh dimension
+
+    @property
+    def cp_rank(self) -> int:
+        return self.world.rank % self.dims.cp
+
+    def _meta(self, step: int) -> dict:
+        return {"format": layout.FORMAT_VERSION, "step": step, "world_size": self.world.size,
+                "cp_size": self.dims.cp, "dp_size": self.dims.dp,
+                "dp_replicate": self.dims.dp_replicate, "dp_shard": self.dims.dp_shard,
+                "torch": torch.__version__, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+    # -- save -------------------------------------------------------------------------------------
+    def save(self, step: int, parts: dict) -> Path:
+        """Write checkpoint-`step`/ atomically, then prune old ones. Returns the folder."""
+        t0 = time.perf_counter()
+        final = self.output_dir / layout.checkpoint_name(step)
+        tmp = final.with_name(final.name + ".tmp")
+        if self.world.is_main:
+            layout.remove_tree(tmp)  # a save of this step that was killed earlier
+            tmp.mkdir(parents=True)
+        _barrier()
+
+        model, optimizers = parts["model"], _optimizers(parts["optimizer"])
+        # Optimizer state is keyed by parameter name, so it reloads under any sharding.
+        _dcp_save(get_model_state_dict(model), tmp / layout.TRANSFORMER)
+        _dcp_save(get_optimizer_state_dict(model, optimizers), tmp / layout.OPTIMIZER)
+        if parts.get("ema") is not None:
+            _dcp_save(parts["ema"].state_dict(), tmp / layout.EMA)
+
+        loader = parts.get("loader")
+        if _has_cursor(loader) and self.cp_rank == 0:
+            layout.write_json_durably(tmp / layout.DATALOADER / f"{self.dp_rank}.json", loader.state_dict())
+
+        rng = [None] * self.world.size
+        if dist.is_initialized():
+            dist.all_gather_object(rng, rank_rng_state(parts.get("task")))
+        else:
+            rng = [rank_rng_state(parts.get("task"))]
+        if self.world.is_main:
+            buffer = io.BytesIO()
+            torch.save({"step": step, "scheduler": parts["scheduler"].state_dict(),
+                        "train_state": parts["train_state"].state_dict(), "rng": rng,
+                        "world_size": self.world.size, "cp_size": self.dims.cp}, buffer)
+            layout.write_bytes_durably(tmp / layout.TRAINING_STATE, buffer.getvalue())
+            layout.write_json_durably(tmp / layout.META, self._meta(step))
+        _barrier()  # every rank's files are written and fsynced
+
+        if self.world.is_main:
+            self._commit(tmp, final, step)
+            self._prune(keep=final)
+        _barrier()
+        self.log.info("saved %s in %.1f s", final, time.perf_counter() - t0)
+        return final
+
+    def _commit(self, tmp: Path, final: Path, step: int) -> None:
+        """Marker last, then one rename: nothing named checkpoint-N exists until it is whole."""
+        layout.fsync_tree(tmp)
+        layout.write_json_durably(tmp / layout.MARKER, {"step": step, "files": layout.file_sizes(tmp)})
+        layout.fsync_path(tmp)
+        if final.exists():  # an unreadable checkpoint of this step that a resume skipped
+            old = final.with_name(final.name + ".old")
+            layout.remove_tree(old)
+            final.rename(old)
+            tmp.rename(final)
+            layout.remove_tree(old)
+        else:
+            tmp.rename(final)
+        layout.fsync_path(final.parent)
+
+    def _prune(self, keep: Path) -> None:
+        """Delete the oldest complete checkpoints beyond save_total_limit (never `keep`)."""
+        if self.cfg.save_total_limit is None:
+            return
+        complete = layout.complete_checkpoints(self.output_dir)
+        excess = [p for p in complete if p != keep][:max(len(complete) - self.cfg.save_total_limit, 0)]
+        for path in excess:
+            # Rename first: a kill half-way through the delete leaves a `.old`, never a broken
+            # checkpoint-N that still carries its marker.
+            doomed = path.with_name(path.name + ".old")
+            path.rename(doomed)
+            layout.remove_tree(doomed)
+            self.log.info("save_total_limit %d: deleted %s", self.cfg.save_total_limit, path.name)
+
+    # -- resume -----------------------------------------------------------------------------------
+    def latest_step(self) -> int | None:
+        """The step of the newest complete checkpoint in output_dir (None: the run starts fresh).
+
+        Call it before building the model: it decides whether the warm start applies, and it
+        refuses a data-parallel size change now rather than after minutes of model building.
+        """
+        complete = _broadcast_from_main([layout.step_of(p) for p in layout.complete_checkpoints(self.output_dir)])
+        if not complete:
+            return None
+        meta = _broadcast_from_main(self._read_meta(self.output_dir / layout.checkpoint_name(complete[-1])))
+        if meta is not None:
+            self._check_layout(meta)
+        return complete[-1]
+
+    def _read_meta(self, path: Path) -> dict | None:
+        try:
+            return layout.read_json(path / layout.META)
+        except Exception:
+            return None  # resume() reports it when it gets to this checkpoint
+
+    def _check_layout(self, meta: dict) -> None:
+        if meta["dp_size"] == self.dims.dp or self.restart_data_on_dp_change:
+            return
+        raise ConfigError(
+            "restart_data_on_dp_change",
+            f"{self.output_dir} holds checkpoint-{meta['step']} of a run with {meta['dp_size']} data-"
+            f"parallel ranks (world_size {meta['world_size']}, cp_size {meta['cp_size']}); this run "
+            f"has {self.dims.dp} (world_size {self.world.size}, cp_size {self.dims.cp}). Each rank's "
+            f"data cursor covers its own share of the data, so they cannot be carried over. Relaunch "
+            f"with {meta['dp_size']} data-parallel ranks, or set restart_data_on_dp_change: true to "
+            f"load the model and optimizer and restart every data stream.")
+
+    def resume(self, parts: dict) -> int | None:
+        """Load the newest readable checkpoint of output_dir into `parts`; its step, or None if none.
+
+        An unreadable checkpoint (truncated shard, missing metadata, bad json...) is skipped with a
+        warning that says what was wrong, and the previous one is tried. Raises UnreadableRunError
+        when checkpoints exist but none is readable, ConfigError when the data-parallel size changed
+        without restart_data_on_dp_change.
+        """
+        self.skipped = []
+        if self.world.is_main:
+            for leftover in layout.partial_dirs(self.output_dir):
+                self.log.info("removing %s (left by an interrupted save)", leftover.name)
+                layout.remove_tree(leftover)
+        steps = _broadcast_from_main([layout.step_of(p) for p in layout.complete_checkpoints(self.output_dir)])
+        for step in reversed(steps):
+            path = self.output_dir / layout.checkpoint_name(step)
+            problem = self._try_load(path, parts)
+            if problem is None:
+                for bad, why in self.skipped:
+                    self.log.warning("%s is unreadable (%s); resumed from %s instead", bad.name, why,
+                                     path.name)
+                return step
+            self.skipped.append((path, problem))
+            self.log.warning("cannot resume from %s: %s; trying the previous checkpoint", path, problem)
+        if self.skipped:
+            listing = "; ".join(f"{p.name}: {why}" for p, why in self.skipped)
+            raise UnreadableRunError(
+                f"{self.output_dir} has checkpoints but none is readable ({listing}). Starting from "
+                f"scratch would overwrite this run: repair them, or move them out of output_dir to "
+                f"start fresh.")
+        return None
+
+    def _try_load(self, path: Path, parts: dict) -> str | None:
+        """Load one checkpoint; what was wrong with it (None once it is loaded)."""
+        verdict = _broadcast_from_main(layout.verify_checkpoint(path) if self.world.is_main else None)
+        if verdict is not None:
+            return verdict
+        meta = _broadcast_from_main(self._read_meta(path))
+        self._check_layout(meta)
+        same_dp = meta["dp_size"] == self.dims.dp
+
+        # Small files first, each rank its own; all ranks agree before any collective load.
+        local, problem = None, None
+        try:
+            local = self._read_local_state(path, meta, same_dp, parts.get("loader"))
+        except Exception as e:
+            problem = f"{type(e).__name__}: {e}"
+        ok, problem = _all_ok(problem is None, problem)
+        if not ok:
+            return problem
+
+        model, optimizers = parts["model"], _optimizers(parts["optimizer"])
+        # The optimizer's state dict is built first: on a fresh optimizer that runs one zero-lr
+        # step to create the state, which must not touch the weights loaded next.
+        optim_state = get_optimizer_state_dict(model, optimizers)
+        model_state = get_model_state_dict(model)
+        ema = parts.get("ema")
+        try:
+            _dcp_load(model_state, path / layout.TRANSFORMER)
+            _dcp_load(optim_state, path / layout.OPTIMIZER)
+            if ema is not None:
+                ema_state = ema.state_dict()
+                _dcp_load(ema_state, path / layout.EMA)
+        except Exception as e:  # DCP gathers every rank's read errors, so all ranks land here
+            return f"{type(e).__name__}: {e}"
+        set_model_state_dict(model, model_state)
+        set_optimizer_state_dict(model, optimizers, optim_state)
+        if ema is not None:
+            ema.load_state_dict(ema_state)
+        self._apply_local_state(local, parts, same_dp)
+        return None
+
+    def _read_local_state(self, path: Path, meta: dict, same_dp: bool, loader) -> dict:
+        state = torch.load(path / layout.TRAINING_STATE, map_location="cpu", weights_only=True)
+        local = {"state": state, "cursor": None}
+        if _has_cursor(loader):
+            # After an allowed dp change, hand the loader any cursor: it sees the other dp size
+            # and restarts its streams (resume_video_csv is handled there too).
+            name = f"{self.dp_rank}.json" if same_dp else "0.json"
+            local["cursor"] = layout.read_json(path / layout.DATALOADER / name)
+        return local
+
+    def _rng_source(self, state: dict) -> int | None:
+        """Which saved rank's RNG state this rank continues (None: the dp layout changed)."""
+        if state["world_size"] == self.world.size and state["cp_size"] == self.dims.cp:
+            return self.world.rank
+        if state["world_size"] // state["cp_size"] == self.dims.dp:
+            # Same data-parallel ranks, other cp size: continue cp rank 0 of the same dp group,
+            # the rank that drew the group's noise and timesteps.
+            return self.dp_rank * state["cp_size"]
+        return None
+
+    def _apply_local_state(self, local: dict, parts: dict, same_dp: bool) -> None:
+        state = local["state"]
+        parts["scheduler"].load_state_dict(state["scheduler"])
+        parts["train_state"].load_state_dict(state["train_state"])
+        source = self._rng_source(state)
+        if source is None:
+            self.log.warning("data-parallel size changed: RNG streams start from the seed")
+        else:
+            restore_rng_state(state["rng"][source], parts.get("task"))
+        if local["cursor"] is not None:
+            parts["loader"].load_state_dict(local["cursor"])

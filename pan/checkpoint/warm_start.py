@@ -1,11 +1,40 @@
-"""Warm start: transformer weights from a plain state dict or from another run's checkpoint."""
+"""Warm start: transformer weights from a plain state dict or from another run's checkpoint.
+
+Two kinds of source (`pretrained_transformer_path`):
+- a plain state dict (`.pt`, `.safetensors`, or a directory holding `model_state.pt`): read whole on
+  every rank and copied into the unsharded model before FSDP wrapping (`before_sharding`);
+- a checkpoint written by this trainer (`checkpoint-N/` or its `transformer/` DCP folder): read
+  through DCP after FSDP wrapping (`after_sharding`), each rank reading only its own shards, so it
+  works for any world size, whatever wrote it.
+
+Either way only tensors whose name and shape match are copied; the report lists what was loaded,
+what had another shape and what the model has that the source lacks. Optimizer, LR schedule, step
+and data cursors are not touched: they start fresh. The warm start is used only while output_dir
+has no checkpoint of its own (`plan_warm_start`), so a restarted SFT job resumes itself.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar, Literal
 
-from pan.config.core import knob, require
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     set_model_state_dict)
+
+from pan.checkpoint import dcp as layout
+from pan.config.core import ConfigError, knob, require
+from pan.logging import get_logger
+
+PLAIN_STATE_FILE = "model_state.pt"
+# Prefixes that wrappers add to parameter names (torch.compile, DDP); a plain state dict saved
+# from such a wrapper still matches the bare model.
+WRAPPER_PREFIXES = ("_orig_mod.", "module.")
 
 
 @dataclass(kw_only=True)
@@ -29,3 +58,143 @@ class WarmStartConfig:
                 "load_transformer_weights",
                 "is true but pretrained_transformer_path is not set: name the weights to load, or set "
                 "load_transformer_weights: false.")
+        if self.load_transformer_weights:
+            resolve_source(self.pretrained_transformer_path)
+
+
+SourceKind = Literal["state_dict", "checkpoint"]
+
+
+def resolve_source(path: str) -> tuple[SourceKind, Path]:
+    """What kind of warm-start source `path` is, and the file or DCP folder to read.
+
+    Raises ConfigError (key pretrained_transformer_path) when it is neither kind.
+    """
+    p = Path(path)
+    if p.is_file() and p.suffix in (".pt", ".pth", ".bin", ".safetensors"):
+        return "state_dict", p
+    if p.is_dir():
+        if (p / PLAIN_STATE_FILE).is_file():
+            return "state_dict", p / PLAIN_STATE_FILE
+        if (p / layout.TRANSFORMER / layout.DCP_METADATA).is_file():
+            return "checkpoint", p / layout.TRANSFORMER
+        if (p / layout.DCP_METADATA).is_file():
+            return "checkpoint", p
+    what = "does not exist" if not p.exists() else "is neither kind of source"
+    raise ConfigError("pretrained_transformer_path",
+                      f"{path} {what}. Give a .pt or .safetensors state dict, a directory holding "
+                      f"{PLAIN_STATE_FILE}, or a checkpoint-N/ directory (or its {layout.TRANSFORMER}/ "
+                      f"folder) written by pan; run `pan inspect <output_dir>` to list a run's "
+                      f"checkpoints.")
+
+
+@dataclass
+class WarmStartReport:
+    source: Path
+    kind: SourceKind
+    loaded: list[str] = field(default_factory=list)
+    mismatched: list[tuple[str, tuple, tuple]] = field(default_factory=list)  # name, source, model
+    missing: list[str] = field(default_factory=list)     # in the model, not in the source
+    unexpected: list[str] = field(default_factory=list)  # in the source, not in the model
+
+    def summary(self) -> str:
+        lines = [f"warm start from {self.source} ({self.kind}): {len(self.loaded)} tensors loaded, "
+                 f"{len(self.mismatched)} shape-mismatched, {len(self.missing)} missing (kept at "
+                 f"init), {len(self.unexpected)} unused"]
+        lines += [f"  shape mismatch {n}: source {tuple(a)} vs model {tuple(b)}" for n, a, b in self.mismatched]
+        lines += [f"  missing {n}" for n in self.missing]
+        lines += [f"  unused {n}" for n in self.unexpected]
+        return "\n".join(lines)
+
+
+def _strip_wrappers(name: str) -> str:
+    for prefix in WRAPPER_PREFIXES:
+        while name.startswith(prefix):
+            name = name[len(prefix):]
+    return name
+
+
+def read_plain_state_dict(path: Path) -> dict[str, Tensor]:
+    """A flat name -> tensor mapping from a .safetensors or torch-saved file (names unwrapped)."""
+    if path.suffix == ".safetensors":
+        with safe_open(str(path), framework="pt") as f:
+            state = {k: f.get_tensor(k) for k in f.keys()}
+    else:
+        # mmap: a large file is paged in tensor by tensor as it is copied, not read whole first.
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
+        keys = list(state)[:5] if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"{path} is not a flat state dict of tensors (top level: {keys}); save "
+                         f"model.state_dict() itself, or export a checkpoint with `pan export`.")
+    return {_strip_wrappers(k): v for k, v in state.items()}
+
+
+def _compare(report: WarmStartReport, source: dict[str, tuple], model: dict[str, tuple]) -> list[str]:
+    """Fill the report from the two name -> shape maps; the names to load."""
+    report.loaded = sorted(n for n in model if n in source and tuple(source[n]) == tuple(model[n]))
+    report.mismatched = sorted((n, tuple(source[n]), tuple(model[n]))
+                               for n in model if n in source and tuple(source[n]) != tuple(model[n]))
+    report.missing = sorted(n for n in model if n not in source)
+    report.unexpected = sorted(n for n in source if n not in model)
+    return report.loaded
+
+
+@torch.no_grad()
+def load_state_dict_weights(model: nn.Module, path: Path) -> WarmStartReport:
+    """Copy the shape-compatible tensors of a plain state dict into an unsharded model."""
+    if any(t.is_meta for t in model.state_dict().values()):
+        raise ValueError("a plain state-dict warm start needs the model's tensors materialised "
+                         "(it runs before FSDP wrapping); the model is on the meta device")
+    source = read_plain_state_dict(path)
+    target = model.state_dict()
+    report = WarmStartReport(path, "state_dict")
+    names = _compare(report, {k: v.shape for k, v in source.items()}, {k: v.shape for k, v in target.items()})
+    model.load_state_dict({n: source[n] for n in names}, strict=False)
+    return report
+
+
+def load_checkpoint_weights(model: nn.Module, dcp_dir: Path) -> WarmStartReport:
+    """Load the transformer weights of a pan checkpoint into a (possibly FSDP-sharded) model.
+
+    Collective: every rank calls it. DCP reads each rank's shards from whatever layout wrote them.
+    """
+    stored = layout.dcp_tensor_shapes(dcp_dir)
+    state = get_model_state_dict(model)
+    report = WarmStartReport(dcp_dir, "checkpoint")
+    names = _compare(report, {k: size for k, (size, _) in stored.items()},
+                     {k: v.shape for k, v in state.items()})  # DTensor.shape is the global shape
+    wanted = {n: state[n] for n in names}
+    dcp.load(wanted, checkpoint_id=str(dcp_dir), no_dist=not dist.is_initialized())
+    set_model_state_dict(model, wanted, options=StateDictOptions(strict=False))
+    return report
+
+
+@dataclass
+class WarmStart:
+    """The warm start one run does: call both hooks; each acts only for its kind of source."""
+    kind: SourceKind
+    path: Path
+    report: WarmStartReport | None = None
+
+    def before_sharding(self, model: nn.Module) -> None:
+        if self.kind == "state_dict":
+            self.report = load_state_dict_weights(model, self.path)
+            get_logger().info("%s", self.report.summary())
+
+    def after_sharding(self, model: nn.Module) -> None:
+        if self.kind == "checkpoint":
+            self.report = load_checkpoint_weights(model, self.path)
+            get_logger().info("%s", self.report.summary())
+
+
+def plan_warm_start(cfg: WarmStartConfig, resume_step: int | None) -> WarmStart | None:
+    """The warm start to do, or None: none configured, or the run resumes its own checkpoint
+    (`resume_step` from `Checkpointer.latest_step()`)."""
+    if not cfg.load_transformer_weights:
+        return None
+    if resume_step is not None:
+        get_logger().info("output_dir has checkpoint-%d: resuming it, not warm starting from %s",
+                          resume_step, cfg.pretrained_transformer_path)
+        return None
+    kind, path = resolve_source(cfg.pretrained_transformer_path)
+    return WarmStart(kind, path)

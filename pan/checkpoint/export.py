@@ -1,0 +1,107 @@
+"""`pan export` (consolidated .safetensors weights of a checkpoint) and `pan inspect` (a run's list).
+
+Both run on one process, without a process group: DCP reads every shard of the folder into full
+tensors, whatever world size wrote it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+
+from pan.checkpoint import dcp as layout
+
+
+def consolidated_weights(dcp_dir: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP folder, unsharded, on CPU (optionally cast to `dtype`)."""
+    state = {key: torch.empty(size, dtype=stored) for key, (size, stored) in layout.dcp_tensor_shapes(dcp_dir).items()}
+    dcp.load(state, checkpoint_id=str(dcp_dir), no_dist=True)
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    return state
+
+
+def export_checkpoint(ckpt_dir: str | Path, out_path: str | Path, *, ema: bool = False,
+                      dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Write the transformer weights of `ckpt_dir` (a checkpoint-N/ or its transformer/ folder) as
+    one .safetensors file that `safetensors.torch.load_file` and the warm start read.
+
+    `ema=True` exports the EMA weights instead (the checkpoint must hold them). Returns the tensors.
+    """
+    ckpt_dir, out_path = Path(ckpt_dir), Path(out_path)
+    if (ckpt_dir / layout.DCP_METADATA).is_file():
+        if ema:
+            raise ValueError(f"{ckpt_dir} is a single DCP folder; pass its checkpoint-N/ for --ema")
+        source = ckpt_dir
+    else:
+        problem = layout.verify_checkpoint(ckpt_dir)
+        if problem is not None:
+            raise ValueError(f"{ckpt_dir} is not a readable checkpoint: {problem}")
+        source = ckpt_dir / (layout.EMA if ema else layout.TRANSFORMER)
+        if not source.is_dir():
+            raise ValueError(f"{ckpt_dir} holds no EMA weights (the run had ema_decay: 0)")
+    weights = consolidated_weights(source, dtype)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(out_path.name + ".tmp")
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp),
+              metadata={"source": str(source), "format": "pan-transformer"})
+    tmp.replace(out_path)  # a killed export never leaves a half-written file under the real name
+    return weights
+
+
+def inspect_run(output_dir: str | Path) -> list[layout.CheckpointInfo]:
+    """Every checkpoint folder of a run, including unfinished saves, oldest step first."""
+    output_dir = Path(output_dir)
+    paths = layout.checkpoint_dirs(output_dir) + layout.partial_dirs(output_dir)
+    return sorted((layout.describe(p) for p in paths), key=lambda i: (i.step, i.path.name))
+
+
+def format_inspection(infos: list[layout.CheckpointInfo]) -> str:
+    lines = [f"{'checkpoint':<28}{'step':>10}{'complete':>10}{'size':>12}  status"]
+    for i in infos:
+        status = "ok" if i.problem is None else i.problem
+        lines.append(f"{i.path.name:<28}{i.step:>10}{'yes' if i.complete else 'no':>10}"
+                     f"{i.size_bytes / 2**20:>10.1f}MB  {status}")
+    readable = [i for i in infos if i.complete and i.problem is None]
+    lines.append(f"resume would start from: {readable[-1].path.name if readable else 'nothing (fresh run)'}")
+    return "\n".join(lines)
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def main_export(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="pan export", description="Write a checkpoint's transformer weights as one .safetensors "
+                                       "file (usable as pretrained_transformer_path).")
+    parser.add_argument("checkpoint", help="a checkpoint-N/ folder, or its transformer/ folder")
+    parser.add_argument("out", help="the .safetensors file to write")
+    parser.add_argument("--ema", action="store_true", help="export the EMA weights instead")
+    parser.add_argument("--dtype", choices=list(DTYPES), help="cast floating tensors (default: as saved)")
+    args = parser.parse_args(argv)
+    try:
+        weights = export_checkpoint(args.checkpoint, args.out, ema=args.ema,
+                                    dtype=DTYPES[args.dtype] if args.dtype else None)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"pan export: {e}", file=sys.stderr)
+        return 2
+    count = sum(v.numel() for v in weights.values())
+    print(f"wrote {args.out}: {len(weights)} tensors, {count:,} parameters")
+    return 0
+
+
+def main_inspect(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="pan inspect",
+                                     description="List a run's checkpoints: step, completeness, size.")
+    parser.add_argument("output_dir", help="the run's output_dir")
+    args = parser.parse_args(argv)
+    if not Path(args.output_dir).is_dir():
+        print(f"pan inspect: {args.output_dir} is not a directory", file=sys.stderr)
+        return 2
+    print(format_inspection(inspect_run(args.output_dir)))
+    return 0
