@@ -308,7 +308,6 @@ class PackedLoader:
         self._skipped_since: collections.Counter[str] = collections.Counter()
         self._logged: set[str] = set()
         self._results = None
-        self.rows_per_rank = sum(s.share for s in planner.streams.values())
 
     # --- iteration -------------------------------------------------------------------------------
 
@@ -316,19 +315,26 @@ class PackedLoader:
         return self
 
     def __next__(self) -> RawBatch:
-        misses = 0
+        last_good = dict(self.planner.cursor)
         while self.packer.wants_more():
-            if not self._receive():
-                misses += 1
-                if misses > self.rows_per_rank + self.cfg.packing_lookahead:
-                    raise RuntimeError(f"no usable sample in a whole pass over the data; skipped so "
-                                       f"far: {dict(self.skipped_total)}. See the warnings above.")
-            else:
-                misses = 0
+            if self._receive():
+                last_good = dict(self.planner.cursor)
+            elif self._passed_everything_since(last_good):
+                raise RuntimeError(f"no usable sample in a whole pass over the data; skipped so "
+                                   f"far: {dict(self.skipped_total)}. See the warnings above.")
         chosen = self.packer.take()
         skipped, self._skipped_since = dict(self._skipped_since), collections.Counter()
         return RawBatch(samples=[p.item[1] for p in chosen], tokens=sum(p.tokens for p in chosen),
                         token_budget=self.cfg.max_tokens_per_batch, skipped=skipped)
+
+    def _passed_everything_since(self, cursor: dict[str, tuple[int, int]]) -> bool:
+        """Has every stream gone through one whole epoch (not just `share` samples: epochs are
+        shuffled apart) since `cursor`?"""
+        for name, (epoch, _) in self.planner.cursor.items():
+            first_full_epoch = cursor[name][0] + (1 if cursor[name][1] > 0 else 0)
+            if epoch <= first_full_epoch:
+                return False
+        return True
 
     def _receive(self) -> bool:
         """Take the next decoded sample into the buffer; False if it was skipped."""
