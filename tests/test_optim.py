@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from pan.config.core import ConfigError
-from pan.optim import (EMA, LRSchedulers, Muon, OptimConfig, build_optimizer, clip_grad_norm, lr_at,
+from pan.optim import (EMA, Muon, OptimConfig, build_optimizer, build_scheduler, clip_grad_norm, lr_at,
                        newton_schulz)
 
 # --- Muon ------------------------------------------------------------------------------------------
@@ -229,7 +229,7 @@ def test_schedulers_drive_both_optimizers_and_resume():
                       lr_decay_floor_ratio=0.2)
     model = StandIn()
     opts, _ = build_optimizer(model, cfg)
-    sched = LRSchedulers(opts, cfg, max_steps=10)
+    sched = build_scheduler(opts, cfg, max_steps=10)
     for step in range(6):
         expected = lr_at(step, cfg, 10)
         assert sched.get_last_lr()[0] == pytest.approx(expected)
@@ -238,7 +238,7 @@ def test_schedulers_drive_both_optimizers_and_resume():
         sched.step()
     state = sched.state_dict()
     fresh_opts, _ = build_optimizer(StandIn(), cfg)
-    fresh = LRSchedulers(fresh_opts, cfg, max_steps=10)
+    fresh = build_scheduler(fresh_opts, cfg, max_steps=10)
     fresh_opts.load_state_dict(opts.state_dict())
     fresh.load_state_dict(state)
     assert fresh.get_last_lr()[0] == pytest.approx(lr_at(6, cfg, 10))

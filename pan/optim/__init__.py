@@ -1,9 +1,10 @@
 """Optimisers: Muon + AdamW parameter split, learning-rate schedules, gradient clipping, weight EMA."""
 
-from pan.optim.builder import OptimConfig, OptimizerSet, build_optimizer, split_parameters
+from pan.optim.builder import (OptimConfig, OptimizerSet, build_optimizer, build_scheduler,
+                               split_parameters)
 from pan.optim.ema import EMA
 from pan.optim.muon import Muon, newton_schulz
 from pan.optim.schedule import LRSchedulers, clip_grad_norm, lr_at
 
-__all__ = ["OptimConfig", "OptimizerSet", "build_optimizer", "split_parameters", "EMA", "Muon",
-           "newton_schulz", "LRSchedulers", "clip_grad_norm", "lr_at"]
+__all__ = ["OptimConfig", "OptimizerSet", "build_optimizer", "build_scheduler", "split_parameters",
+           "EMA", "Muon", "newton_schulz", "LRSchedulers", "clip_grad_norm", "lr_at"]

@@ -18,6 +18,7 @@ from torch import nn
 
 from pan.config.core import ConfigError, knob
 from pan.optim.muon import Muon
+from pan.optim.schedule import LRSchedulers
 
 
 @dataclass(kw_only=True)
@@ -104,8 +105,7 @@ def muon_names(model: nn.Module) -> tuple[set[str], str]:
     """Names of the parameters Muon should take, and the rule that chose them (for the report)."""
     params = dict(model.named_parameters())
     if not hasattr(model, "muon_param_names"):
-        return {n for n, p in params.items() if p.ndim == 2}, "every 2-D parameter (model has no " \
-                                                              "muon_param_names())"
+        return {n for n, p in params.items() if p.ndim == 2}, "every 2-D parameter (no muon_param_names())"
     names = set(model.muon_param_names())
     unknown = sorted(names - set(params))
     if unknown:
@@ -116,10 +116,13 @@ def muon_names(model: nn.Module) -> tuple[set[str], str]:
     return names, "model.muon_param_names()"
 
 
-def split_parameters(model: nn.Module, use_muon: bool) -> tuple[dict[str, list[tuple[str, nn.Parameter]]], str]:
+NamedParams = list[tuple[str, nn.Parameter]]
+
+
+def split_parameters(model: nn.Module, use_muon: bool) -> tuple[dict[str, NamedParams], str]:
     """Group trainable parameters into "muon", "adamw_decay" (matrices) and "adamw_no_decay"."""
     chosen, rule = muon_names(model) if use_muon else (set(), "use_muon: false, AdamW for all")
-    groups: dict[str, list[tuple[str, nn.Parameter]]] = {"muon": [], "adamw_decay": [], "adamw_no_decay": []}
+    groups: dict[str, NamedParams] = {"muon": [], "adamw_decay": [], "adamw_no_decay": []}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
@@ -132,7 +135,7 @@ def split_parameters(model: nn.Module, use_muon: bool) -> tuple[dict[str, list[t
     return groups, rule
 
 
-def split_report(groups: dict[str, list[tuple[str, nn.Parameter]]], rule: str, cfg: OptimConfig) -> str:
+def split_report(groups: dict[str, NamedParams], rule: str, cfg: OptimConfig) -> str:
     """A small table of the split, printed at start-up."""
     decay = {"muon": cfg.weight_decay, "adamw_decay": cfg.weight_decay, "adamw_no_decay": 0.0}
     lines = [f"optimizer split (Muon on {rule}):",
@@ -164,3 +167,11 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> tuple[OptimizerSet, s
     if not by_name:
         raise ValueError("the model has no trainable parameters")
     return OptimizerSet(by_name), split_report(groups, rule, cfg)
+
+
+def build_scheduler(optimizers: OptimizerSet, cfg: OptimConfig, max_steps: int) -> LRSchedulers:
+    """The learning-rate schedule (pan/optim/schedule.py) over every optimizer of the set.
+
+    Step it once after each optimizer step; `state_dict()` goes into checkpoints.
+    """
+    return LRSchedulers(optimizers, cfg, max_steps)

@@ -36,8 +36,9 @@ def default_ns_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def newton_schulz(g: Tensor, steps: int = NS_STEPS, coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
-                  eps: float = 1e-7, dtype: torch.dtype | None = None) -> Tensor:
+def newton_schulz(g: Tensor, steps: int = NS_STEPS,
+                  coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = 1e-7,
+                  dtype: torch.dtype | None = None) -> Tensor:
     """Approximate orthogonalisation U V^T of a matrix g [A, B] (quintic Newton-Schulz)."""
     a, b, c = coefficients
     x = g.to(dtype or default_ns_dtype(g.device))
