@@ -19,7 +19,7 @@ import hashlib
 import logging
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Literal
 
 import numpy as np
@@ -282,13 +282,6 @@ class RefSequence:
 # ----------------------------------------------------------------------------------------------
 # The loader
 # ----------------------------------------------------------------------------------------------
-
-@dataclass
-class _Fresh:
-    """What the loader restarts from: the consumed cursor and the buffered references to re-read."""
-    planner: Planner
-    replay: list[Ref] = field(default_factory=list)
-
 
 class PackedLoader:
     """An endless iterator of RawBatch for one data-parallel rank, with exact state_dict/load."""
