@@ -1,0 +1,61 @@
+"""Run a function on N real gloo processes (spawned, one thread each) and collect what each returns.
+
+    results = run_distributed(fn, world_size=4, args=(cfg,), local_world_size=2)
+
+`fn(*args)` runs in every process after the default process group is up, with RANK, WORLD_SIZE,
+LOCAL_RANK and LOCAL_WORLD_SIZE set as torchrun would (so `pan.parallel.world.init_world()` works).
+`fn` must be importable by the children (a module-level function). An exception in any process
+fails the call with that process's traceback. Results come back through files, in rank order.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, fn, world_size: int, local_world_size: int, port: int, args: tuple,
+            out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank % local_world_size), LOCAL_WORLD_SIZE=str(local_world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # the test machine has 2 cores for all ranks
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size)
+    try:
+        result = fn(*args)
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    except BaseException:
+        (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, args: tuple = (), local_world_size: int | None = None
+                    ) -> list:
+    """`fn(*args)` on `world_size` gloo processes; returns each rank's return value, by rank."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        try:
+            mp.start_processes(_worker, args=(fn, world_size, local_world_size or world_size,
+                                              free_port(), args, out_dir),
+                               nprocs=world_size, start_method="spawn")
+        except mp.ProcessRaisedException as e:
+            errors = sorted(Path(out_dir).glob("rank*.err"))
+            detail = "\n".join(f"--- {p.stem}:\n{p.read_text()}" for p in errors)
+            raise RuntimeError(f"a distributed worker failed:\n{detail or e}") from None
+        return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False)
+                for r in range(world_size)]
