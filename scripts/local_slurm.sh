@@ -1,18 +1,21 @@
 #!/bin/bash
-# A real one-node Slurm cluster on this machine, for testing the launch scripts (tests and CI).
+# A real Slurm cluster on this machine, for testing the launch scripts (tests and CI).
 #
-#   scripts/local_slurm.sh start <base-dir>   # start munged, slurmctld, slurmd; wait until the node is idle
-#   scripts/local_slurm.sh env   <base-dir>   # print `export SLURM_CONF=...` (every client command needs it)
-#   scripts/local_slurm.sh stop  <base-dir>   # cancel jobs, stop the daemons by PID
+#   scripts/local_slurm.sh start <base-dir> [nodes]  # munged, slurmctld and `nodes` slurmd (default 1)
+#   scripts/local_slurm.sh env   <base-dir>          # print `export SLURM_CONF=...` (every client needs it)
+#   scripts/local_slurm.sh stop  <base-dir>          # cancel jobs, stop the daemons by PID
 #
 # Everything (config, keys, sockets, state, logs) lives under <base-dir>; nothing in /etc is touched,
 # so several clusters on one machine do not collide (each picks its own free ports). `start` prints
 # the export line on stdout, so `eval "$(scripts/local_slurm.sh start /tmp/x)"` works.
+# Each node is its own slurmd on this host (named pan0, pan1, ..., address 127.0.0.1), so a
+# multi-node job really runs one task per node, each with its own SLURM_NODEID. Every node reports
+# all of this machine's CPUs and memory; jobs are not confined (no cgroups) anyway.
 # Needs Debian's slurmctld, slurmd, slurm-client and munge (.ci/install_slurm.sh); run as root.
-set -eEuo pipefail  # -E: the ERR trap in cmd_start also fires inside functions
+set -eEuo pipefail # -E: the ERR trap in cmd_start also fires inside functions
 
 usage() {
-  echo "usage: $0 start|stop|env <base-dir>" >&2
+  echo "usage: $0 start <base-dir> [nodes] | stop <base-dir> | env <base-dir>" >&2
   exit 2
 }
 
@@ -33,26 +36,29 @@ free_port() {
 }
 
 write_slurm_conf() {
-  local base=$1 host ctld_host node_addr="" mem_mb ctld_port slurmd_port
+  local base=$1 nodes=$2 host ctld_host mem_mb port i
+  local ports=() node_lines=""
   host=$(hostname -s)
   ctld_host=$host
-  # Without a resolvable hostname the daemons cannot find each other by name: pin loopback.
-  if ! getent hosts "$host" >/dev/null; then
-    ctld_host="$host(127.0.0.1)"
-    node_addr="NodeAddr=127.0.0.1"
-  fi
-  # slurmd marks the node invalid if RealMemory exceeds what it finds, so leave 1 GiB of headroom.
-  ctld_port=$(free_port)
-  slurmd_port=$(free_port)
-  while ((slurmd_port == ctld_port)); do slurmd_port=$(free_port); done
+  # Without a resolvable hostname the daemons cannot find the controller by name: pin loopback.
+  getent hosts "$host" >/dev/null || ctld_host="$host(127.0.0.1)"
+  # slurmd marks a node invalid if RealMemory exceeds what it finds, so leave 1 GiB of headroom.
   mem_mb=$(awk '/^MemTotal:/ { m = int($2 / 1024) - 1024; print (m > 1 ? m : 1) }' /proc/meminfo)
+  # One port for slurmctld, one per slurmd, all different.
+  while ((${#ports[@]} < nodes + 1)); do
+    port=$(free_port)
+    [[ " ${ports[*]} " == *" $port "* ]] || ports+=("$port")
+  done
+  for ((i = 0; i < nodes; i++)); do
+    node_lines+="NodeName=pan$i NodeHostname=$host NodeAddr=127.0.0.1 Port=${ports[i + 1]}"
+    node_lines+=" CPUs=$(nproc) RealMemory=$mem_mb State=UNKNOWN"$'\n'
+  done
   cat >"$base/etc/slurm.conf" <<EOF
 ClusterName=panlocal
 SlurmctldHost=$ctld_host
+SlurmctldPort=${ports[0]}
 SlurmUser=root
 SlurmdUser=root
-SlurmctldPort=$ctld_port
-SlurmdPort=$slurmd_port
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket=$base/munge/munge.sock
@@ -65,16 +71,15 @@ SelectTypeParameters=CR_Core
 MpiDefault=none
 MailProg=/bin/true
 ReturnToService=2
-# Finished jobs leave the controller after 4 s; otherwise \`sbatch --wait\` polls for up to 32 s.
+# Finished jobs leave the controller after 4 s; otherwise sbatch --wait polls for up to 32 s.
 MinJobAge=4
 StateSaveLocation=$base/state
-SlurmdSpoolDir=$base/spool
+SlurmdSpoolDir=$base/spool/%n
 SlurmctldPidFile=$base/run/slurmctld.pid
-SlurmdPidFile=$base/run/slurmd.pid
+SlurmdPidFile=$base/run/slurmd-%n.pid
 SlurmctldLogFile=$base/log/slurmctld.log
-SlurmdLogFile=$base/log/slurmd.log
-NodeName=$host $node_addr CPUs=$(nproc) RealMemory=$mem_mb State=UNKNOWN
-PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP
+SlurmdLogFile=$base/log/slurmd-%n.log
+${node_lines}PartitionName=debug Nodes=pan[0-$((nodes - 1))] Default=YES MaxTime=INFINITE State=UP
 EOF
 }
 
@@ -87,40 +92,43 @@ start_munged() {
 }
 
 wait_until_idle() {
-  local state=""
+  local base=$1 nodes=$2 states=""
   for _ in $(seq 150); do
-    state=$(sinfo -h -N -o %t 2>/dev/null || true)
-    [[ $state == idle ]] && return 0
+    states=$(sinfo -h -N -o %t 2>/dev/null | sort | uniq -c | xargs || true)
+    [[ $states == "$nodes idle" ]] && return 0
     sleep 0.2
   done
-  log "node not idle after 30 s (state: '${state:-no answer}'); logs in $1/log:"
-  tail -n 20 "$1"/log/*.log >&2 || true
+  log "nodes not idle after 30 s (states: '${states:-no answer}'); logs in $base/log:"
+  tail -n 20 "$base"/log/*.log >&2 || true
   return 1
 }
 
 cmd_start() {
-  local base=$1
+  local base=$1 nodes=$2 i
+  [[ $nodes =~ ^[1-9][0-9]*$ ]] || usage
+  # The munge socket path must fit in a unix socket address (108 bytes).
+  if ((${#base} > 80)); then
+    log "base dir path too long for the munge socket: $base"
+    return 1
+  fi
   if [[ -e $base/etc/slurm.conf ]]; then
     log "$base already holds a cluster; stop it first or use a new folder"
     return 1
   fi
   mkdir -p "$base"/{etc,log,run,state,spool,munge}
   chmod 700 "$base/munge"
-  # The munge socket path must fit in a unix socket address (108 bytes).
-  if ((${#base} > 80)); then
-    log "base dir path too long for the munge socket: $base"
-    return 1
-  fi
-  write_slurm_conf "$base"
+  write_slurm_conf "$base" "$nodes"
   export SLURM_CONF=$base/etc/slurm.conf
   # Whatever fails below, leave no daemon behind.
   trap 'log "start failed; stopping"; cmd_stop "$base"' ERR
   start_munged "$base"
   slurmctld -f "$SLURM_CONF"
-  slurmd -f "$SLURM_CONF"
-  wait_until_idle "$base"
+  for ((i = 0; i < nodes; i++)); do
+    slurmd -f "$SLURM_CONF" -N "pan$i"
+  done
+  wait_until_idle "$base" "$nodes"
   trap - ERR
-  log "cluster up under $base"
+  log "cluster of $nodes node(s) up under $base"
   cmd_env "$base"
 }
 
@@ -128,26 +136,41 @@ cmd_env() {
   printf 'export SLURM_CONF=%q\n' "$1/etc/slurm.conf"
 }
 
-# Wait up to ~10 s for a PID to exit after SIGTERM, then SIGKILL it.
-stop_pid_file() {
-  local pid_file=$1 pid
-  [[ -s $pid_file ]] || return 0
-  pid=$(<"$pid_file")
-  if kill "$pid" 2>/dev/null; then
-    for _ in $(seq 50); do
-      kill -0 "$pid" 2>/dev/null || break
-      sleep 0.2
-    done
-    kill -9 "$pid" 2>/dev/null || true
-  fi
-  rm -f "$pid_file"
+pid_alive() {
+  [[ -s $1 ]] && kill -0 "$(<"$1")" 2>/dev/null
+}
+
+# SIGTERM every PID in the given pid files, wait up to ~10 s for them to exit, then SIGKILL.
+stop_pid_files() {
+  local pid_file pids=()
+  for pid_file in "$@"; do
+    [[ -s $pid_file ]] || continue
+    pids+=("$(<"$pid_file")")
+    rm -f "$pid_file"
+  done
+  ((${#pids[@]})) || return 0
+  kill "${pids[@]}" 2>/dev/null || true
+  for _ in $(seq 50); do
+    any_alive "${pids[@]}" || return 0
+    sleep 0.2
+  done
+  kill -9 "${pids[@]}" 2>/dev/null || true
+}
+
+any_alive() {
+  local pid
+  for pid in "$@"; do
+    kill -0 "$pid" 2>/dev/null && return 0
+  done
+  return 1
 }
 
 cancel_jobs() {
   local jobs
-  jobs=$(squeue -h -o %i 2>/dev/null || true)
+  jobs=$(squeue -h -o %i 2>/dev/null | xargs || true)
   [[ -n $jobs ]] || return 0
-  log "cancelling jobs: $(echo $jobs)"
+  log "cancelling jobs: $jobs"
+  # shellcheck disable=SC2086  # one job id per word
   scancel $jobs 2>/dev/null || true
   for _ in $(seq 50); do
     [[ -z $(squeue -h -o %i 2>/dev/null || true) ]] && return 0
@@ -158,17 +181,19 @@ cancel_jobs() {
 cmd_stop() {
   local base=$1
   export SLURM_CONF=$base/etc/slurm.conf
-  [[ -e $SLURM_CONF && -s $base/run/slurmctld.pid ]] && cancel_jobs
+  if pid_alive "$base/run/slurmctld.pid"; then
+    cancel_jobs
+  fi
   # Order matters: slurmd reports to slurmctld, and both authenticate through munged.
-  stop_pid_file "$base/run/slurmd.pid"
-  stop_pid_file "$base/run/slurmctld.pid"
-  stop_pid_file "$base/munge/munged.pid"
+  stop_pid_files "$base"/run/slurmd-*.pid
+  stop_pid_files "$base/run/slurmctld.pid"
+  stop_pid_files "$base/munge/munged.pid"
 }
 
-[[ $# == 2 ]] || usage
+[[ $# == 2 || ($# == 3 && $1 == start) ]] || usage
 base=$(realpath -m "$2")
 case $1 in
-  start) cmd_start "$base" ;;
+  start) cmd_start "$base" "${3:-1}" ;;
   stop) cmd_stop "$base" ;;
   env) cmd_env "$base" ;;
   *) usage ;;

@@ -1,4 +1,7 @@
-"""A real one-node Slurm cluster for a pytest session, started and stopped by scripts/local_slurm.sh.
+"""A real two-node Slurm cluster for a pytest session, started and stopped by scripts/local_slurm.sh.
+
+Both nodes are slurmd daemons on this machine (pan0, pan1 at 127.0.0.1), so a multi-node job runs
+one task per node with its own SLURM_NODEID, as on a real cluster.
 
 Use it from a test module with `from slurm_cluster import slurm_cluster  # noqa: F401` and take the
 `slurm_cluster` fixture. Tests that need it are skipped (with the reason) when Slurm is not installed;
@@ -19,6 +22,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LOCAL_SLURM = REPO_ROOT / "scripts" / "local_slurm.sh"
+NODES = 2
 
 
 def slurm_installed() -> bool:
@@ -34,6 +38,7 @@ def environ_outside_slurm() -> dict[str, str]:
 @dataclass
 class SlurmCluster:
     base: Path  # holds etc/slurm.conf, log/, state/, munge/ of this cluster
+    nodes: int
     env: dict[str, str]  # an environment whose Slurm commands talk to this cluster
 
     def sbatch_wait(self, script: Path, args: list[str], *, env: dict[str, str], cwd: Path, output: Path,
@@ -49,8 +54,10 @@ class SlurmCluster:
         return output.read_text() if output.exists() else "<no job output>"
 
 
-def _local_slurm(command: str, base: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([str(LOCAL_SLURM), command, str(base)], capture_output=True, text=True, timeout=60)
+def local_slurm(command: str, base: Path, *args: str) -> subprocess.CompletedProcess:
+    """Run `scripts/local_slurm.sh command base args...`."""
+    return subprocess.run([str(LOCAL_SLURM), command, str(base), *args], capture_output=True, text=True,
+                          timeout=60)
 
 
 @pytest.fixture(scope="session")
@@ -58,14 +65,14 @@ def slurm_cluster(tmp_path_factory) -> Iterator[SlurmCluster]:
     if not slurm_installed():
         pytest.skip("Slurm is not installed (slurmctld/slurmd/munged missing): run .ci/install_slurm.sh")
     base = tmp_path_factory.mktemp("slurm")
-    started = _local_slurm("start", base)
+    started = local_slurm("start", base, str(NODES))
     if started.returncode != 0:
-        _local_slurm("stop", base)  # start stops what it began, but be sure
+        local_slurm("stop", base)  # start stops what it began, but be sure
         pytest.fail(f"local Slurm did not start:\n{started.stderr}")
     env = environ_outside_slurm()
     env["SLURM_CONF"] = str(base / "etc" / "slurm.conf")
     try:
-        yield SlurmCluster(base=base, env=env)
+        yield SlurmCluster(base=base, nodes=NODES, env=env)
     finally:
-        stopped = _local_slurm("stop", base)
+        stopped = local_slurm("stop", base)
         assert stopped.returncode == 0, f"local Slurm did not stop cleanly:\n{stopped.stderr}"

@@ -1,7 +1,7 @@
 """The launch scripts (scripts/pretrain.sh, scripts/sft.sh over scripts/_launch.sh), run for real.
 
-Without Slurm the scripts run one torchrun here; under a real one-node Slurm (tests/slurm_cluster.py)
-they go through `sbatch --wait` and `srun`. A stand-in train.py records each rank's arguments and
+Without Slurm the scripts run one torchrun here; under a real two-node Slurm on this machine
+(tests/slurm_cluster.py) they go through `sbatch --wait` and `srun`, one torchrun per node. A stand-in train.py records each rank's arguments and
 environment, which proves the plumbing: processes per node, node rank, master address, argument
 pass-through, exported caches, exit code. The last test runs the real trainer when it exists.
 """
@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from slurm_cluster import REPO_ROOT, LOCAL_SLURM, environ_outside_slurm, slurm_cluster, slurm_installed  # noqa: F401
+from slurm_cluster import (LOCAL_SLURM, REPO_ROOT, environ_outside_slurm, local_slurm,  # noqa: F401
+                           slurm_cluster, slurm_installed)
 
 SCRIPTS = ("_launch.sh", "pretrain.sh", "sft.sh")
 STAND_IN_TRAIN = '''\
@@ -187,42 +188,61 @@ def test_sbatch_runs_torchrun_through_srun(slurm_cluster, tmp_path):
         e = r["env"]
         # Started by srun (a job step) on node 0, which is also torchrun's node rank.
         assert (e["SLURM_STEP_ID"], e["SLURM_NODEID"], e["GROUP_RANK"], e["WORLD_SIZE"]) == ("0", "0", "0", "2")
-        assert e["MASTER_ADDR"] in (socket.gethostname().split(".")[0], "127.0.0.1")
-        assert e["MASTER_PORT"] == env["MASTER_PORT"]
+        # The node's Slurm address: its name (pan0) resolves nowhere.
+        assert (e["MASTER_ADDR"], e["MASTER_PORT"]) == ("127.0.0.1", env["MASTER_PORT"])
         assert e["WANDB_PROJECT"] == "pan-launch-test"
 
 
-def test_sbatch_with_pan_root_exits_with_torchrun_code(slurm_cluster, tmp_path):
-    """Submitted from elsewhere with PAN_ROOT set; a failing rank fails torchrun, the step and the job."""
+def test_sbatch_runs_one_torchrun_per_node(slurm_cluster, tmp_path):
+    """Two nodes, submitted from elsewhere with PAN_ROOT: each node's torchrun takes its SLURM_NODEID."""
     repo = make_repo(tmp_path / "repo")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
+    log = tmp_path / "job.out"
+    env = launch_env(tmp_path, PAN_ROOT=str(repo), PAN_NPROC_PER_NODE="1")
+    result = slurm_cluster.sbatch_wait(repo / "scripts" / "sft.sh", ["--max_steps", "1"], env=env, cwd=elsewhere,
+                                       output=log, timeout=FIRST_JOB_TIMEOUT_S,
+                                       options=(f"--nodes={slurm_cluster.nodes}",))  # sft.sh asks for 240
+    job_log = slurm_cluster.job_log(log)
+    assert result.returncode == 0, result.stderr + job_log
+    assert f"--nnodes={slurm_cluster.nodes} --nproc_per_node=1" in job_log
+
+    records = rank_records(tmp_path)
+    assert sorted(r["env"]["GROUP_RANK"] for r in records) == [str(n) for n in range(slurm_cluster.nodes)]
+    for r in records:
+        e = r["env"]
+        assert r["cwd"] == str(repo) and r["argv"] == ["--config", "config/sft_29B_720p.yaml", "--max_steps", "1"]
+        assert e["GROUP_RANK"] == e["SLURM_NODEID"] and e["RANK"] == e["SLURM_NODEID"]  # 1 process per node
+        assert (e["WORLD_SIZE"], e["MASTER_ADDR"]) == (str(slurm_cluster.nodes), "127.0.0.1")
+
+
+def test_sbatch_exits_with_torchrun_code(slurm_cluster, tmp_path):
+    """A failing rank fails torchrun, the job step and the job; PAN_TRAIN_SCRIPT picks the script."""
+    repo = make_repo(tmp_path / "repo")
     failing_train = repo / "failing_train.py"
     failing_train.write_text(STAND_IN_TRAIN)
     log = tmp_path / "job.out"
-    env = launch_env(tmp_path, PAN_ROOT=str(repo), PAN_TRAIN_SCRIPT=failing_train.name,
-                     PAN_NPROC_PER_NODE="2", STANDIN_EXIT="3")
-    result = slurm_cluster.sbatch_wait(repo / "scripts" / "sft.sh", ["--max_steps", "1"], env=env,
-                                       cwd=elsewhere, output=log, timeout=FIRST_JOB_TIMEOUT_S,
-                                       options=("--nodes=1",))  # sft.sh asks for 240 nodes
+    env = launch_env(tmp_path, PAN_TRAIN_SCRIPT=failing_train.name, PAN_NPROC_PER_NODE="2", STANDIN_EXIT="3")
+    result = slurm_cluster.sbatch_wait(repo / "scripts" / "pretrain.sh", ["--max_steps", "1"], env=env,
+                                       cwd=repo, output=log, timeout=FIRST_JOB_TIMEOUT_S)
     job_log = slurm_cluster.job_log(log)
     assert result.returncode == 1, result.stderr + job_log  # torchrun reports any failed worker as 1
     assert "torchrun exited with code 1" in job_log
     records = rank_records(tmp_path)
-    assert len(records) == 2 and all(r["argv"] == ["--config", "config/sft_29B_720p.yaml", "--max_steps", "1"]
+    assert len(records) == 2 and all(r["argv"] == ["--config", "config/pretrain_29B_720p.yaml", "--max_steps", "1"]
                                      for r in records)
 
 
 @pytest.mark.skipif(not slurm_installed(), reason="Slurm is not installed: run .ci/install_slurm.sh")
 def test_local_slurm_stop_ends_every_daemon(tmp_path_factory):
     base = tmp_path_factory.mktemp("slurm_stop")
-    started = subprocess.run([str(LOCAL_SLURM), "start", str(base)], capture_output=True, text=True, timeout=60)
-    pid_files = [base / "run" / "slurmd.pid", base / "run" / "slurmctld.pid", base / "munge" / "munged.pid"]
+    started = local_slurm("start", base, "2")
+    pid_files = sorted(base.glob("run/*.pid")) + [base / "munge" / "munged.pid"]
     pids = [int(f.read_text()) for f in pid_files if f.exists()]
-    stopped = subprocess.run([str(LOCAL_SLURM), "stop", str(base)], capture_output=True, text=True, timeout=60)
+    stopped = local_slurm("stop", base)
     assert started.returncode == 0, started.stderr
     assert started.stdout == f"export SLURM_CONF={base}/etc/slurm.conf\n"
-    assert len(pids) == 3 and stopped.returncode == 0, stopped.stderr
+    assert len(pids) == 4 and stopped.returncode == 0, (pid_files, stopped.stderr)  # 2 slurmd, slurmctld, munged
     assert all(not Path(f"/proc/{pid}").exists() for pid in pids)
 
 
