@@ -160,6 +160,21 @@ def test_split_without_model_names_falls_back_to_2d_and_use_muon_false_is_adamw_
     assert list(opts.by_name) == ["adamw"] and "use_muon: false" in report
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.compile's import
+def test_split_sees_through_checkpoint_and_compile_wrappers():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = StandIn()
+    model.blocks[0] = checkpoint_wrapper(model.blocks[0])
+    model.blocks[1] = torch.compile(model.blocks[1])  # wraps only; nothing compiles here
+    named = dict(model.named_parameters())
+    assert "blocks.0._checkpoint_wrapped_module.attn.to_q.weight" in named
+    where = groups_by_param(build_optimizer(model, OptimConfig())[0])
+    assert where[id(named["blocks.0._checkpoint_wrapped_module.attn.to_q.weight"])][0] == "muon"
+    assert where[id(named["blocks.1._orig_mod.attn.to_out.weight"])][0] == "muon"
+    assert where[id(named["blocks.1._orig_mod.norm1.modulation.weight"])][0] == "adamw"
+
+
 def test_split_rejects_bad_model_names():
     model = StandIn()
     model.muon_param_names = lambda: {"blocks.9.attn.to_q.weight"}

@@ -3,8 +3,9 @@
 Muon takes the hidden 2-D weight matrices (attention and MLP weights of the blocks and refiner);
 AdamW takes everything else: embeddings, the timestep MLP, the text input projection, modulation,
 the final projection, norms and biases. The model says which parameters are hidden matrices through
-`model.muon_param_names() -> set[str]` (names as in `model.named_parameters()`); a model without
-that method gets Muon on every 2-D parameter. Weight decay applies to matrices only (ndim >= 2),
+`model.muon_param_names() -> set[str]` (names as the unwrapped model's `named_parameters()` spells
+them; activation-checkpoint and compile wrappers are seen through); a model without that method gets
+Muon on every 2-D parameter. Weight decay applies to matrices only (ndim >= 2),
 never to norms, biases or other vectors. With `use_muon: false` AdamW takes everything.
 """
 
@@ -101,19 +102,32 @@ class OptimizerSet:
             opt.load_state_dict(state[name])
 
 
+# Wrappers applied from outside (activation checkpointing, torch.compile) insert these into parameter
+# names; the model's own names (from muon_param_names) do not have them.
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def model_name(name: str) -> str:
+    """A parameter's name as the unwrapped model spells it."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
 def muon_names(model: nn.Module) -> tuple[set[str], str]:
-    """Names of the parameters Muon should take, and the rule that chose them (for the report)."""
-    params = dict(model.named_parameters())
+    """Names (as in model.named_parameters()) of the parameters Muon takes, and the rule used."""
+    params = {name: p for name, p in model.named_parameters()}
     if not hasattr(model, "muon_param_names"):
         return {n for n, p in params.items() if p.ndim == 2}, "every 2-D parameter (no muon_param_names())"
-    names = set(model.muon_param_names())
-    unknown = sorted(names - set(params))
+    wanted = set(model.muon_param_names())
+    chosen = {n for n in params if model_name(n) in wanted}
+    unknown = sorted(wanted - {model_name(n) for n in chosen})
     if unknown:
         raise ValueError(f"muon_param_names() lists parameters the model does not have: {unknown[:5]}")
-    not_matrices = sorted(n for n in names if params[n].ndim != 2)
+    not_matrices = sorted(n for n in chosen if params[n].ndim != 2)
     if not_matrices:
         raise ValueError(f"muon_param_names() lists non-2-D parameters: {not_matrices[:5]}")
-    return names, "model.muon_param_names()"
+    return chosen, "model.muon_param_names()"
 
 
 NamedParams = list[tuple[str, nn.Parameter]]
