@@ -41,8 +41,8 @@ if [[ -n "${PAN_PYTHON:-}" ]]; then
   pan_python="$PAN_PYTHON"
 else
   if command -v conda >/dev/null; then
+    set +u # conda's hook and activation scripts read unset variables
     eval "$(conda shell.bash hook)"
-    set +u # conda's activation scripts read unset variables
     conda activate "${CONDA_ENV:-pan}"
     set -u
   fi
@@ -128,6 +128,7 @@ else
 fi
 
 echo "pan launch: job ${SLURM_JOB_ID:-local} on ${pan_nnodes} node(s) x ${GPUS_PER_NODE} process(es), master ${MASTER_ADDR}:${MASTER_PORT}"
+echo "pan launch: config $pan_config, python $pan_python, repository $PAN_ROOT"
 echo "pan launch: W&B project=${WANDB_PROJECT:-unset} run_id=${WANDB_RUN_ID:-unset} api_key=$([[ -n "${WANDB_API_KEY:-}" ]] && echo set || echo unset)"
 # Print the command as one could paste it: plain words bare, anything else single-quoted.
 pan_quote() {

@@ -156,6 +156,32 @@ def test_local_run_starts_one_process_per_visible_gpu(tmp_path):
         assert r["env"]["NCCL_SOCKET_IFNAME"] == "eth7"  # ... and a cluster's own setting wins
 
 
+def test_local_run_activates_conda_env(tmp_path):
+    """Without PAN_PYTHON, a `conda` on PATH activates CONDA_ENV, whose python then runs torchrun."""
+    repo = make_repo(tmp_path / "repo")
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    # `conda shell.bash hook` defines a shell function; activating "env" puts this python first on PATH.
+    (fake_bin / "conda").write_text(
+        "#!/bin/bash\n"
+        "cat <<'EOF'\n"
+        "conda() { echo \"$2\" > \"$STANDIN_OUT/conda_env\"; export PATH=\"$CONDA_TEST_ENV_BIN:$PATH\"; }\n"
+        "EOF\n")
+    (fake_bin / "conda").chmod(0o755)
+    env_bin = tmp_path / "env_bin"
+    env_bin.mkdir()
+    (env_bin / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')  # stands for the env's python
+    (env_bin / "python").chmod(0o755)
+    env = launch_env(tmp_path, CONDA_ENV="pan-test", CONDA_TEST_ENV_BIN=str(env_bin),
+                     PATH=f"{fake_bin}:/usr/bin:/bin")
+    del env["PAN_PYTHON"]
+    result = run_local("pretrain.sh", [], repo, env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (tmp_path / "ranks" / "conda_env").read_text() == "pan-test\n"
+    assert f"python {env_bin / 'python'}," in result.stdout
+    assert [r["argv"] for r in rank_records(tmp_path)] == [["--config", "config/pretrain_29B_720p.yaml"]]
+
+
 def test_missing_config_fails_before_launching(tmp_path):
     repo = make_repo(tmp_path / "repo")
     result = run_local("pretrain.sh", ["config/missing.yaml"], repo, launch_env(tmp_path))
@@ -269,5 +295,5 @@ def test_pretrain_script_trains_and_resumes_under_slurm(slurm_cluster, tmp_path)
     submit(2, tmp_path / "first.out")
     assert (out_dir / "checkpoint-2").is_dir()
     second = submit(4, tmp_path / "second.out")
-    assert "resuming from" in second
+    assert "resuming from" in second.lower()
     assert (out_dir / "checkpoint-4").is_dir()
