@@ -105,7 +105,7 @@ def test_mixing_follows_image_prob_and_csv_weights(data, tmp_path):
     assert abs(got["video:clips"] / (got["video:clips"] + got["video:other"]) - 0.25) < 0.03
 
 
-@pytest.mark.parametrize("dp_size,workers", [(1, 0), (2, 0), (2, 2)])
+@pytest.mark.parametrize("dp_size,workers", [(1, 0), (2, 0), (1, 2), (2, 2)])
 def test_resume_continues_exactly(data, dp_size, workers):
     cfg = mixed_config(data, packed_dataloader_num_workers=workers)
     for rank in range(dp_size):
