@@ -55,6 +55,22 @@ def test_muon_matches_the_reference(shape):
     assert (ours - w0).abs().max() > 0.01  # the steps are not negligible
 
 
+def test_fused_matrix_steps_like_separate_matrices():
+    g = torch.Generator().manual_seed(3)
+    w0 = torch.randn(48, 32, generator=g)
+    grads = [torch.randn(48, 32, generator=g) for _ in range(3)]
+    fused = nn.Parameter(w0.clone())
+    opt = Muon([{"params": [fused], "row_splits": (16, 32)}], lr=0.02, weight_decay=0.1)
+    for grad in grads:
+        fused.grad = grad.clone()
+        opt.step()
+    top = run_muon(Muon, w0[:16], [grad[:16] for grad in grads], lr=0.02, weight_decay=0.1)
+    bottom = run_muon(Muon, w0[16:], [grad[16:] for grad in grads], lr=0.02, weight_decay=0.1)
+    torch.testing.assert_close(fused.detach(), torch.cat([top, bottom]), rtol=0, atol=1e-6)
+    whole = run_muon(Muon, w0, grads, lr=0.02, weight_decay=0.1)
+    assert (whole - fused).abs().max() > 1e-3  # orthogonalising the stack is a different step
+
+
 def test_muon_matches_torch_muon_within_bf16_tolerance():
     g = torch.Generator().manual_seed(1)
     w0 = torch.randn(64, 32, generator=g)
@@ -87,7 +103,11 @@ def test_muon_rejects_non_matrices():
 class Attention(nn.Module):
     def __init__(self, d):
         super().__init__()
-        self.to_q, self.to_out = nn.Linear(d, d), nn.Linear(d, d)
+        self.to_q, self.kv, self.to_out = nn.Linear(d, d), nn.Linear(d, 2 * d), nn.Linear(d, d)
+
+    def forward(self, h):
+        k, v = self.kv(h).chunk(2, dim=-1)
+        return self.to_out(self.to_q(h) * k.sigmoid() + v)
 
 
 class Block(nn.Module):
@@ -99,28 +119,41 @@ class Block(nn.Module):
         self.mlp_norm = nn.LayerNorm(d)
 
     def forward(self, h):
-        h = h + self.attn.to_out(self.attn.to_q(self.mlp_norm(h)))
+        h = h + self.attn(self.mlp_norm(h))
         return h + self.norm1.modulation(h)[:, : h.shape[1]]
 
 
-class StandIn(nn.Module):
-    """Names like the Pan transformer's; hidden matrices = attention weights of the blocks."""
+class PlainStandIn(nn.Module):
+    """Names like the Pan transformer's, and no declaration of its hidden matrices."""
 
-    def __init__(self, d=8, layers=2, with_names=True):
+    def __init__(self, d=8, layers=2):
         super().__init__()
         self.patch_embed = nn.Linear(12, d)
         self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
         self.proj_out = nn.Linear(d, 12)
         self.context_type = nn.Parameter(torch.zeros(d))
-        if with_names:
-            self.muon_param_names = lambda: {f"blocks.{i}.attn.{n}.weight" for i in range(layers)
-                                             for n in ("to_q", "to_out")}
 
     def forward(self, x):
         h = self.patch_embed(x)
         for block in self.blocks:
             h = block(h)
         return self.proj_out(h + self.context_type)
+
+
+class StandIn(PlainStandIn):
+    """Declares its hidden matrices (attention weights) as the real model does, k/v fused in one."""
+
+    def hidden_matrices(self):
+        d = self.context_type.shape[0]
+        return {f"blocks.{i}.attn.{name}.weight": rows for i in range(len(self.blocks))
+                for name, rows in (("to_q", (d,)), ("kv", (d, d)), ("to_out", (d,)))}
+
+
+class NamesStandIn(PlainStandIn):
+    """Declares its hidden matrices as a plain set of names."""
+
+    def muon_param_names(self):
+        return {f"blocks.{i}.attn.{n}.weight" for i in range(len(self.blocks)) for n in ("to_q", "kv")}
 
 
 def groups_by_param(opts):
@@ -136,7 +169,7 @@ def test_split_puts_each_kind_where_it_belongs():
     named = dict(model.named_parameters())
     expect = {
         "blocks.0.attn.to_q.weight": ("muon", 0.05), "blocks.1.attn.to_out.weight": ("muon", 0.05),
-        "blocks.0.attn.to_q.bias": ("adamw", 0.0),
+        "blocks.0.attn.kv.weight": ("muon", 0.05), "blocks.0.attn.to_q.bias": ("adamw", 0.0),
         "blocks.0.norm1.modulation.weight": ("adamw", 0.05), "blocks.0.norm1.modulation.bias": ("adamw", 0.0),
         "blocks.1.mlp_norm.weight": ("adamw", 0.0), "patch_embed.weight": ("adamw", 0.05),
         "proj_out.weight": ("adamw", 0.05), "context_type": ("adamw", 0.0),
@@ -146,12 +179,23 @@ def test_split_puts_each_kind_where_it_belongs():
     assert len(where) == len(named)  # every parameter in exactly one group
     assert isinstance(opts.by_name["muon"], Muon) and isinstance(opts.by_name["adamw"], torch.optim.AdamW)
     assert all(isinstance(o, torch.optim.Optimizer) for o in opts.optimizers)
-    assert "model.muon_param_names()" in report
-    assert "muon" in report and f"{4 * 8 * 8:,}" in report  # 4 hidden 8x8 matrices
+    assert "hidden matrices" in report
+    assert "muon                   6             512" in report  # 2 x (q, kv, out): 4 8x8 blocks each
+    fused = [g for g in opts.by_name["muon"].param_groups if g["row_splits"] is not None]
+    assert [g["row_splits"] for g in fused] == [(8, 8)]
+    assert [p.shape for p in fused[0]["params"]] == [(16, 8), (16, 8)]
+
+
+def test_split_from_a_set_of_names():
+    model = NamesStandIn()
+    where = groups_by_param(build_optimizer(model, OptimConfig())[0])
+    named = dict(model.named_parameters())
+    assert where[id(named["blocks.1.attn.kv.weight"])][0] == "muon"
+    assert where[id(named["blocks.1.attn.to_out.weight"])][0] == "adamw"
 
 
 def test_split_without_model_names_falls_back_to_2d_and_use_muon_false_is_adamw_only():
-    model = StandIn(with_names=False)
+    model = PlainStandIn()
     where = groups_by_param(build_optimizer(model, OptimConfig())[0])
     named = dict(model.named_parameters())
     assert where[id(named["patch_embed.weight"])][0] == "muon"
@@ -176,12 +220,15 @@ def test_split_sees_through_checkpoint_and_compile_wrappers():
 
 
 def test_split_rejects_bad_model_names():
-    model = StandIn()
-    model.muon_param_names = lambda: {"blocks.9.attn.to_q.weight"}
+    model = PlainStandIn()
+    model.hidden_matrices = lambda: {"blocks.9.attn.to_q.weight": (8,)}
     with pytest.raises(ValueError, match="does not have"):
         build_optimizer(model, OptimConfig())
-    model.muon_param_names = lambda: {"blocks.0.attn.to_q.bias"}
+    model.hidden_matrices = lambda: {"blocks.0.attn.to_q.bias": (8,)}
     with pytest.raises(ValueError, match="non-2-D"):
+        build_optimizer(model, OptimConfig())
+    model.hidden_matrices = lambda: {"blocks.0.attn.kv.weight": (8, 4)}
+    with pytest.raises(ValueError, match="row_splits"):
         build_optimizer(model, OptimConfig())
 
 

@@ -3,10 +3,12 @@
 Muon takes the hidden 2-D weight matrices (attention and MLP weights of the blocks and refiner);
 AdamW takes everything else: embeddings, the timestep MLP, the text input projection, modulation,
 the final projection, norms and biases. The model says which parameters are hidden matrices through
-`model.muon_param_names() -> set[str]` (names as the unwrapped model's `named_parameters()` spells
-them; activation-checkpoint and compile wrappers are seen through); a model without that method gets
-Muon on every 2-D parameter. Weight decay applies to matrices only (ndim >= 2),
-never to norms, biases or other vectors. With `use_muon: false` AdamW takes everything.
+`model.hidden_matrices() -> {name: row splits}` (row counts of the matrices fused in one parameter,
+e.g. (d, d, d) for q/k/v; Muon orthogonalises each block on its own) or, more simply,
+`model.muon_param_names() -> set[str]`. Names are as the unwrapped model's `named_parameters()`
+spells them (activation-checkpoint and compile wrappers are seen through). A model declaring neither
+gets Muon on every 2-D parameter. Weight decay applies to matrices only (ndim >= 2), never to norms,
+biases or other vectors. With `use_muon: false` AdamW takes everything.
 """
 
 from __future__ import annotations
@@ -114,39 +116,55 @@ def model_name(name: str) -> str:
     return name
 
 
-def muon_names(model: nn.Module) -> tuple[set[str], str]:
-    """Names (as in model.named_parameters()) of the parameters Muon takes, and the rule used."""
+def declared_hidden_matrices(model: nn.Module) -> dict[str, tuple[int, ...] | None] | None:
+    """The model's own list of hidden matrices, {name: row splits or None}, if it declares one.
+
+    `hidden_matrices()` maps each name to the row counts of the matrices stacked in it (one entry:
+    a plain matrix); `muon_param_names()` is a plain set of names. None: the model declares neither.
+    """
+    if hasattr(model, "hidden_matrices"):
+        return {n: (tuple(rows) if len(rows) > 1 else None) for n, rows in model.hidden_matrices().items()}
+    if hasattr(model, "muon_param_names"):
+        return dict.fromkeys(model.muon_param_names())
+    return None
+
+
+def muon_matrices(model: nn.Module) -> tuple[dict[str, tuple[int, ...] | None], str]:
+    """{name (as in model.named_parameters()): row splits or None} for Muon, and the rule used."""
     params = {name: p for name, p in model.named_parameters()}
-    if not hasattr(model, "muon_param_names"):
-        return {n for n, p in params.items() if p.ndim == 2}, "every 2-D parameter (no muon_param_names())"
-    wanted = set(model.muon_param_names())
-    chosen = {n for n in params if model_name(n) in wanted}
-    unknown = sorted(wanted - {model_name(n) for n in chosen})
+    declared = declared_hidden_matrices(model)
+    if declared is None:
+        return {n: None for n, p in params.items() if p.ndim == 2}, "every 2-D parameter (the model " \
+            "declares no hidden_matrices())"
+    chosen = {n: declared[model_name(n)] for n in params if model_name(n) in declared}
+    unknown = sorted(set(declared) - {model_name(n) for n in chosen})
     if unknown:
-        raise ValueError(f"muon_param_names() lists parameters the model does not have: {unknown[:5]}")
+        raise ValueError(f"the model declares hidden matrices it does not have: {unknown[:5]}")
     not_matrices = sorted(n for n in chosen if params[n].ndim != 2)
     if not_matrices:
-        raise ValueError(f"muon_param_names() lists non-2-D parameters: {not_matrices[:5]}")
-    return chosen, "model.muon_param_names()"
+        raise ValueError(f"the model declares non-2-D parameters as hidden matrices: {not_matrices[:5]}")
+    return chosen, "the model's hidden matrices"
 
 
 NamedParams = list[tuple[str, nn.Parameter]]
 
 
-def split_parameters(model: nn.Module, use_muon: bool) -> tuple[dict[str, NamedParams], str]:
-    """Group trainable parameters into "muon", "adamw_decay" (matrices) and "adamw_no_decay"."""
-    chosen, rule = muon_names(model) if use_muon else (set(), "use_muon: false, AdamW for all")
+def split_parameters(model: nn.Module, use_muon: bool
+                     ) -> tuple[dict[str, NamedParams], dict[str, tuple[int, ...] | None], str]:
+    """Group trainable parameters into "muon", "adamw_decay" (matrices) and "adamw_no_decay";
+    also return the row splits of the Muon matrices and the rule that chose them."""
+    splits, rule = muon_matrices(model) if use_muon else ({}, "use_muon: false, AdamW for all")
     groups: dict[str, NamedParams] = {"muon": [], "adamw_decay": [], "adamw_no_decay": []}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if name in chosen:
+        if name in splits:
             groups["muon"].append((name, p))
         elif p.ndim >= 2:
             groups["adamw_decay"].append((name, p))
         else:
             groups["adamw_no_decay"].append((name, p))
-    return groups, rule
+    return groups, splits, rule
 
 
 def split_report(groups: dict[str, NamedParams], rule: str, cfg: OptimConfig) -> str:
@@ -167,11 +185,15 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> tuple[OptimizerSet, s
 
     Build it after parallelising the model (FSDP2), so the optimizers hold the sharded parameters.
     """
-    groups, rule = split_parameters(model, cfg.use_muon)
+    groups, splits, rule = split_parameters(model, cfg.use_muon)
     by_name: dict[str, torch.optim.Optimizer] = {}
     if groups["muon"]:
-        by_name["muon"] = Muon([p for _, p in groups["muon"]], lr=cfg.learning_rate,
-                               weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum)
+        by_splits: dict[tuple[int, ...] | None, list[nn.Parameter]] = {}
+        for name, p in groups["muon"]:
+            by_splits.setdefault(splits[name], []).append(p)
+        by_name["muon"] = Muon([{"params": ps, "row_splits": rows} for rows, ps in by_splits.items()],
+                               lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+                               momentum=cfg.muon_momentum)
     adamw_groups = [{"params": [p for _, p in groups["adamw_decay"]], "weight_decay": cfg.weight_decay},
                     {"params": [p for _, p in groups["adamw_no_decay"]], "weight_decay": 0.0}]
     adamw_groups = [g for g in adamw_groups if g["params"]]

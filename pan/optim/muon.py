@@ -54,30 +54,45 @@ def newton_schulz(g: Tensor, steps: int = NS_STEPS,
     return x.to(g.dtype)
 
 
-def orthogonalize(update: Tensor, steps: int, coefficients: tuple[float, float, float], eps: float,
-                  dtype: torch.dtype | None) -> Tensor:
-    """Newton-Schulz of a whole matrix, also when `update` is a sharded DTensor.
+def match_adamw_rms_scale(shape: torch.Size) -> float:
+    """Moonshot's learning-rate factor 0.2 sqrt(max(A, B)) for an A x B matrix (see module docstring)."""
+    return 0.2 * math.sqrt(max(shape[0], shape[1]))
+
+
+def scaled_orthogonal(m: Tensor, row_splits: tuple[int, ...] | None, steps: int,
+                      coefficients: tuple[float, float, float], eps: float,
+                      dtype: torch.dtype | None) -> Tensor:
+    """Muon's update direction for a whole matrix: each row block orthogonalised on its own and scaled
+    by its RMS-matching factor. `row_splits` lists the row counts of matrices fused into one
+    parameter (e.g. q/k/v stacked); None = one matrix."""
+    blocks = m.split(list(row_splits)) if row_splits is not None else (m,)
+    return torch.cat([newton_schulz(b, steps, coefficients, eps, dtype) * match_adamw_rms_scale(b.shape)
+                      for b in blocks])
+
+
+def orthogonal_update(update: Tensor, row_splits: tuple[int, ...] | None, steps: int,
+                      coefficients: tuple[float, float, float], eps: float,
+                      dtype: torch.dtype | None) -> Tensor:
+    """`scaled_orthogonal`, also when `update` is a sharded DTensor.
 
     The iteration mixes all rows, so a shard cannot be orthogonalised alone: gather the full matrix
     once, orthogonalise it (every rank computes the same result), and keep this rank's shard, so the
     sharded step equals the unsharded one.
     """
     if not isinstance(update, DTensor):
-        return newton_schulz(update, steps, coefficients, eps, dtype)
-    full = newton_schulz(update.full_tensor(), steps, coefficients, eps, dtype)
+        return scaled_orthogonal(update, row_splits, steps, coefficients, eps, dtype)
+    full = scaled_orthogonal(update.full_tensor(), row_splits, steps, coefficients, eps, dtype)
     # src_data_rank=None: every rank holds the same `full`, so each slices its own shard locally.
     return distribute_tensor(full, update.device_mesh, update.placements, src_data_rank=None)
-
-
-def match_adamw_rms_scale(shape: torch.Size) -> float:
-    """Moonshot's learning-rate factor 0.2 sqrt(max(A, B)) for an A x B matrix (see module docstring)."""
-    return 0.2 * math.sqrt(max(shape[0], shape[1]))
 
 
 class Muon(torch.optim.Optimizer):
     """Muon for 2-D parameters (plain tensors or FSDP2 DTensors); see the module docstring.
 
     `ns_dtype` is the Newton-Schulz iteration dtype; None picks it per device (`default_ns_dtype`).
+    A param group may set `row_splits` (row counts summing to the rows of each of its matrices) for
+    parameters that stack several matrices, such as a fused q/k/v projection: each block then gets
+    its own orthogonalisation and lr factor, as if the matrices were separate parameters.
     """
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.0, momentum: float = 0.95,
@@ -88,13 +103,17 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_steps=ns_steps, ns_coefficients=tuple(ns_coefficients), eps=eps,
-                        ns_dtype=ns_dtype)
+                        ns_dtype=ns_dtype, row_splits=None)
         super().__init__(params, defaults)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.ndim != 2:
                     raise ValueError(f"Muon takes 2-D matrices only, got a parameter of shape "
                                      f"{tuple(p.shape)}; optimise it with AdamW")
+                splits = group["row_splits"]
+                if splits is not None and sum(splits) != p.shape[0]:
+                    raise ValueError(f"row_splits {splits} do not add up to the {p.shape[0]} rows "
+                                     f"of a parameter of shape {tuple(p.shape)}")
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -113,8 +132,8 @@ class Muon(torch.optim.Optimizer):
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - momentum)
                 update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-                update = orthogonalize(update, group["ns_steps"], group["ns_coefficients"],
-                                       group["eps"], group["ns_dtype"])
+                update = orthogonal_update(update, group["row_splits"], group["ns_steps"],
+                                           group["ns_coefficients"], group["eps"], group["ns_dtype"])
                 p.mul_(1 - lr * wd)
-                p.add_(update, alpha=-lr * match_adamw_rms_scale(p.shape))
+                p.add_(update, alpha=-lr)
         return loss
