@@ -8,10 +8,11 @@ Per matrix W with gradient G (Keller Jordan 2024; Liu et al. 2025, "Muon is Scal
     W <- W (1 - lr wd) - lr 0.2 sqrt(max(A, B)) O     decoupled weight decay, RMS-matched step
 
 Why our own instead of `torch.optim.Muon` (torch 2.13): that one always iterates in bf16, which is
-~50x slower than fp32 on CPUs (47 s vs 0.87 s per step for 16M parameters measured here), and on
-FSDP2 DTensors it runs the iteration through DTensor ops (~15 all-gathers per matrix, bf16-level
-drift from the unsharded result). Here the iteration dtype follows the device (fp32 on CPU, bf16 on
-CUDA, overridable) and a sharded matrix is gathered once, orthogonalised whole, and re-sharded.
+~50x slower than fp32 on CPUs without native bf16 (AVX2: 47 s vs 0.87 s per step for 16M
+parameters), and on FSDP2 DTensors it runs the iteration through DTensor ops (~15 all-gathers per
+matrix, bf16-level drift from the unsharded result). Here the iteration dtype follows the device
+(fp32 on CPU, so CPU runs are exact to fp32 tolerance and fast on any CPU; bf16 on CUDA;
+overridable) and a sharded matrix is gathered once, orthogonalised whole, and re-sharded.
 
 Learning rate: an orthogonalised A x B update has RMS ~ 1/sqrt(max(A, B)), AdamW's update RMS is
 typically 0.2-0.4. Scaling Muon's step by 0.2 sqrt(max(A, B)) (Moonshot's "match AdamW RMS" rule)
@@ -32,7 +33,7 @@ NS_STEPS = 5
 
 
 def default_ns_dtype(device: torch.device) -> torch.dtype:
-    """bf16 where matmuls are fast in bf16 (CUDA); fp32 elsewhere (CPU bf16 matmul is ~90x slower)."""
+    """bf16 on CUDA (fast tensor cores); fp32 elsewhere (bf16 matmul is ~90x slower on AVX2 CPUs)."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
