@@ -338,6 +338,9 @@ def test_ema_update_swap_and_state():
         torch.testing.assert_close(model.weight, start["weight"] + 0.1)
     torch.testing.assert_close(model.weight, start["weight"] + 1.0)
 
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    other = EMA(nn.Sequential(checkpoint_wrapper(nn.Linear(3, 2))), decay=0.9)
+    assert set(other.state_dict()) == {"0.weight", "0.bias"}  # wrapper names are not in the keys
     other = EMA(nn.Linear(3, 2), decay=0.9)
     other.load_state_dict(ema.state_dict())
     torch.testing.assert_close(other.shadow["bias"], start["bias"] + 0.1)

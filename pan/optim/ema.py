@@ -16,6 +16,8 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from pan.optim.builder import model_name
+
 
 def _local(t: Tensor) -> Tensor:
     """This rank's data of a (possibly sharded) tensor."""
@@ -23,13 +25,14 @@ def _local(t: Tensor) -> Tensor:
 
 
 class EMA:
-    """Shadow weights of `model`'s trainable parameters, keyed by parameter name."""
+    """Shadow weights of `model`'s trainable parameters, keyed by the unwrapped model's parameter
+    names (so checkpoints and exports do not depend on activation checkpointing or compile)."""
 
     def __init__(self, model: nn.Module, decay: float):
         if not 0.0 < decay < 1.0:
             raise ValueError(f"EMA decay must be in (0, 1), got {decay}")
         self.decay = decay
-        self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        self.params = {model_name(n): p for n, p in model.named_parameters() if p.requires_grad}
         self.shadow = {n: p.detach().clone() for n, p in self.params.items()}
 
     @torch.no_grad()
