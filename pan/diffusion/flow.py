@@ -126,7 +126,7 @@ def sample_timesteps(cfg: FlowConfig, num_samples: int, tokens_per_sample: list[
     """Training timesteps t [num_samples] (fp32, CPU) in [0, 1], shifted per `cfg`.
 
     `tokens_per_sample` (the latent token count L of each sample) sets the shift in dynamic mode
-    and is checked for length in both modes.
+    and is checked for length in both modes. `generator` is a CPU generator; move t where needed.
     """
     tokens = torch.as_tensor(tokens_per_sample).cpu()  # draws live on the CPU, like the generator
     if tokens.shape != (num_samples,):
