@@ -89,7 +89,7 @@ class Metrics:
         return None
 
     def start(self, step: int, max_steps: int) -> None:
-        self.log.info("MFU is measured against %.1f TFLOP/s in all (%s)", self.peak / 1e12, self.peak_source)
+        self.log.info("MFU is measured against %.1f GFLOP/s in all (%s)", self.peak / 1e9, self.peak_source)
         if self.world.is_main and self.cfg.progress_bar:
             from tqdm import tqdm
             self.bar = tqdm(total=max_steps, initial=step, desc="train", unit="step", dynamic_ncols=True)

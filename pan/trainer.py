@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from pan.config.core import knob, require
 from pan.logging import get_logger
+from pan.parallel.fsdp import clip_grad_norm, set_gradient_sync
 
 
 @dataclass(kw_only=True)
@@ -91,24 +92,15 @@ def autocast_context(dtype: str, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False)
 
 
-def set_gradient_sync(model, enabled: bool) -> None:
-    from pan.parallel.fsdp import set_gradient_sync as sync
-    sync(model, enabled)
-
-
-def clip_grad_norm(model, max_norm: float | None) -> float:
-    from pan.parallel.fsdp import clip_grad_norm as clip
-    return clip(model, max_norm)
-
-
 class Trainer:
     """Runs one recipe's job: everything recipe-specific lives in `task` (see pan/recipes)."""
 
     def __init__(self, job, task, world, dims, model, optimizer, scheduler, loader, checkpointer,
-                 metrics):
+                 metrics, ema=None):
         self.job, self.task, self.world, self.dims = job, task, world, dims
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.loader, self.checkpointer, self.metrics = loader, checkpointer, metrics
+        self.ema = ema
         self.state = TrainState()
         self.log = get_logger()
 
@@ -138,6 +130,8 @@ class Trainer:
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if finite:
             self.optimizer.step()
+            if self.ema is not None:
+                self.ema.update()
             self.state.nonfinite_streak = 0
         else:
             self.state.nonfinite_streak += 1
@@ -182,18 +176,21 @@ class Trainer:
     def checkpoint_parts(self) -> dict:
         """Everything a resume restores, by name (the checkpointer decides how each is stored)."""
         return {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler,
-                "loader": self.loader, "train_state": self.state, "task": self.task}
+                "loader": self.loader, "train_state": self.state, "task": self.task, "ema": self.ema}
 
 
 def build_trainer(job) -> Trainer:
     """World, model (parallelised and initialised), optimizer, data, checkpoints: ready to fit()."""
     from pan.checkpoint.manager import Checkpointer
+    from pan.checkpoint.warm_start import plan_warm_start
     from pan.config import dump_job
     from pan.metrics import Metrics
     from pan.optim.builder import build_optimizer, build_scheduler
+    from pan.optim.ema import EMA
+    from pan.parallel.context_parallel import ContextParallel
     from pan.parallel.dims import ParallelDims
     from pan.parallel.fsdp import materialize_and_init, parallelize_model
-    from pan.parallel.mesh import build_mesh, context_parallel_for
+    from pan.parallel.mesh import build_mesh, cp_group, cp_rank
     from pan.parallel.world import init_world
     from pan.recipes import get_recipe
 
@@ -210,26 +207,36 @@ def build_trainer(job) -> Trainer:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.yaml").write_text(dump_job(job))
     mesh = build_mesh(dims, world)
-    cp = context_parallel_for(mesh, dims)
+    cp = None
+    if dims.cp > 1:
+        comm_device = world.device if world.device.type == "cuda" else torch.device("cpu")
+        cp = ContextParallel(cp_rank(mesh), dims.cp, cp_group(mesh), comm_device)
     task = get_recipe(job.recipe).task(job, world, dims, cp)
     log.info("world: %d processes (dp_replicate %d x dp_shard %d x cp %d) on %s",
              world.size, dims.dp_replicate, dims.dp_shard, dims.cp, world.device)
 
-    checkpointer = Checkpointer(job, world, dims)
-    model = task.build_model()
-    model = materialize_and_init(model, world.device, cfg.seed, mesh, dims,
-                                          before_sharding=checkpointer.plain_warm_start)
+    checkpointer = Checkpointer(job.checkpoint, world, dims,
+                                restart_data_on_dp_change=job.data.restart_data_on_dp_change)
+    warm_start = plan_warm_start(job.warm_start, checkpointer.latest_step())
+    model = materialize_and_init(task.build_model(), world.device, cfg.seed, mesh)
+    if warm_start is not None:
+        warm_start.before_sharding(model)
     model = parallelize_model(model, mesh, dims, job.parallel, cfg)
+    if warm_start is not None:
+        warm_start.after_sharding(model)
+    log.info("model: %.1fM parameters", sum(p.numel() for p in model.parameters()) / 1e6)
     optimizer, report = build_optimizer(model, job.optim)
-    log.info("optimizer:\n%s", report)
+    log.info("optimizer split:\n%s", report)
     scheduler = build_scheduler(optimizer, job.optim, cfg.max_steps)
+    ema = EMA(model, job.optim.ema_decay) if job.optim.ema_decay > 0 else None
     task.load_encoders()
     loader = task.build_loader(dims) if task.reads_data else None
     metrics = Metrics(job.logging, output_dir, world, world.device, cfg.dtype)
-    trainer = Trainer(job, task, world, dims, model, optimizer, scheduler, loader, checkpointer, metrics)
+    trainer = Trainer(job, task, world, dims, model, optimizer, scheduler, loader, checkpointer,
+                      metrics, ema)
     resumed = checkpointer.resume(trainer.checkpoint_parts())
-    if resumed is None:
-        checkpointer.checkpoint_warm_start(model)
+    if resumed is not None:
+        log.info("resuming from checkpoint-%d", resumed)
     return trainer
 
 
