@@ -71,6 +71,10 @@ class ToyLoader:
     def __init__(self, dp_rank: int = 0, dp_size: int = 1):
         self.dp_rank, self.dp_size, self.position = dp_rank, dp_size, 0
 
+    def __next__(self) -> str:
+        self.position += 1
+        return f"{self.dp_rank}/{self.position}"
+
     def state_dict(self) -> dict:
         return {"dp_rank": self.dp_rank, "dp_size": self.dp_size, "position": self.position}
 
@@ -107,7 +111,9 @@ def train(parts: dict, steps: int) -> None:
         if parts["ema"] is not None:
             parts["ema"].update()
         if parts["loader"] is not None:
-            parts["loader"].position += 1
+            batch = next(parts["loader"])
+            parts.setdefault("consumed", []).append(
+                [x.sample_id for x in batch.samples] if hasattr(batch, "samples") else batch)
         parts["train_state"].step += 1
 
 

@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
 
@@ -70,6 +71,16 @@ def _dcp_save(state: dict, path: Path) -> None:
 
 def _dcp_load(state: dict, path: Path) -> None:
     dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+
+
+def _first_line(e: BaseException) -> str:
+    """The gist of an error (DCP's carry every rank's full traceback)."""
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    if isinstance(e, CheckpointException):
+        # "CheckpointException ranks:..." then each rank's traceback: keep the ranks and the cause
+        causes = [line for line in lines if not line.startswith(" ") and "Traceback" not in line]
+        return " / ".join(c[:160] for c in causes[:2])
+    return (lines[0] if lines else type(e).__name__)[:300]
 
 
 def _optimizers(optimizer) -> list[torch.optim.Optimizer]:
@@ -293,19 +304,26 @@ class Checkpointer:
         # step to create the state, which must not touch the weights loaded next.
         optim_state = get_optimizer_state_dict(model, optimizers)
         model_state = get_model_state_dict(model)
+        # An EMA turned on since the checkpoint was written starts from the loaded weights.
         ema = parts.get("ema")
+        ema_saved = ema is not None and (path / layout.EMA).is_dir()
         try:
             _dcp_load(model_state, path / layout.TRANSFORMER)
             _dcp_load(optim_state, path / layout.OPTIMIZER)
-            if ema is not None:
+            if ema_saved:
                 ema_state = ema.state_dict()
                 _dcp_load(ema_state, path / layout.EMA)
-        except Exception as e:  # DCP gathers every rank's read errors, so all ranks land here
-            return f"{type(e).__name__}: {e}"
+        except (Exception, CheckpointException) as e:
+            # DCP gathers every rank's read errors (as a CheckpointException, a BaseException),
+            # so all ranks land here together.
+            return f"{type(e).__name__}: {_first_line(e)}"
         set_model_state_dict(model, model_state)
         set_optimizer_state_dict(model, optimizers, optim_state)
-        if ema is not None:
+        if ema_saved:
             ema.load_state_dict(ema_state)
+        elif ema is not None:
+            self.log.warning("%s holds no EMA: the EMA starts from the loaded weights", path.name)
+            ema.load_state_dict({n: p.detach() for n, p in model.named_parameters() if p.requires_grad})
         self._apply_local_state(local, parts, same_dp)
         return None
 

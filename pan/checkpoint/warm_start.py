@@ -153,11 +153,13 @@ def load_state_dict_weights(model: nn.Module, path: Path) -> WarmStartReport:
     return report
 
 
-def load_checkpoint_weights(model: nn.Module, dcp_dir: Path) -> WarmStartReport:
+def load_checkpoint_weights(model: nn.Module, path: Path) -> WarmStartReport:
     """Load the transformer weights of a pan checkpoint into a (possibly FSDP-sharded) model.
 
-    Collective: every rank calls it. DCP reads each rank's shards from whatever layout wrote them.
+    `path` is a checkpoint-N/ folder or its transformer/ folder. Collective: every rank calls it.
+    DCP reads each rank's shares from whatever layout wrote them.
     """
+    dcp_dir = path / layout.TRANSFORMER if (path / layout.TRANSFORMER).is_dir() else path
     stored = layout.dcp_tensor_shapes(dcp_dir)
     state = get_model_state_dict(model)
     report = WarmStartReport(dcp_dir, "checkpoint")
