@@ -17,21 +17,19 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from pan.parallel.dims import ParallelDims
+from pan.parallel.world import World
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "cp")
 
 
-def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh | None:
-    """The 3-D mesh (dp_replicate, dp_shard, cp) over the default process group; None for a world of one.
-
-    `device_type` is "cuda" or "cpu" (`world.device.type`).
-    """
+def build_mesh(dims: ParallelDims, world: World) -> DeviceMesh | None:
+    """The 3-D mesh (dp_replicate, dp_shard, cp) over the default process group; None for a world of one."""
     if dims.world_size == 1:
         return None
     if dist.get_world_size() != dims.world_size:
         raise ValueError(f"the process group has {dist.get_world_size()} ranks but the layout "
                          f"expects {dims.world_size}.")
-    return init_device_mesh(device_type, (dims.dp_replicate, dims.dp_shard, dims.cp),
+    return init_device_mesh(world.device.type, (dims.dp_replicate, dims.dp_shard, dims.cp),
                             mesh_dim_names=MESH_DIMS)
 
 

@@ -1,0 +1,141 @@
+"""Apply parallelism to a single-device model from outside: init, checkpointing, compile, CP, FSDP2.
+
+The trainer calls, in this order:
+
+    model = materialize_and_init(task.build_model_on_meta(), world.device, seed, mesh)
+    model = parallelize_model(model, mesh, dims, job.parallel, job.trainer)
+    ...
+    set_gradient_sync(model, last_micro_batch)      # around each backward
+    grad_norm = clip_grad_norm(model, max_norm)     # before the optimizer step
+
+Gradients are SUMMED over all ranks (data-parallel and cp): the trainer divides each rank's loss by
+the global count of loss elements, so the sum of the ranks' gradients is the gradient of the global
+batch, for any layout.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from pan.logging import get_logger
+from pan.parallel.checkpointing import apply_activation_checkpointing
+from pan.parallel.context_parallel import attach_ulysses
+from pan.parallel.dims import ParallelConfig, ParallelDims
+from pan.parallel.mesh import cp_group, fsdp_mesh
+
+# Models up to this many parameters are initialised whole on the host of every rank (4 bytes each,
+# so 8 GB per process at the limit) and then sharded: the weights are then bit-identical for every
+# layout. Larger ones are initialised shard by shard after `fully_shard` (same distribution, but the
+# values depend on the layout; runs of that size start from a seed checkpoint to compare layouts).
+FULL_INIT_MAX_PARAMS = 2_000_000_000
+
+# ModuleLists of the transformer blocks: each block is one FSDP unit (one all-gather, one
+# reduce-scatter) and one checkpointing / compile unit.
+BLOCK_LISTS = ("refiner", "blocks", "single_blocks")
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The refiner, double-stream and single-stream blocks, in forward order."""
+    blocks = [b for name in BLOCK_LISTS for b in getattr(model, name, ())]
+    if not blocks:
+        raise ValueError(f"{type(model).__name__} has none of the block lists {BLOCK_LISTS}.")
+    return blocks
+
+
+def _is_meta(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+def _init_weights(model: nn.Module, seed: int) -> None:
+    # A private RNG stream: the init is a function of the seed alone, and the caller's RNG state
+    # (data order, noise) is left as it was.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model.init_weights()
+
+
+def materialize_and_init(model: nn.Module, device: torch.device, seed: int,
+                         mesh: DeviceMesh | None) -> nn.Module:
+    """Real, initialised weights for a model built on the meta device (or re-initialised from `seed`).
+
+    Up to FULL_INIT_MAX_PARAMS parameters (or without a mesh): the whole model is materialised on
+    the CPU and initialised from `seed` identically on every rank; `parallelize_model` then keeps
+    each rank's shard (FSDP2 moves it to the mesh's device). Without a mesh the model moves to
+    `device`. Larger models stay on the meta device here and `parallelize_model` initialises them
+    shard by shard after `fully_shard`.
+    """
+    count = sum(p.numel() for p in model.parameters())
+    if mesh is not None and count > FULL_INIT_MAX_PARAMS and _is_meta(model):
+        get_logger().info("model has %.2fB parameters: initialising it shard by shard after "
+                          "fully_shard", count / 1e9)
+        return model
+    if _is_meta(model):
+        model.to_empty(device="cpu")
+    _init_weights(model, seed)
+    return model.to(device) if mesh is None else model
+
+
+def mixed_precision_policy(dtype: str) -> MixedPrecisionPolicy:
+    """bf16: parameters all-gathered in bf16, gradients reduced in fp32 (fp32 master weights kept)."""
+    if dtype == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def parallelize_model(model: nn.Module, mesh: DeviceMesh | None, dims: ParallelDims,
+                      parallel_cfg: ParallelConfig, trainer_cfg) -> nn.Module:
+    """Activation checkpointing, torch.compile, Ulysses CP and FSDP2/HSDP, in that order (in place).
+
+    FSDP2 shards every transformer block and then the root over `fsdp_mesh` (dp_shard x cp, with
+    dp_replicate as the HSDP replica dimension; ddp = shards of one rank), reshards after forward,
+    and sums gradients over all ranks. A world of one gets only checkpointing and compile.
+    `trainer_cfg` supplies `dtype`, `compile_transformer` and `seed` (for shard-wise init).
+    """
+    blocks = transformer_blocks(model)
+    if parallel_cfg.enable_gradient_checkpointing:
+        apply_activation_checkpointing(blocks, parallel_cfg.use_dedicated_gradient_checkpointing)
+    if trainer_cfg.compile_transformer:
+        for block in blocks:
+            block.compile()  # in place: parameter names stay the same
+    if mesh is None:
+        return model
+    if dims.cp > 1:
+        attach_ulysses(model, cp_group(mesh))
+    shard_mesh = fsdp_mesh(mesh, dims, parallel_cfg.data_parallel_mode)
+    options = dict(mesh=shard_mesh, reshard_after_forward=True,
+                   mp_policy=mixed_precision_policy(trainer_cfg.dtype))
+    for block in blocks:
+        fully_shard(block, **options)
+    fully_shard(model, **options)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # Sum, not mean, over ranks (see the module docstring). Plain SUM collectives: a divide
+            # factor otherwise becomes ReduceOp.PREMUL_SUM, which gloo lacks.
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    if _is_meta(model):
+        model.to_empty(device=mesh.device_type)
+        _init_weights(model, trainer_cfg.seed)
+    return model
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Reduce gradients in the coming backward (last micro-batch) or only accumulate them locally."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float | None) -> float:
+    """Global L2 norm of all gradients (sharded or not) before clipping; clip to `max_norm` if > 0."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    grads = [p.grad for p in params]
+    total = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if max_norm:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()  # the shards' squared norms summed over the mesh
+    return total.item()
