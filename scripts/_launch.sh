@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Shared body of pan's launch scripts (scripts/pretrain.sh, scripts/sft.sh, ...): sourced, not run.
 #
 # A wrapper is a Slurm header, the repository root and a default YAML, then one source line:
@@ -64,7 +65,7 @@ export QUACK_CACHE_DIR="${PAN2_CACHE_ROOT:-$HOME/.cache/pan2}/quack"
 
 # ---- processes per node -----------------------------------------------------------------------
 pan_count_gpus() {
-  if [[ -n "${CUDA_VISIBLE_DEVICES:-}" ]]; then
+  if [[ -n "${CUDA_VISIBLE_DEVICES+set}" ]]; then # set but empty: no GPU visible
     local ids
     IFS=, read -ra ids <<<"$CUDA_VISIBLE_DEVICES"
     echo "${#ids[@]}"
@@ -118,6 +119,7 @@ pan_torchrun_args=(
 if [[ -n "${SLURM_JOB_ID:-}" ]]; then
   # Single quotes: each srun task expands its own SLURM_NODEID. --cpu-bind=none lets the workers
   # and their loader threads use every core of the node.
+  # shellcheck disable=SC2016
   pan_cmd=(
     srun --ntasks-per-node=1 --nodes="$SLURM_NNODES" --kill-on-bad-exit=1 --cpu-bind=none
     bash -c 'exec "$0" -m torch.distributed.run --node_rank="$SLURM_NODEID" "$@"'

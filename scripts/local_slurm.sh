@@ -146,15 +146,19 @@ stop_pid_files() {
   for pid_file in "$@"; do
     [[ -s $pid_file ]] || continue
     pids+=("$(<"$pid_file")")
-    rm -f "$pid_file"
   done
   ((${#pids[@]})) || return 0
   kill "${pids[@]}" 2>/dev/null || true
   for _ in $(seq 50); do
-    any_alive "${pids[@]}" || return 0
+    any_alive "${pids[@]}" || break
     sleep 0.2
   done
-  kill -9 "${pids[@]}" 2>/dev/null || true
+  if any_alive "${pids[@]}"; then
+    log "SIGKILL after 10 s: ${pids[*]}"
+    kill -9 "${pids[@]}" 2>/dev/null || true
+  fi
+  # A daemon removes its own pid file on a clean exit; a stale one must not name a reused PID later.
+  rm -f "$@"
 }
 
 any_alive() {
@@ -184,9 +188,9 @@ cmd_stop() {
   if pid_alive "$base/run/slurmctld.pid"; then
     cancel_jobs
   fi
-  # Order matters: slurmd reports to slurmctld, and both authenticate through munged.
-  stop_pid_files "$base"/run/slurmd-*.pid
-  stop_pid_files "$base/run/slurmctld.pid"
+  # Slurm's daemons authenticate through munged while they shut down, so it goes last. (Each
+  # daemon takes ~2 s to exit; stopping slurmd and slurmctld together halves the wait.)
+  stop_pid_files "$base"/run/slurmd-*.pid "$base/run/slurmctld.pid"
   stop_pid_files "$base/munge/munged.pid"
 }
 
