@@ -1,0 +1,214 @@
+"""`make demo` / `pan demo`: synthesise data, train a tiny text-to-video model on CPU, sample the
+held-out prompts, score them and write a report.
+
+    python -m pan.cli demo [--out demo_out] [--steps N] [--quick]
+
+Everything lands under `--out`: data/ (the synthetic dataset), run/ (checkpoints, metrics.jsonl),
+samples/ (one MP4 + GIF per held-out prompt, contact_sheet.gif, scores.json), loss.png, report.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+from PIL import Image, ImageDraw
+
+import pan
+
+DEFAULT_CONFIG = Path(pan.__file__).resolve().parent.parent / "config" / "demo_cpu.yaml"
+
+# --quick: a shape check of the whole pipeline (tests), not a model that learns.
+QUICK_OVERRIDES = {
+    "transformer_config_overrides.hidden_size": 32,
+    "transformer_config_overrides.num_attention_heads": 2,
+    "transformer_config_overrides.num_layers": 1,
+    "transformer_config_overrides.rope_axes_dim": [4, 6, 6],
+    "max_tokens_per_batch": 1152,
+    "sample_steps": 2,
+}
+QUICK_PROMPTS = 2
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="pan demo", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="demo_out", help="folder for data, run, samples and report")
+    parser.add_argument("--steps", type=int, help="training steps (default: the config's max_steps)")
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="the demo's run config")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny data, model and schedule: checks the pipeline in about a minute")
+    return parser.parse_args(argv)
+
+
+def make_data(data_dir: Path, quick: bool) -> dict[str, Path]:
+    """The synthetic dataset, written once (reused when its files are there)."""
+    from pan.data.synth import synth_dataset
+
+    paths = {"train_csv": data_dir / "train.csv", "heldout_csv": data_dir / "heldout.csv",
+             "heldout_prompts": data_dir / "heldout_prompts.json"}
+    if all(p.is_file() for p in paths.values()):
+        return paths
+    sizes = {"num_train": 16, "num_heldout": 0} if quick else {}
+    return synth_dataset(data_dir, **sizes)
+
+
+def job_argv(args: argparse.Namespace, data: dict[str, Path], run_dir: Path) -> list[str]:
+    overrides = {"video_csv_paths": [str(data["train_csv"])], "output_dir": str(run_dir)}
+    if args.quick:
+        overrides |= QUICK_OVERRIDES | {"max_steps": args.steps or 2}
+    elif args.steps:
+        overrides["max_steps"] = args.steps
+    if "max_steps" in overrides:
+        steps = overrides["max_steps"]
+        warmup = yaml.safe_load(Path(args.config).read_text()).get("training", {}).get("warmup_steps", 0)
+        overrides["warmup_steps"] = min(warmup, steps // 4)  # a short run keeps a quarter for warmup at most
+        overrides["log_interval"] = max(1, steps // 40)  # about 40 points on the loss curve
+    argv = ["--config", args.config]
+    for key, value in overrides.items():
+        argv += [f"--{key}", json.dumps(value)]
+    return argv
+
+
+def sample_prompts(trainer, prompts: list[dict], out_dir: Path) -> list[Path]:
+    """One MP4 + GIF per prompt with the trained weights (the EMA weights when the run keeps them)."""
+    task = trainer.task
+    task.job.validation = dataclasses.replace(task.job.validation,
+                                              validation_prompts=[p["prompt"] for p in prompts])
+    trainer.model.eval()
+    if trainer.ema is not None:
+        with trainer.ema.swapped_in():
+            return task.write_samples(trainer.model, trainer.state.step, out_dir)
+    return task.write_samples(trainer.model, trainer.state.step, out_dir)
+
+
+def write_contact_sheet(videos: list[Path], path: Path, scale: int = 2, columns: int = 5) -> None:
+    """All samples tiled into one looping GIF (scaled up `scale`x so 32-pixel clips are visible)."""
+    from pan.eval import load_video
+    from pan.media import write_gif
+
+    clips = [load_video(v) for v in videos]  # [T, H, W, 3] uint8 each
+    t, h, w, _ = clips[0].shape
+    columns = min(columns, len(clips))
+    rows = -(-len(clips) // columns)
+    gap = 2
+    sheet = np.full((t, rows * (h + gap) + gap, columns * (w + gap) + gap, 3), 64, dtype=np.uint8)
+    for i, clip in enumerate(clips):
+        y, x = gap + (i // columns) * (h + gap), gap + (i % columns) * (w + gap)
+        sheet[:, y:y + h, x:x + w] = clip[:t]
+    write_gif(path, sheet, fps=8, scale=scale)
+
+
+def draw_loss_curve(metrics_path: Path, path: Path, size: tuple[int, int] = (640, 360)) -> None:
+    """Training loss against step (metrics.jsonl rows, one per log interval), drawn with Pillow."""
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    steps = np.array([r["step"] for r in rows], dtype=float)
+    loss = np.array([r["loss"] for r in rows], dtype=float)
+    width, height = size
+    left, right, top, bottom = 60, 20, 30, 40
+    image = Image.new("RGB", size, "white")
+    draw = ImageDraw.Draw(image)
+    x0, x1 = steps.min(), max(steps.max(), steps.min() + 1)
+    y0, y1 = 0.0, max(loss.max(), 1e-6) * 1.05
+
+    def to_px(s: float, v: float) -> tuple[float, float]:
+        return (left + (s - x0) / (x1 - x0) * (width - left - right),
+                height - bottom - (v - y0) / (y1 - y0) * (height - top - bottom))
+
+    draw.rectangle([left, top, width - right, height - bottom], outline="black")
+    for frac in (0.0, 0.25, 0.5, 0.75, 1.0):
+        v = y0 + frac * (y1 - y0)
+        _, y = to_px(x0, v)
+        draw.line([left - 4, y, left, y], fill="black")
+        draw.text((4, y - 6), f"{v:.3f}", fill="black")
+    for s in (x0, (x0 + x1) / 2, x1):
+        x, _ = to_px(s, y0)
+        draw.text((x - 10, height - bottom + 6), f"{s:.0f}", fill="black")
+    draw.text((left, 8), "training loss (flow-matching MSE) vs step", fill="black")
+    points = [to_px(s, v) for s, v in zip(steps, loss)]
+    if len(points) > 1:
+        draw.line(points, fill=(200, 40, 40), width=2)
+    for x, y in points:
+        draw.ellipse([x - 2, y - 2, x + 2, y + 2], fill=(200, 40, 40))
+    image.save(path)
+
+
+def write_report(path: Path, *, steps: int, seconds: dict[str, float], final_loss: float, scores: dict,
+                 table: str, files: list[Path]) -> None:
+    def pct(v):
+        return "n/a" if v is None else f"{100 * v:.1f}%"
+
+    lines = [
+        "# pan demo report", "",
+        f"- training steps: {steps}",
+        *(f"- {name} time: {s:.0f} s" for name, s in seconds.items()),
+        f"- final training loss (last log interval): {final_loss:.4f}",
+        f"- held-out prompts: colour {pct(scores['colour_accuracy'])}, direction "
+        f"{pct(scores['direction_accuracy'])}, shape {pct(scores['shape_accuracy'])}, joint "
+        f"{pct(scores['joint_accuracy'])} ({scores['num_videos']} videos)", "",
+        "## Scores", "", "```", table, "```", "",
+        "## Files", "", *(f"- `{f.relative_to(path.parent)}`" for f in files), "",
+    ]
+    path.write_text("\n".join(lines))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from pan.cli import load_config_or_exit
+    from pan.eval import format_table, score_videos
+    from pan.trainer import build_trainer
+
+    out = Path(args.out)
+    seconds: dict[str, float] = {}
+    t0 = time.perf_counter()
+    data = make_data(out / "data", args.quick)
+    seconds["data"] = time.perf_counter() - t0
+
+    run_dir = out / "run"
+    if run_dir.exists():  # each demo trains afresh: a finished run would otherwise be resumed
+        print(f"removing the previous demo run {run_dir}")
+        shutil.rmtree(run_dir)
+    job = load_config_or_exit(job_argv(args, data, run_dir))
+    t0 = time.perf_counter()
+    trainer = build_trainer(job)
+    try:
+        trainer.fit()
+    finally:
+        if hasattr(trainer.loader, "close"):
+            trainer.loader.close()
+    seconds["training"] = time.perf_counter() - t0
+
+    prompts = json.loads(data["heldout_prompts"].read_text())
+    if args.quick:
+        prompts = prompts[:QUICK_PROMPTS]
+    samples_dir = out / "samples"
+    t0 = time.perf_counter()
+    videos = sample_prompts(trainer, prompts, samples_dir)
+    seconds["sampling"] = time.perf_counter() - t0
+    write_contact_sheet(videos, samples_dir / "contact_sheet.gif")
+
+    scores = score_videos(videos, prompts)  # read back from the MP4s, as a user would see them
+    table = format_table(scores)
+    print(table)
+    (samples_dir / "scores.json").write_text(json.dumps(scores, indent=1) + "\n")
+
+    metrics_path = out / "run" / "metrics.jsonl"
+    draw_loss_curve(metrics_path, out / "loss.png")
+    final_loss = json.loads(metrics_path.read_text().splitlines()[-1])["loss"]
+    files = [out / "loss.png", samples_dir / "contact_sheet.gif", samples_dir / "scores.json",
+             *sorted(samples_dir.glob("*.mp4")), *sorted(samples_dir.glob("*.gif"))]
+    files = list(dict.fromkeys(files))
+    write_report(out / "report.md", steps=trainer.state.step, seconds=seconds, final_loss=final_loss,
+                 scores=scores, table=table, files=files)
+    print(f"\nreport: {out / 'report.md'}  loss curve: {out / 'loss.png'}  "
+          f"samples: {samples_dir / 'contact_sheet.gif'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
