@@ -58,6 +58,7 @@ def test_sections_are_free_form_and_cli_beats_file(tmp_path):
     assert job.model.arch.num_heads == 8             # the CLI merged into the nested mapping
     assert job.model.arch.dims == [3, 5]
     assert job.explicit_keys == {"learning_rate", "arch"}
+    assert load(tmp_path, "training:\n  learning_rate: 1.0e-4\n").explicit_keys == set()  # default
 
 
 def test_keys_may_sit_at_top_level(tmp_path):

@@ -10,8 +10,8 @@ from pan.config.job import dump_job, load_job_config
 class JobConfig:
     """Base of a recipe's job config: one attribute per component config."""
     recipe: str = "pan"  # the top-level `recipe` key
-    # Keys the user set (in the file or on the command line), for rules such as "this key has no
-    # effect in this mode": a key only counts as set when it is written, not when left at default.
+    # Keys the user set (in the file or on the command line) to a non-default value, for rules such
+    # as "this key has no effect in this mode".
     explicit_keys: set[str] = field(default_factory=set, repr=False, compare=False)
 
 

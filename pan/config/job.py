@@ -155,9 +155,22 @@ def build_job(job_cls, entries: dict[str, list[Entry]], cli: list[tuple[str, Any
 
     job = job_cls(**built)
     job.recipe = _recipe_of(entries, cli)
-    job.explicit_keys = set(values)
+    job.explicit_keys = _changed_keys(job, values, owners)
     run_checks(job, where)
     return job
+
+
+def _changed_keys(job, values: dict[str, Any], owners: dict[str, str]) -> set[str]:
+    """Keys the user set to something other than their default. Rules such as "this key has no
+    effect in this mode" use it, so a resolved config.yaml (which spells out every default) loads."""
+    changed = set()
+    for key in values:
+        component = getattr(job, owners[key])
+        f = next(f for f in dataclasses.fields(component) if f.name == key)
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if getattr(component, key) != default:
+            changed.add(key)
+    return changed
 
 
 def _build_nested(key, cls, sub, owners, warn, where):

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-import diffusers
 import torch
 
 from pan.config.core import ConfigError, knob, require
@@ -122,6 +121,8 @@ def vae_dir(cfg: VAEConfig) -> Path:
 
 
 def diffusers_class(name: str) -> type:
+    import diffusers  # only for diffusers VAEs: importing it costs seconds at every config load
+
     model_cls = getattr(diffusers, name, None)
     require(isinstance(model_cls, type) and issubclass(model_cls, diffusers.ModelMixin)
             and hasattr(model_cls, "encode") and hasattr(model_cls, "decode"), "vae_class",

@@ -42,6 +42,7 @@ LEGACY_NAMES: dict[str, str] = {
 @dataclass(kw_only=True)
 class PanDiTConfig:
     """Every constructor argument of the transformer; defaults are the released 29B model."""
+    LEGACY_NAMES: ClassVar[dict[str, str]] = LEGACY_NAMES  # read by the config loader
     SECTION: ClassVar[str] = "model"
 
     in_channels: int = knob(97, "input channels per latent voxel (48 noisy + 48 condition + 1 mask)", ge=1)
