@@ -143,15 +143,13 @@ def reference(muon: bool) -> dict:
 
 
 def differences(result: dict, ref: dict) -> dict[str, float]:
-    """Largest differences of the layout's run from the reference (relative for the loss and norm)."""
+    """Largest differences of the layout's run from the reference (relative for losses and norms)."""
     assert result["grads"].keys() == ref["grads"].keys()
     relative = lambda key: max(abs(a - b) / abs(b) for a, b in zip(result[key], ref[key]))  # noqa: E731
-    return {
-        "loss": relative("loss"),
-        "grad_norm": relative("grad_norm"),
-        "grads": max((result["grads"][n] - g).abs().max().item() for n, g in ref["grads"].items()),
-        "params": max((result["params"][n] - p).abs().max().item() for n, p in ref["params"].items()),
-    }
+    largest = lambda key: max((result[key][n] - t).abs().max().item()  # noqa: E731
+                              for n, t in ref[key].items())
+    return {"loss": relative("loss"), "grad_norm": relative("grad_norm"),
+            "grads": largest("grads"), "params": largest("params")}
 
 
 def _run_layouts(layouts: list[Layout]) -> dict[str, dict[str, float]]:

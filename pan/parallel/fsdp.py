@@ -130,12 +130,17 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float | None) -> float:
-    """Global L2 norm of all gradients (sharded or not) before clipping; clip to `max_norm` if > 0."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    grads = [p.grad for p in params]
+    """Global L2 norm of all gradients (sharded or not) before clipping; clip to `max_norm` if > 0.
+
+    The norm is reduced to a host number first and the scale applied as a Python float, so every
+    layout scales by exactly the same factor (and no op consumes a pending DTensor reduction).
+    """
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
     total = torch.nn.utils.get_total_norm(grads, foreach=True)
-    if max_norm:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     if isinstance(total, DTensor):
         total = total.full_tensor()  # the shards' squared norms summed over the mesh
-    return total.item()
+    norm = total.item()
+    scale = max_norm / (norm + 1e-6) if max_norm else 1.0  # torch's clip_grad_norm_ formula
+    if scale < 1.0:
+        torch._foreach_mul_(grads, scale)
+    return norm
