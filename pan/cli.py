@@ -62,10 +62,12 @@ def cmd_data(argv: list[str]) -> int:
     return importlib.import_module(tools[argv[0]]).main(argv[1:])
 
 
-def cmd_eval(argv: list[str]) -> int:
-    """Score videos against their prompts (colour, direction, shape) with the demo's analyser."""
-    from pan.eval import main as eval_main
-    return eval_main(argv)
+def _delegate(module: str, function: str = "main"):
+    """A subcommand whose argparse lives beside its code (imported only when run)."""
+    def run(argv: list[str]) -> int:
+        import importlib
+        return getattr(importlib.import_module(module), function)(argv)
+    return run
 
 
 COMMANDS = {
@@ -75,15 +77,13 @@ COMMANDS = {
     "launch-command": (_not_built("launch-command", "comes with the launch issue"),
                        "print a validated torchrun/srun command for a workflow"),
     "data": (cmd_data, "data tools: synth (the demo's dataset)"),
-    "eval": (cmd_eval, "score generated videos against their prompts (the demo's analyser)"),
-    "sample": (_not_built("sample", "comes with the sampling work of the model issue"),
-               "generate videos from a checkpoint"),
-    "export": (_not_built("export", "comes with the checkpoint issue"),
+    "eval": (_delegate("pan.eval"), "score generated videos against their prompts (the demo's analyser)"),
+    "sample": (_delegate("pan.sampling"), "generate videos from a checkpoint"),
+    "export": (_delegate("pan.checkpoint.export", "main_export"),
                "write consolidated safetensors weights from a checkpoint"),
-    "inspect": (_not_built("inspect", "comes with the checkpoint issue"),
+    "inspect": (_delegate("pan.checkpoint.export", "main_inspect"),
                 "list a run's checkpoints with step, completeness and size"),
-    "demo": (_not_built("demo", "comes with the demo issue"),
-             "the tiny end-to-end CPU demo (make demo)"),
+    "demo": (_delegate("pan.demo"), "the tiny end-to-end CPU demo (make demo)"),
 }
 
 

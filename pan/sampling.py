@@ -57,3 +57,121 @@ def sample_latent(model, *, schema: str, patch, latent_shape, text: Tensor, empt
     condition = known_frames(known, given, noise=noise) if given else None
     return euler_sample(velocity, noise, settings.steps, settings.shift, condition_fn=condition)
 
+
+
+# ------------------------------------------------------------------------------------------------
+# `pan sample`
+# ------------------------------------------------------------------------------------------------
+
+def resolve_weights(path: Path, use_ema: bool) -> tuple[dict[str, Tensor], Path | None]:
+    """Transformer weights from an exported .safetensors, a checkpoint-N/ (or its transformer/), or a
+    run's output_dir (its latest complete checkpoint). Returns the weights and the run dir, if known."""
+    from safetensors.torch import load_file
+
+    from pan.checkpoint import dcp as layout
+    from pan.checkpoint.export import consolidated_weights
+
+    if path.suffix == ".safetensors":
+        return load_file(str(path)), None
+    if (path / layout.DCP_METADATA).is_file():  # a transformer/ (or ema/) DCP folder
+        return consolidated_weights(path), path.parent.parent
+    if not (path / layout.TRANSFORMER).is_dir():  # a run dir: take its latest complete checkpoint
+        done = layout.complete_checkpoints(path)
+        if not done:
+            raise SystemExit(f"pan sample: {path} holds no complete checkpoint.")
+        path = done[-1]
+    source = path / (layout.EMA if use_ema else layout.TRANSFORMER)
+    if not source.is_dir():
+        raise SystemExit(f"pan sample: {path} has no {source.name}/ weights.")
+    return consolidated_weights(source), path.parent
+
+
+def load_condition(path: str, given_frames: int, settings: SampleSettings, vae, device) -> Tensor:
+    """Pixels of an image (first frame) or a video (first frames) -> latent with the given frames."""
+    import numpy as np
+    from PIL import Image
+
+    if Path(path).suffix.lower() in (".png", ".jpg", ".jpeg", ".webp"):
+        image = Image.open(path).convert("RGB").resize((settings.width, settings.height))
+        frames = torch.from_numpy(np.asarray(image)).permute(2, 0, 1)[None]
+    else:
+        import av
+        with av.open(path) as container:
+            frames = [torch.from_numpy(f.to_ndarray(format="rgb24", width=settings.width,
+                                                    height=settings.height)).permute(2, 0, 1)
+                      for f in container.decode(video=0)]
+        frames = torch.stack(frames[:given_frames])
+    return vae.encode(frames.to(device).float().div(127.5).sub(1.0))
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from pan.cli import load_config_or_exit
+    from pan.encoders.text import TextEncoder
+    from pan.encoders.vae import build_vae
+    from pan.media import to_uint8_frames, write_gif, write_mp4
+    from pan.models.pan_dit import PanVideoDiffusionTransformer
+
+    parser = argparse.ArgumentParser(prog="pan sample", description="Generate videos from a checkpoint.")
+    parser.add_argument("--checkpoint", required=True, type=Path,
+                        help="checkpoint-N/ dir, a run's output_dir (latest checkpoint), or an exported "
+                             ".safetensors")
+    parser.add_argument("--config", help="run config (default: the run's config.yaml)")
+    parser.add_argument("--prompt", action="append", required=True, help="caption (repeatable)")
+    parser.add_argument("--out", required=True, type=Path, help="output .mp4 (a .gif is written beside)")
+    parser.add_argument("--image", help="first-frame image (image-to-video)")
+    parser.add_argument("--video", help="video whose first --video-frames frames are continued")
+    parser.add_argument("--video-frames", type=int, default=5, help="pixel frames taken from --video")
+    parser.add_argument("--num-frames", type=int)
+    parser.add_argument("--height", type=int)
+    parser.add_argument("--width", type=int)
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--guidance-scale", type=float)
+    parser.add_argument("--shift", type=float)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fps", type=float, default=8.0)
+    parser.add_argument("--ema", action="store_true", help="use the EMA weights of the checkpoint")
+    args = parser.parse_args(argv)
+    if args.image and args.video:
+        parser.error("give --image or --video, not both")
+
+    weights, run_dir = resolve_weights(args.checkpoint, args.ema)
+    config = args.config or (run_dir / "config.yaml" if run_dir else None)
+    if config is None:
+        parser.error("--config is needed with an exported .safetensors")
+    job = load_config_or_exit(["--config", str(config)])
+    v = job.validation
+    settings = SampleSettings(
+        num_frames=args.num_frames or v.sample_num_frames, height=args.height or v.sample_height,
+        width=args.width or v.sample_width, steps=args.steps or v.sample_steps,
+        guidance_scale=v.sample_guidance_scale if args.guidance_scale is None else args.guidance_scale,
+        shift=args.shift or v.sample_shift, seed=args.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    arch = job.model.transformer_config_overrides
+    model = PanVideoDiffusionTransformer(arch, job.model.zero_init_modulation, job.model.attention_backend)
+    model.load_state_dict(weights)
+    model.to(device).eval()
+    text_encoder = TextEncoder(job.text_encoder, device=device)
+    vae = build_vae(job.vae, device=device)
+    shape = vae.latent_shape(settings.num_frames, settings.height, settings.width)
+    known, given = None, 0
+    if args.image or args.video:
+        cond = load_condition(args.image or args.video, 1 if args.image else args.video_frames,
+                              settings, vae, device)
+        given = cond.shape[1]
+        known = torch.zeros(shape, device=device)
+        known[:, :given] = cond
+    empty = text_encoder.empty_embedding().float()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for i, (prompt, text) in enumerate(zip(args.prompt, text_encoder.encode(args.prompt))):
+        latent = sample_latent(model, schema=job.tasks.conditioning_schema, patch=arch.patch_size,
+                               latent_shape=shape, text=text.float(), empty_text=empty,
+                               settings=SampleSettings(**{**vars(settings), "seed": settings.seed + i}),
+                               known=known, given=given, device=device)
+        frames = to_uint8_frames(vae.decode(latent))
+        out = args.out if len(args.prompt) == 1 else args.out.with_name(f"{args.out.stem}_{i:02d}.mp4")
+        write_mp4(out, frames, args.fps)
+        write_gif(out.with_suffix(".gif"), frames, args.fps)
+        print(f"{out}  <- {prompt!r}")
+    return 0

@@ -242,6 +242,7 @@ def build_trainer(job) -> Trainer:
 
 def train(job) -> int:
     """Entry point of `train.py` / `pan train`: build everything from the job config and train."""
+    from pan.data.loader import DataResumeError
     from pan.parallel.world import close_world
 
     log = get_logger()
@@ -254,6 +255,9 @@ def train(job) -> int:
     except NonFiniteLossError as e:
         log.error("%s", e)
         return 1
+    except DataResumeError as e:  # e.g. another number of data-parallel ranks than the checkpoint's
+        log.error("cannot resume: %s", e)
+        return 2
     finally:
         if trainer is not None and hasattr(trainer.loader, "close"):
             trainer.loader.close()

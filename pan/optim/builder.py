@@ -202,7 +202,33 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> tuple[OptimizerSet, s
                                              betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
     if not by_name:
         raise ValueError("the model has no trainable parameters")
+    for opt in by_name.values():
+        create_state(opt)
     return OptimizerSet(by_name), split_report(groups, rule, cfg)
+
+
+@torch.no_grad()
+def create_state(opt: torch.optim.Optimizer) -> None:
+    """Create every parameter's state now, exactly as a lazy first step would (zeros, step 0).
+
+    Optimizers create state on a parameter's first gradient, and DCP saves only the state that
+    exists. Some parameters never get a gradient (the last double-stream block's text branch after
+    attention feeds nothing), so without this a checkpoint lacks their state while a fresh optimizer
+    being resumed (which DCP fills completely) expects it, and the resume fails.
+    """
+    params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
+    lrs = [g["lr"] for g in opt.param_groups]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for g in opt.param_groups:
+        g["lr"] = 0.0  # a step of zeros at lr 0 leaves every parameter as it was
+    opt.step()
+    for g, lr in zip(opt.param_groups, lrs):
+        g["lr"] = lr
+    for p in params:
+        p.grad = None
+        if "step" in opt.state[p]:  # AdamW counts steps for its bias correction: start from 0
+            opt.state[p]["step"].zero_()
 
 
 def build_scheduler(optimizers: OptimizerSet, cfg: OptimConfig, max_steps: int) -> LRSchedulers:
