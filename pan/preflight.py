@@ -1,0 +1,572 @@
+"""`pan check`: everything that can stop a run, checked before any process group or weight exists.
+
+    pan check --config config/X.yaml [--key value ...] [--nodes N] [--gpus-per-node G]
+
+The preflight loads the config (every ConfigError of the loader), then runs a list of small checks,
+each returning rows of `check | pass/warn/fail | detail`; a failed row says how to fix it. Checks
+read files and metadata only: the model is built on the meta device, checkpoints and state dicts are
+compared by their recorded shapes, media are decoded with the data pipeline's own functions. Nothing
+is trained and no process group is started.
+
+Exit codes: 0 when nothing failed (warnings allowed), 1 when a check failed, 2 when the config does not
+load at all (the loader's error is then the only config row; fix it and run again to see the rest).
+
+Checks are registered per recipe in `CHECKS` (recipe name -> list of checks); the environment checks
+in `ENVIRONMENT_CHECKS` run for every recipe, even when the config does not load. A later recipe adds
+its own list with `register_check("<recipe>")`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import shutil
+import sys
+import tempfile
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from pan.config import ConfigError, load_job_config
+
+Status = Literal["pass", "warn", "fail"]
+EXIT_OK, EXIT_FAILED, EXIT_CONFIG_ERROR = 0, 1, 2
+DEFAULT_SAMPLE_ROWS = 4
+# Bytes per parameter kept in a checkpoint (see `checkpoint_bytes`).
+FP32_BYTES = 4
+
+
+@dataclass
+class Row:
+    """One line of the preflight table; `fix` is set for every warning and failure."""
+    check: str
+    status: Status
+    detail: str
+    fix: str = ""
+
+
+@dataclass
+class Preflight:
+    """What the checks look at: the loaded job and the planned layout. Expensive things (the meta
+    model, the parallel layout) are built once, on first use."""
+    job: object                 # the recipe's job config (None when it did not load)
+    nodes: int
+    gpus_per_node: int
+    sample_rows: int = DEFAULT_SAMPLE_ROWS
+    notes: dict = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @functools.cached_property
+    def dims(self):
+        """ParallelDims of the planned world; raises ConfigError for an impossible layout."""
+        from pan.parallel.dims import ParallelDims
+        return ParallelDims.from_config(self.job.parallel, self.world_size, self.gpus_per_node)
+
+    @functools.cached_property
+    def model(self) -> torch.nn.Module:
+        """The recipe's model on the meta device (shapes only, no memory), as the trainer builds it."""
+        from pan.parallel.world import World
+        from pan.recipes import get_recipe
+        world = World(rank=0, size=self.world_size, local_rank=0, local_size=self.gpus_per_node,
+                      device=torch.device("cpu"))
+        return get_recipe(self.job.recipe).task(self.job, world, self.dims, None).build_model()
+
+    @functools.cached_property
+    def model_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
+
+
+Check = Callable[[Preflight], list[Row]]
+ENVIRONMENT_CHECKS: list[Check] = []       # run for every recipe, with or without a job
+CHECKS: dict[str, list[Check]] = {}        # recipe name -> its checks, in table order
+
+
+def register_check(*recipes: str) -> Callable[[Check], Check]:
+    """Add a check to the recipes' lists (no names: to the environment checks of every recipe)."""
+    def add(fn: Check) -> Check:
+        for recipe in recipes:
+            CHECKS.setdefault(recipe, []).append(fn)
+        if not recipes:
+            ENVIRONMENT_CHECKS.append(fn)
+        return fn
+    return add
+
+
+def check_name(fn: Check) -> str:
+    return fn.__name__.removeprefix("check_").replace("_", " ")
+
+
+def run_check(fn: Check, ctx: Preflight) -> list[Row]:
+    """A check's rows; a ConfigError or any other exception it raises becomes one failed row, so one
+    broken check never hides the others."""
+    try:
+        return fn(ctx)
+    except ConfigError as e:
+        return [Row(check_name(fn), "fail", str(e), "see the message")]
+    except Exception as e:  # noqa: BLE001 - report it as a row and keep checking
+        return [Row(check_name(fn), "fail", f"{type(e).__name__}: {e}", "see the message")]
+
+
+def run_preflight(ctx: Preflight) -> list[Row]:
+    """Rows of the environment checks, then of the job's recipe checks (when the job loaded)."""
+    rows = [row for fn in ENVIRONMENT_CHECKS for row in run_check(fn, ctx)]
+    if ctx.job is not None:
+        rows += [row for fn in CHECKS.get(ctx.job.recipe, []) for row in run_check(fn, ctx)]
+    return rows
+
+
+def format_table(rows: list[Row], width: int = 100) -> str:
+    """check | status | detail, wrapped; a warning's or failure's fix on a `fix:` line below it."""
+    name_w = max([len("check")] + [len(r.check) for r in rows])
+    text_w = max(40, width - name_w - 10)
+    lines = [f"{'check':<{name_w}} | status | detail", f"{'-' * name_w}-+--------+-{'-' * text_w}"]
+    for r in rows:
+        body = textwrap.wrap(r.detail, text_w) or [""]
+        if r.fix and r.status != "pass":
+            body += textwrap.wrap("fix: " + r.fix, text_w)
+        lines.append(f"{r.check:<{name_w}} | {r.status:<6} | {body[0]}")
+        lines += [f"{'':<{name_w}} | {'':<6} | {more}" for more in body[1:]]
+    counts = {s: sum(r.status == s for r in rows) for s in ("pass", "warn", "fail")}
+    lines.append(f"{counts['pass']} passed, {counts['warn']} warnings, {counts['fail']} failed")
+    return "\n".join(lines)
+
+
+# ================================================================================================
+# Environment: devices and communication backend (every recipe)
+# ================================================================================================
+
+@register_check()
+def check_devices(ctx: Preflight) -> list[Row]:
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    planned = f"{ctx.nodes} node(s) x {ctx.gpus_per_node} process(es) = world size {ctx.world_size}"
+    if visible == 0:
+        detail = f"no CUDA GPU visible: {planned} will train on CPU (gloo)."
+        fix = "run on GPU nodes for real training; on CPU keep models tiny"
+        dtype = getattr(getattr(ctx.job, "trainer", None), "dtype", None)
+        if dtype == "bf16":
+            detail += " dtype is bf16, whose matmuls are ~90x slower than fp32 on CPU."
+            fix += " and set --dtype fp32"
+        return [Row("devices", "warn", detail, fix + ".")]
+    if visible < ctx.gpus_per_node:
+        return [Row("devices", "fail", f"{visible} GPU(s) visible here, but {planned} needs "
+                    f"{ctx.gpus_per_node} per node.", f"use --gpus-per-node {visible} or nodes with "
+                    f"{ctx.gpus_per_node} GPUs (check CUDA_VISIBLE_DEVICES).")]
+    if visible > ctx.gpus_per_node:
+        return [Row("devices", "warn", f"{visible} GPUs visible, {planned} uses only "
+                    f"{ctx.gpus_per_node} per node.", f"use --gpus-per-node {visible} to use them all.")]
+    return [Row("devices", "pass", f"{visible} x {torch.cuda.get_device_name(0)}; {planned}.")]
+
+
+@register_check()
+def check_backend(ctx: Preflight) -> list[Row]:
+    """The backend init_world will pick (NCCL with CUDA, gloo without) must exist in this torch."""
+    import torch.distributed as dist
+    if not dist.is_available():
+        return [Row("backend", "fail", f"this torch ({torch.__version__}) has no torch.distributed.",
+                    "install a torch build with distributed support.")]
+    if torch.cuda.is_available():
+        if not dist.is_nccl_available():
+            return [Row("backend", "fail", f"CUDA {torch.version.cuda} is available but this torch "
+                        "has no NCCL.", "install a CUDA build of torch with NCCL.")]
+        nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
+        return [Row("backend", "pass", f"CUDA {torch.version.cuda}, NCCL {nccl}.")]
+    if not dist.is_gloo_available():
+        return [Row("backend", "fail", "no CUDA and no gloo: multi-process CPU runs cannot start.",
+                    "install a torch build with gloo.")]
+    return [Row("backend", "pass", f"no CUDA; gloo available (torch {torch.__version__}).")]
+
+
+# ================================================================================================
+# The Pan recipe
+# ================================================================================================
+
+@register_check("pan")
+def check_layout(ctx: Preflight) -> list[Row]:
+    """cp and data-parallel degrees for the planned world (the trainer's own ParallelDims)."""
+    cp = ctx.job.parallel.cp_size
+    if ctx.gpus_per_node % cp:
+        raise ConfigError("cp_size", f"({cp}) does not divide the {ctx.gpus_per_node} processes per "
+                                     "node: a cp group must sit inside one node (its all-to-alls run "
+                                     "every layer). Use a cp_size dividing --gpus-per-node.")
+    d = ctx.dims
+    return [Row("layout", "pass", f"world {ctx.world_size} = dp_replicate {d.dp_replicate} x dp_shard "
+                f"{d.dp_shard} x cp {d.cp}; {d.dp} data-parallel ranks.")]
+
+
+def _source_sizes(ctx: Preflight) -> dict[str, int]:
+    """Samples per stream; sources that cannot be read are left to check_data."""
+    from pan.data.sources import SourceError, read_image_tars, read_video_csv
+    data, sizes = ctx.job.data, {}
+    readers = [(Path(p).name, lambda p=p: read_video_csv(p)) for p in data.video_csv_paths]
+    if data.image_tar_paths:
+        readers.append(("image tars", lambda: read_image_tars(data.image_tar_paths)))
+    for name, read in readers:
+        try:
+            sizes[name] = len(read())
+        except (SourceError, OSError, UnicodeDecodeError):
+            continue
+    return sizes
+
+
+@register_check("pan")
+def check_batch(ctx: Preflight) -> list[Row]:
+    """Every stream must give each data-parallel rank a share, and clips must fit the token budget."""
+    from pan.encoders.vae import vae_geometry
+    data, arch = ctx.job.data, ctx.job.model.transformer_config_overrides
+    rows = []
+    dp = ctx.dims.dp
+    for name, size in _source_sizes(ctx).items():
+        if size < dp:
+            rows.append(Row("batch", "fail", f"{name} has {size} samples, fewer than the {dp} "
+                            "data-parallel ranks that share it.", "add samples or use fewer ranks."))
+    geometry = vae_geometry(ctx.job.vae)
+    pt, ph, pw = arch.patch_size
+    frame_counts = data.frame_count_range()
+    too_big = []
+    for height, width in data.buckets():
+        for label, frames in (("shortest", frame_counts[0]), ("longest", frame_counts[-1])):
+            shape_error = geometry.clip_shape_error(frames, height, width)
+            if shape_error:
+                raise ConfigError("resolution_buckets", f"a {label} clip {frames}x{height}x{width} "
+                                  f"(frames x H x W) cannot be encoded: {shape_error}. Fix the buckets "
+                                  "or the frame rules.")
+            _, t, h, w = geometry.latent_shape(frames, height, width)
+            if t % pt or h % ph or w % pw:
+                raise ConfigError("resolution_buckets", f"the latent {t}x{h}x{w} of a {label} clip at "
+                                  f"{width}x{height} is not divisible by patch_size {arch.patch_size}.")
+            tokens = (t // pt) * (h // ph) * (w // pw)
+            if tokens > data.max_tokens_per_batch:
+                too_big.append((label, frames, height, width, tokens))
+    budget = data.max_tokens_per_batch
+    if any(label == "shortest" for label, *_ in too_big):
+        rows.append(Row("batch", "fail", "even the shortest clip exceeds max_tokens_per_batch "
+                        f"{budget} in: " + _clips(too_big, "shortest") + "; every such sample would be "
+                        "skipped (over_budget).", "raise max_tokens_per_batch or shrink the buckets."))
+    elif too_big:
+        rows.append(Row("batch", "warn", f"clips of max_frames exceed max_tokens_per_batch {budget} in: "
+                        + _clips(too_big, "longest") + "; they are skipped (over_budget).",
+                        "raise max_tokens_per_batch or lower max_frames."))
+    if not rows:
+        rows.append(Row("batch", "pass", f"{dp} data-parallel ranks, each with {budget} tokens per "
+                        f"packed batch; every bucket's longest clip fits."))
+    return rows
+
+
+def _clips(found, label: str) -> str:
+    return ", ".join(f"{f}x{h}x{w} -> {tok} tokens" for lab, f, h, w, tok in found if lab == label)
+
+
+@register_check("pan")
+def check_data(ctx: Preflight) -> list[Row]:
+    """Parse every source, and decode a few samples of each with the data pipeline's reader."""
+    from pan.data.loader import IMAGE_STREAM, SampleReader, rules_of
+    from pan.data.sources import SourceError, read_image_tars, read_video_csv
+    from pan.encoders.vae import vae_geometry
+
+    data = ctx.job.data
+    rows, csvs, sources = [], {}, []
+    for path in data.video_csv_paths:
+        try:
+            csvs[f"video:{Path(path).stem}"] = src = read_video_csv(path)
+            sources.append((path, f"video:{Path(path).stem}", len(src)))
+        except (SourceError, OSError, UnicodeDecodeError) as e:
+            rows.append(Row("data", "fail", f"{path}: {e}", "fix or remove the file."))
+    tars = None
+    if data.image_tar_paths:
+        try:
+            tars = read_image_tars(data.image_tar_paths)
+            sources.append((", ".join(data.image_tar_paths), IMAGE_STREAM, len(tars)))
+        except (SourceError, OSError) as e:
+            rows.append(Row("data", "fail", str(e), "fix or remove the tar(s)."))
+    reader = SampleReader(csvs, tars, rules_of(data))
+    geometry = vae_geometry(ctx.job.vae)
+    for label, stream, size in sources:
+        rows.append(_decode_sample(reader, geometry, label, stream, size, ctx.sample_rows))
+    return rows
+
+
+def _decode_sample(reader, geometry, label: str, stream: str, size: int, count: int) -> Row:
+    """Decode `count` samples spread over a source; fail when none is usable."""
+    from pan.data.loader import Ref
+    picks = sorted({round(i * (size - 1) / max(count - 1, 1)) for i in range(min(count, size))})
+    good, problems = 0, []
+    for index in picks:
+        got = reader[Ref(seq=0, stream=stream, epoch=0, pos=0, index=index)]
+        if got.sample is None:
+            problems.append(f"#{index} {got.reason}: {got.detail}")
+            continue
+        if got.sample.frames is not None:
+            t, h, w = got.sample.grid
+            error = geometry.clip_shape_error(t, h, w)
+            if error:
+                problems.append(f"#{index} decodes to {t}x{h}x{w} but {error}")
+                continue
+        good += 1
+    detail = f"{label}: {size} samples; decoded {good}/{len(picks)} of rows {picks}"
+    if problems:
+        detail += ". Skipped: " + "; ".join(problems)
+    if good == 0:
+        return Row("data", "fail", detail + ".", "fix the paths, media or frame rules named above.")
+    if problems:
+        return Row("data", "warn", detail + ".", "such samples are skipped in training; fix or "
+                   "remove them.")
+    return Row("data", "pass", detail + ".")
+
+
+@register_check("pan")
+def check_text_encoder(ctx: Preflight) -> list[Row]:
+    """Config, tokenizer and weight files of the text encoder, offline; its width fits the model."""
+    from pan.encoders.text import (
+        load_text_config,
+        load_tokenizer,
+        resolve_text_encoder_path,
+        validate_text_encoder,
+    )
+    cfg = ctx.job.text_encoder
+    model_dir = resolve_text_encoder_path(cfg.text_encoder_path)
+    text_config = load_text_config(model_dir)
+    tokenizer = load_tokenizer(model_dir)
+    validate_text_encoder(cfg, text_config, tokenizer)
+    if not (any(model_dir.glob("*.safetensors")) or any(model_dir.glob("*.bin"))):
+        raise ConfigError("text_encoder_path", f"{model_dir} has a config and tokenizer but no weights "
+                                               "(*.safetensors or *.bin): copy the whole model dir.")
+    want = ctx.job.model.transformer_config_overrides.text_embed_dim
+    if text_config.hidden_size != want:
+        raise ConfigError("transformer_config_overrides.text_embed_dim",
+                          f"is {want}, but the text encoder at {model_dir} gives {text_config.hidden_size}"
+                          f"-wide features. Set text_embed_dim: {text_config.hidden_size}, or use the "
+                          "encoder the model was built for.")
+    return [Row("text encoder", "pass", f"{text_config.model_type}, {text_config.num_hidden_layers} "
+                f"layers, width {text_config.hidden_size}, tokenizer {type(tokenizer).__name__}; "
+                f"loads offline from {model_dir}.")]
+
+
+@register_check("pan")
+def check_vae(ctx: Preflight) -> list[Row]:
+    """The VAE's geometry (config only) and its latent channels against the model's."""
+    from pan.encoders.vae import vae_geometry
+    geometry = vae_geometry(ctx.job.vae)
+    arch = ctx.job.model.transformer_config_overrides
+    if geometry.latent_channels != arch.out_channels:
+        raise ConfigError("transformer_config_overrides.out_channels",
+                          f"is {arch.out_channels}, but the VAE ({ctx.job.vae.vae_type}) gives "
+                          f"{geometry.latent_channels} latent channels. Set out_channels: "
+                          f"{geometry.latent_channels} (and in_channels to match the schema).")
+    return [Row("vae", "pass", f"{ctx.job.vae.vae_type}: {geometry.latent_channels} latent channels, "
+                f"{geometry.temporal_factor}x temporal, {geometry.spatial_factor}x spatial.")]
+
+
+def _stripped(name: str) -> str:
+    from pan.checkpoint.warm_start import WRAPPER_PREFIXES
+    for prefix in WRAPPER_PREFIXES:
+        while name.startswith(prefix):
+            name = name[len(prefix):]
+    return name
+
+
+def stored_shapes(kind: str, path: Path) -> dict[str, tuple[int, ...]]:
+    """name -> shape of a warm-start source, read from headers/metadata (no tensor data is read)."""
+    from pan.checkpoint import dcp as layout
+    if kind == "checkpoint":
+        return {k: tuple(size) for k, (size, _) in layout.dcp_tensor_shapes(path).items()}
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+        with safe_open(str(path), framework="pt") as f:
+            return {_stripped(k): tuple(f.get_slice(k).get_shape()) for k in f}
+    # mmap: tensors stay on disk; only their headers are read.
+    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ConfigError("pretrained_transformer_path", f"{path} is not a flat state dict of tensors; "
+                          "save model.state_dict() itself, or export a checkpoint with `pan export`.")
+    return {_stripped(k): tuple(v.shape) for k, v in state.items()}
+
+
+@register_check("pan")
+def check_warm_start(ctx: Preflight) -> list[Row]:
+    """The warm-start weights exist and every tensor has the model's shape."""
+    from pan.checkpoint.warm_start import resolve_source
+    cfg = ctx.job.warm_start
+    if not cfg.load_transformer_weights:
+        return [Row("warm start", "pass", "none: the model starts from random init.")]
+    resume = _latest_checkpoint(ctx)
+    if resume is not None:
+        return [Row("warm start", "pass", f"not used: output_dir has {resume.name}, which the run "
+                    "resumes instead.")]
+    kind, path = resolve_source(cfg.pretrained_transformer_path)
+    source = stored_shapes(kind, path)
+    model = ctx.model_shapes
+    mismatched = [f"{n} {source[n]} vs model {model[n]}" for n in model if n in source and source[n] != model[n]]
+    missing = [n for n in model if n not in source]
+    loaded = len(model) - len(mismatched) - len(missing)
+    summary = (f"{path} ({kind}): {loaded}/{len(model)} model tensors match, {len(mismatched)} "
+               f"have another shape, {len(missing)} missing")
+    if mismatched or loaded == 0:
+        return [Row("warm start", "fail", summary + ". " + "; ".join(mismatched[:5]),
+                    "point pretrained_transformer_path at weights of this architecture, or make "
+                    "transformer_config_overrides match the weights.")]
+    if missing:
+        return [Row("warm start", "warn", summary + f" (kept at init): {', '.join(missing[:5])}.",
+                    "expected only when the architecture grew on purpose.")]
+    return [Row("warm start", "pass", summary + ".")]
+
+
+def checkpoint_bytes(model: torch.nn.Module, job) -> tuple[int, str]:
+    """Size of one checkpoint estimated from the parameter count, and how it was derived.
+
+    The weights are fp32 master copies (4 B per parameter whatever the compute dtype). AdamW keeps
+    two fp32 moments (8 B per parameter), Muon one fp32 momentum buffer (4 B); the split is the
+    optimizer's own. An EMA adds another fp32 copy. Data cursors, RNG and schedule are kilobytes.
+    """
+    from pan.optim.builder import split_parameters
+    groups, _, _ = split_parameters(model, job.optim.use_muon)
+    muon = sum(p.numel() for _, p in groups["muon"])
+    total = sum(p.numel() for p in model.parameters())
+    ema = job.optim.ema_decay > 0
+    size = FP32_BYTES * (total + muon + 2 * (total - muon) + (total if ema else 0))
+    how = (f"{total / 1e6:,.1f}M params x 4 B (fp32 weights) + {muon / 1e6:,.1f}M Muon x 4 B + "
+           f"{(total - muon) / 1e6:,.1f}M AdamW x 8 B" + (" + 4 B EMA" if ema else ""))
+    return size, how
+
+
+def _existing_ancestor(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.1f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
+
+
+@register_check("pan")
+def check_output_dir(ctx: Preflight) -> list[Row]:
+    """output_dir can be created and written, with room for two checkpoints."""
+    out = Path(ctx.job.checkpoint.output_dir)
+    base = _existing_ancestor(out)
+    try:
+        if not base.is_dir():
+            raise NotADirectoryError(f"{base} is a file")
+        with tempfile.NamedTemporaryFile(dir=base, prefix=".pan-check-"):
+            pass
+    except OSError as e:
+        return [Row("output dir", "fail", f"{out} cannot be written ({type(e).__name__}: {e}).",
+                    "point output_dir at a writable directory on shared storage.")]
+    size, how = checkpoint_bytes(ctx.model, ctx.job)
+    free = shutil.disk_usage(base).free
+    detail = (f"{out} writable; one checkpoint ~ {_gib(size)} ({how}); {_gib(free)} free on "
+              f"{base}")
+    if free < 2 * size:
+        return [Row("output dir", "fail", detail + f", less than two checkpoints ({_gib(2 * size)}).",
+                    "free space, or use a larger file system: a save needs room for the new "
+                    "checkpoint next to the previous one.")]
+    limit = ctx.job.checkpoint.save_total_limit
+    if limit is None or free < (limit + 1) * size:
+        kept = "every checkpoint is kept" if limit is None else f"save_total_limit {limit} keeps {limit}"
+        return [Row("output dir", "warn", detail + f"; {kept}, plus one being written.",
+                    "set save_total_limit so that (limit + 1) checkpoints fit.")]
+    return [Row("output dir", "pass", detail + ".")]
+
+
+def _latest_checkpoint(ctx: Preflight) -> Path | None:
+    from pan.checkpoint import dcp as layout
+    complete = layout.complete_checkpoints(Path(ctx.job.checkpoint.output_dir))
+    return complete[-1] if complete else None
+
+
+@register_check("pan")
+def check_resume(ctx: Preflight) -> list[Row]:
+    """The checkpoints already in output_dir: readable, same data-parallel size, same shapes."""
+    from pan.checkpoint import dcp as layout
+    out = Path(ctx.job.checkpoint.output_dir)
+    complete = layout.complete_checkpoints(out)
+    if not complete:
+        return [Row("resume", "pass", f"no checkpoint in {out}: the run starts fresh.")]
+    readable = [(p, layout.verify_checkpoint(p)) for p in reversed(complete)]
+    good = next((p for p, problem in readable if problem is None), None)
+    bad = [f"{p.name}: {problem}" for p, problem in readable if problem is not None]
+    if good is None:
+        return [Row("resume", "fail", f"{out} has checkpoints but none is readable ({'; '.join(bad)}); "
+                    "the trainer refuses to overwrite them.", "repair them, or move them out of "
+                    "output_dir to start fresh.")]
+    meta = layout.read_json(good / layout.META)
+    rows = []
+    if bad:
+        rows.append(Row("resume", "warn", f"unreadable, skipped on resume: {'; '.join(bad)}.",
+                        "delete or repair them."))
+    dp, restart = ctx.dims.dp, ctx.job.data.restart_data_on_dp_change
+    layout_text = (f"{good.name} was written by {meta['dp_size']} data-parallel ranks (world "
+                   f"{meta['world_size']}, cp {meta['cp_size']}); this layout has {dp}")
+    if meta["dp_size"] != dp and not restart:
+        rows.append(Row("resume", "fail", layout_text + ": the data cursors cannot be carried over.",
+                        f"launch with {meta['dp_size']} data-parallel ranks (world = dp x cp_size), "
+                        "or set restart_data_on_dp_change: true to restart the data streams."))
+    elif meta["dp_size"] != dp:
+        rows.append(Row("resume", "warn", layout_text + ": the data streams restart "
+                        "(restart_data_on_dp_change).", "keep the data-parallel size to continue the "
+                        "data where it stopped."))
+    stored = stored_shapes("checkpoint", good / layout.TRANSFORMER)
+    model = ctx.model_shapes
+    differ = [f"{n} {stored.get(n)} vs model {s}" for n, s in model.items() if stored.get(n) != s]
+    if differ:
+        rows.append(Row("resume", "fail", f"{good.name} holds another architecture: "
+                        + "; ".join(differ[:5]) + ".", "use the architecture of the run in output_dir, "
+                        "or a new output_dir (warm start from that checkpoint if wanted)."))
+    if not any(r.status == "fail" for r in rows):
+        rows.append(Row("resume", "pass", f"resumes {good.name} (step {meta['step']}); "
+                        + layout_text.split("; ")[1] + "."))
+    return rows
+
+
+# ================================================================================================
+# The command
+# ================================================================================================
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(
+        prog="pan check", allow_abbrev=False,
+        description="Preflight: validate a config, its data, weights, output_dir and this machine "
+                    "for a planned layout, without training. Exit 0: ok (warnings allowed); 1: a "
+                    "check failed; 2: the config does not load.",
+        usage="pan check --config config/X.yaml [--key value ...] [--nodes N] [--gpus-per-node G]")
+    parser.add_argument("--nodes", type=int, default=1, help="nodes of the planned run (default 1)")
+    parser.add_argument("--gpus-per-node", type=int, default=None,
+                        help="processes per node (default: the GPUs visible here, or 1)")
+    parser.add_argument("--sample-rows", type=int, default=DEFAULT_SAMPLE_ROWS,
+                        help=f"samples decoded per data source (default {DEFAULT_SAMPLE_ROWS})")
+    args, rest = parser.parse_known_args(argv)
+    if args.gpus_per_node is None:
+        args.gpus_per_node = max(torch.cuda.device_count(), 1) if torch.cuda.is_available() else 1
+    for name in ("nodes", "gpus_per_node", "sample_rows"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args, rest
+
+
+def main_check(argv: list[str]) -> int:
+    """`pan check`: print the preflight table; the exit code says whether to launch."""
+    args, rest = parse_args(argv)
+    try:
+        job = load_job_config(rest, warn=lambda msg: print(f"pan check: {msg}", file=sys.stderr))
+    except ConfigError as e:
+        ctx = Preflight(None, args.nodes, args.gpus_per_node, args.sample_rows)
+        rows = [Row("config", "fail", str(e), "fix this key; run pan check again to see the rest.")]
+        print(format_table(rows + run_preflight(ctx)))
+        return EXIT_CONFIG_ERROR
+    ctx = Preflight(job, args.nodes, args.gpus_per_node, args.sample_rows)
+    rows = [Row("config", "pass", f"loads: recipe {job.recipe}, {len(job.explicit_keys)} keys set "
+                "to non-default values.")]
+    rows += run_preflight(ctx)
+    print(format_table(rows, width=shutil.get_terminal_size((100, 20)).columns))
+    return EXIT_FAILED if any(r.status == "fail" for r in rows) else EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main_check(sys.argv[1:]))
