@@ -83,6 +83,19 @@ def _first_line(e: BaseException) -> str:
     return (lines[0] if lines else type(e).__name__)[:300]
 
 
+def _saved_entries_only(optim_state: dict, saved_keys: set[str]) -> dict:
+    """Drop the per-parameter optimizer state the checkpoint does not hold.
+
+    A fresh optimizer's state dict is built by a zero-lr step over every parameter, but a parameter
+    that never had a gradient (e.g. the text output of the last joint block) has no state in the
+    saved run; keeping the made-up entry would make DCP refuse the load and the resumed run differ.
+    """
+    optim_state["state"] = {
+        fqn: kept for fqn, entries in optim_state["state"].items()
+        if (kept := {k: v for k, v in entries.items() if f"state.{fqn}.{k}" in saved_keys})}
+    return optim_state
+
+
 def _optimizers(optimizer) -> list[torch.optim.Optimizer]:
     """The real torch optimizers behind the trainer's optimizer (an OptimizerSet or a plain one)."""
     return list(getattr(optimizer, "optimizers", [optimizer]))
@@ -302,7 +315,7 @@ class Checkpointer:
         model, optimizers = parts["model"], _optimizers(parts["optimizer"])
         # The optimizer's state dict is built first: on a fresh optimizer that runs one zero-lr
         # step to create the state, which must not touch the weights loaded next.
-        optim_state = get_optimizer_state_dict(model, optimizers)
+        optim_state = _saved_entries_only(get_optimizer_state_dict(model, optimizers), local["optim_keys"])
         model_state = get_model_state_dict(model)
         # An EMA turned on since the checkpoint was written starts from the loaded weights.
         ema = parts.get("ema")
@@ -329,7 +342,8 @@ class Checkpointer:
 
     def _read_local_state(self, path: Path, meta: dict, same_dp: bool, loader) -> dict:
         state = torch.load(path / layout.TRAINING_STATE, map_location="cpu", weights_only=True)
-        local = {"state": state, "cursor": None}
+        optim_keys = set(layout.dcp_metadata(path / layout.OPTIMIZER).state_dict_metadata)
+        local = {"state": state, "cursor": None, "optim_keys": optim_keys}
         if _has_cursor(loader):
             # After an allowed dp change, hand the loader any cursor: it sees the other dp size
             # and restarts its streams (resume_video_csv is handled there too).
