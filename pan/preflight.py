@@ -38,6 +38,8 @@ EXIT_OK, EXIT_FAILED, EXIT_CONFIG_ERROR = 0, 1, 2
 DEFAULT_SAMPLE_ROWS = 4
 # Bytes per parameter kept in a checkpoint (see `checkpoint_bytes`).
 FP32_BYTES = 4
+# Vocabulary files a Hugging Face tokenizer is built from (fast: tokenizer.json; slow: the others).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.txt", "vocab.json")
 
 
 @dataclass
@@ -295,7 +297,8 @@ def check_data(ctx: Preflight) -> list[Row]:
 def _decode_sample(reader, geometry, label: str, stream: str, size: int, count: int) -> Row:
     """Decode `count` samples spread over a source; fail when none is usable."""
     from pan.data.loader import Ref
-    picks = sorted({round(i * (size - 1) / max(count - 1, 1)) for i in range(min(count, size))})
+    n = min(count, size)
+    picks = sorted({round(i * (size - 1) / max(n - 1, 1)) for i in range(n)})  # first, last, between
     good, problems = 0, []
     for index in picks:
         got = reader[Ref(seq=0, stream=stream, epoch=0, pos=0, index=index)]
@@ -331,6 +334,12 @@ def check_text_encoder(ctx: Preflight) -> list[Row]:
     )
     cfg = ctx.job.text_encoder
     model_dir = resolve_text_encoder_path(cfg.text_encoder_path)
+    # Without these files transformers builds a tokenizer of a handful of special tokens instead of
+    # failing, and every caption would encode as unknown tokens.
+    if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError("text_encoder_path", f"{model_dir} has no tokenizer files (none of "
+                                               f"{', '.join(TOKENIZER_FILES)}): copy the whole model "
+                                               "dir, tokenizer included.")
     text_config = load_text_config(model_dir)
     tokenizer = load_tokenizer(model_dir)
     validate_text_encoder(cfg, text_config, tokenizer)
@@ -379,7 +388,8 @@ def stored_shapes(kind: str, path: Path) -> dict[str, tuple[int, ...]]:
     if path.suffix == ".safetensors":
         from safetensors import safe_open
         with safe_open(str(path), framework="pt") as f:
-            return {_stripped(k): tuple(f.get_slice(k).get_shape()) for k in f}
+            return {_stripped(k): tuple(f.get_slice(k).get_shape())
+                    for k in f.keys()}  # noqa: SIM118 - safe_open is not iterable
     # mmap: tensors stay on disk; only their headers are read.
     state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
