@@ -1,0 +1,130 @@
+"""`pan launch-command`: the printed commands, the refusals, and one printed command run for real."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pan import launch_command
+from pan.checkpoint import dcp as layout
+from pan.data.synth import synth_dataset
+from pan.launch_command import main_launch_command
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = "config/demo_cpu.yaml"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return synth_dataset(tmp_path_factory.mktemp("synth"), num_train=8, num_heldout=2)["train_csv"]
+
+
+@pytest.fixture(autouse=True)
+def in_repo(monkeypatch):
+    monkeypatch.chdir(REPO)  # commands name repository-relative paths, as the launch scripts do
+
+
+def tiny(tmp_path: Path, csv: Path) -> list[str]:
+    """Overrides that make the demo config a 2-step, 1-layer run on the synthetic data."""
+    return ["--video_csv_paths", str(csv), "--output_dir", str(tmp_path / "run"), "--max_steps", "2",
+            "--warmup_steps", "0", "--transformer_config_overrides.num_layers", "1",
+            "--max_samples_per_batch", "2", "--packed_dataloader_num_workers", "0"]
+
+
+def printed(capsys, *argv: str) -> tuple[int, list[str], str]:
+    code = main_launch_command(list(argv))
+    out, err = capsys.readouterr()
+    return code, [line for line in out.splitlines() if line and not line.startswith("#")], err
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_single_node_prints_torchrun_and_sbatch(tmp_path, data, capsys):
+    code, lines, _ = printed(capsys, "--workflow", "pretrain", "--nodes", "1", "--gpus-per-node", "2",
+                             "--config", DEMO, *tiny(tmp_path, data))
+    assert code == 0
+    torchrun, sbatch = lines
+    assert shlex.split(torchrun)[:6] == ["torchrun", "--nnodes=1", "--nproc_per_node=2",
+                                         "--master_port=29500", "--master_addr=127.0.0.1",
+                                         "--node_rank=0"]
+    assert shlex.split(torchrun)[6:] == ["train.py", "--config", DEMO, *tiny(tmp_path, data)]
+    assert shlex.split(sbatch) == ["PAN_NPROC_PER_NODE=2", "sbatch", "--nodes=1", "scripts/pretrain.sh",
+                                   DEMO, *tiny(tmp_path, data)]
+
+
+def test_multi_node_prints_srun_with_per_node_rank(tmp_path, data, capsys):
+    spaced = tmp_path / "my run"
+    code, lines, _ = printed(capsys, "--workflow", "pretrain", "--nodes", "3", "--gpus-per-node", "4",
+                             "--config", DEMO, "--video_csv_paths", str(data), "--cp_size", "2",
+                             "--hybrid_shard", "true", "--output_dir", str(spaced))
+    assert code == 0
+    torchrun, export, srun, sbatch = lines
+    assert '"--node_rank=$SLURM_NODEID"' in torchrun and '"--master_addr=$MASTER_ADDR"' in torchrun
+    assert export.startswith("export MASTER_ADDR=") and "scontrol show hostnames" in export
+    words = shlex.split(srun)
+    assert words[:5] == ["srun", "--nodes=3", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+                         "--cpu-bind=none"]
+    assert words[5:8] == ["bash", "-c", 'exec "$0" --node_rank="$SLURM_NODEID" "$@"']
+    assert words[8:10] == ["torchrun", "--nnodes=3"] and str(spaced) in words  # quoted as one word
+    assert shlex.split(sbatch)[:3] == ["PAN_NPROC_PER_NODE=4", "sbatch", "--nodes=3"]
+
+
+@pytest.mark.parametrize("extra, gpus, reason", [
+    (["--cp_size", "4"], 2, "does not divide --gpus-per-node 2"),
+    (["--cp_size", "3"], 3, "num_attention_heads (4) must be divisible by cp_size (3)"),
+    (["--hybrid_shard", "true", "--data_parallel_mode", "ddp"], 2, "hybrid_shard"),
+    (["--no_such_key", "1"], 2, "unknown key"),
+])
+def test_invalid_layouts_are_refused_with_the_reason(tmp_path, data, capsys, extra, gpus, reason):
+    code, lines, err = printed(capsys, "--workflow", "pretrain", "--nodes", "2", "--gpus-per-node",
+                               str(gpus), "--config", DEMO, "--video_csv_paths", str(data), *extra)
+    assert code == 2 and lines == []
+    assert reason in err
+
+
+def test_sft_needs_a_warm_start(tmp_path, data, capsys):
+    code, _, err = printed(capsys, "--workflow", "sft", "--nodes", "1", "--gpus-per-node", "1",
+                           "--config", DEMO, "--video_csv_paths", str(data))
+    assert code == 2 and "load_transformer_weights" in err and "sft workflow" in err
+
+
+def test_default_yaml_is_the_workflows(capsys):
+    """Without --config the workflow's production YAML is validated (its model and data paths do not
+    exist on a test machine, so it is refused, naming the file)."""
+    code, _, err = printed(capsys, "--workflow", "sft", "--nodes", "2", "--gpus-per-node", "8")
+    assert code == 2 and "config/sft_29B_720p.yaml" in err
+
+
+def test_workflow_registry_is_open():
+    extra = launch_command.Workflow("toy", DEMO, "scripts/toy.sh", "a test workflow")
+    try:
+        launch_command.register_workflow(extra)
+        assert launch_command.WORKFLOWS["toy"] is extra
+    finally:
+        launch_command.WORKFLOWS.pop("toy", None)
+
+
+def test_printed_torchrun_command_trains(tmp_path, data, capsys):
+    """The printed single-node command, run as printed: 2 gloo processes train 2 steps, exit 0."""
+    code, lines, _ = printed(capsys, "--workflow", "pretrain", "--nodes", "1", "--gpus-per-node", "2",
+                             "--config", DEMO, "--master-port", str(free_port()), *tiny(tmp_path, data))
+    assert code == 0
+    torchrun = lines[0]
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    run = subprocess.run(["bash", "-c", torchrun], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=240, check=False)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert layout.complete_checkpoints(tmp_path / "run") == [tmp_path / "run" / "checkpoint-2"]
+    meta = layout.read_json(tmp_path / "run" / "checkpoint-2" / layout.META)
+    assert meta["world_size"] == 2 and meta["dp_size"] == 2
