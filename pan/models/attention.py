@@ -4,7 +4,7 @@ Backends (all non-causal, scale 1/sqrt(head_dim), never crossing segments):
 - `sdpa`: a loop of `F.scaled_dot_product_attention` per segment. The reference, and the fast path
   on CPU (2.3-3.3x faster there than one call with a block-diagonal mask). Honours per-segment masks.
 - `varlen`: `torch.nn.attention.varlen.varlen_attn` (flash varlen; CUDA only, no masks).
-- `auto`: varlen on CUDA, sdpa elsewhere.
+- `auto`: varlen for fp16/bf16 CUDA tensors without masks, sdpa otherwise.
 
 Models call attention only through `InnerAttention` submodules, so context parallel can replace or
 wrap them from outside; `set_attention_backend` switches the backend of every one in a model.
@@ -31,7 +31,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, segments: AttnSegments,
         raise ValueError("these q/k/v are one context-parallel rank's share of the sequence; attach a "
                          "context-parallel inner attention (pan.parallel) before running a sharded pack.")
     if backend == "auto":
-        backend = "varlen" if q.is_cuda else "sdpa"
+        # flash varlen has fp16/bf16 kernels only and no masks
+        fits_varlen = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and segments.masks is None
+        backend = "varlen" if fits_varlen else "sdpa"
     if backend == "sdpa":
         return sdpa_attention(q, k, v, segments)
     if backend == "varlen":

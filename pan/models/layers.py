@@ -2,7 +2,8 @@
 
 Shapes: Nv / Nt = video / text rows held by this process, L = Nv + Nt, B = samples,
 D = hidden size, H = heads, d = head dim. Per-sample vectors ([B, D]) reach tokens through the
-pack's sample index, so the same code runs on one context-parallel rank's share of the tokens.
+pack's per-sample token counts, so the same code runs on one context-parallel rank's share of the
+tokens.
 """
 
 from __future__ import annotations
@@ -18,9 +19,15 @@ from pan.models.packing import PackInfo
 from pan.models.rope import apply_rope
 
 
-def per_token(values: Tensor, sample_index: Tensor, num_samples: int) -> Tensor:
-    """Per-sample rows [B, X] -> per-token rows [N, X] (broadcast [1, X] when there is one sample)."""
-    return values if num_samples == 1 else values.index_select(0, sample_index)
+def per_token(values: Tensor, counts: tuple[int, ...]) -> Tensor:
+    """Per-sample rows [B, X] -> per-token rows [N, X]; sample i covers the next counts[i] tokens.
+
+    Built from broadcast views, so the backward is a per-sample sum (a gather's backward would be a
+    slow scatter-add on CPU). One sample: the [1, X] row itself, broadcast by the caller's op.
+    """
+    if len(counts) == 1:
+        return values
+    return torch.cat([row.expand(n, -1) for row, n in zip(values.split(1), counts) if n])
 
 
 def layer_norm(x: Tensor, eps: float) -> Tensor:
@@ -40,17 +47,32 @@ def adaln_vectors(mod: Tensor, n: int) -> Tensor:
     return torch.cat(chunks, dim=-1)
 
 
+class _PermuteRows(torch.autograd.Function):
+    """rows[perm] whose backward is the inverse gather (index_select's backward is a scatter-add)."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, perm: Tensor, inverse: Tensor) -> Tensor:
+        ctx.save_for_backward(inverse)
+        return rows.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
 def to_joint(video_rows: Tensor, text_rows: Tensor, pack: PackInfo) -> Tensor:
     """Video rows [Nv, ...] and text rows [Nt, ...] -> joint order [L, ...] (one copy of each)."""
     out = video_rows.new_empty((video_rows.shape[0] + text_rows.shape[0], *video_rows.shape[1:]))
-    out.index_copy_(0, pack.video_joint_rows, video_rows)
+    out.index_copy_(0, pack.video_joint_rows, video_rows)   # backward: a gather per stream
     out.index_copy_(0, pack.text_joint_rows, text_rows)
     return out
 
 
 def from_joint(rows: Tensor, pack: PackInfo) -> tuple[Tensor, Tensor]:
     """Joint order [L, ...] -> (video rows [Nv, ...], text rows [Nt, ...])."""
-    return rows.index_select(0, pack.video_joint_rows), rows.index_select(0, pack.text_joint_rows)
+    stream = _PermuteRows.apply(rows, pack.stream_to_joint, pack.joint_to_stream)
+    return stream.split([pack.num_video_tokens, pack.num_text_tokens])
 
 
 class TimestepEmbedder(nn.Module):
@@ -152,7 +174,7 @@ class DoubleStreamBlock(nn.Module):
     def forward(self, vid: Tensor, txt: Tensor, temb_act: Tensor, rope: Tensor, pack: PackInfo
                 ) -> tuple[Tensor, Tensor]:
         # vid [Nv, D], txt [Nt, D], temb_act = SiLU(temb) [B, D], rope [Nv, d/2] complex
-        v_mod = per_token(adaln_vectors(self.video_mod(temb_act), 6), pack.video_sample, pack.num_samples)
+        v_mod = per_token(adaln_vectors(self.video_mod(temb_act), 6), pack.video_counts)
         v_shift1, v_scale1, v_gate1, v_shift2, v_scale2, v_gate2 = v_mod.chunk(6, dim=-1)  # [Nv|1, D]
         t_shift1, t_scale1, t_gate1, t_shift2, t_scale2, t_gate2 = adaln_vectors(
             self.text_mod.reshape(1, -1), 6).chunk(6, dim=-1)                               # [1, D]
@@ -192,18 +214,20 @@ class SingleStreamBlock(nn.Module):
     def forward(self, x: Tensor, temb_act: Tensor, rope: Tensor, pack: PackInfo) -> Tensor:
         # x [L, D] in stream order: the Nv video rows, then the Nt text rows
         nv = pack.num_video_tokens
-        sample = torch.cat([pack.video_sample, pack.text_sample])
-        shift, scale, gate = per_token(adaln_vectors(self.mod(temb_act), 3), sample,
-                                       pack.num_samples).chunk(3, dim=-1)
+        mod = adaln_vectors(self.mod(temb_act), 3)                        # [B, 3D]
+        # stream order: every sample's video rows, then every sample's text rows
+        mod = per_token(torch.cat([mod, mod]), pack.video_counts + pack.text_counts)
+        shift, scale, gate = mod.chunk(3, dim=-1)
         qkv, mlp = self.linear1(modulate(layer_norm(x, self.eps), shift, scale)).split(
             [x.shape[-1] * 3, self.mlp_size], dim=-1)
         q, k, v = qkv.unflatten(-1, (3, self.num_heads, -1)).unbind(-3)   # [L, H, d]
         q, k = self.q_norm(q), self.k_norm(k)
         q = torch.cat([apply_rope(q[:nv], rope), q[nv:]])
         k = torch.cat([apply_rope(k[:nv], rope), k[nv:]])
-        joint = [to_joint(t[:nv], t[nv:], pack) for t in (q, k, v)]
-        v_attn, t_attn = from_joint(self.inner_attention(*joint, pack.joint).flatten(1), pack)
-        out = self.linear2(torch.cat([torch.cat([v_attn, t_attn]), F.gelu(mlp, approximate="tanh")], -1))
+        joint = [_PermuteRows.apply(t, pack.joint_to_stream, pack.stream_to_joint) for t in (q, k, v)]
+        attn = _PermuteRows.apply(self.inner_attention(*joint, pack.joint).flatten(1),
+                                  pack.stream_to_joint, pack.joint_to_stream)       # [L, D] stream order
+        out = self.linear2(torch.cat([attn, F.gelu(mlp, approximate="tanh")], -1))
         return torch.addcmul(x, gate, out)
 
 
@@ -218,6 +242,6 @@ class FinalLayer(nn.Module):
 
     def forward(self, vid: Tensor, temb_act: Tensor, pack: PackInfo) -> Tensor:
         scale, shift = self.mod(temb_act).chunk(2, dim=-1)               # [B, D] each
-        mod = per_token(torch.cat([shift, 1 + scale], -1), pack.video_sample, pack.num_samples)
+        mod = per_token(torch.cat([shift, 1 + scale], -1), pack.video_counts)
         shift, scale = mod.chunk(2, dim=-1)
         return self.proj(modulate(layer_norm(vid, self.eps), shift, scale))

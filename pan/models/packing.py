@@ -77,8 +77,10 @@ class PackInfo:
     video_sample: Tensor      # [nv] int64 sample of each local video token
     text_sample: Tensor       # [nt] int64 sample of each local text token
     video_pos: Tensor         # [nv, 3] int64 (t, h, w) grid position of each local video token
-    video_joint_rows: Tensor  # [nv] int64 row of each local video token in the local joint order
-    text_joint_rows: Tensor   # [nt] int64 row of each local text token in the local joint order
+    video_counts: tuple[int, ...]  # local video rows of each sample (contiguous in stream order)
+    text_counts: tuple[int, ...]   # local text rows of each sample
+    stream_to_joint: Tensor   # [nv + nt] int64 row in the local joint order of each stream row
+    joint_to_stream: Tensor   # [nv + nt] int64 inverse permutation: stream row of each joint row
     joint: AttnSegments       # [video_i; text_i] sequences (double- and single-stream blocks)
     text: AttnSegments        # text_i sequences (refiner)
 
@@ -105,6 +107,16 @@ class PackInfo:
     @property
     def video_lens(self) -> tuple[int, ...]:
         return tuple(t * h * w for t, h, w in self.grid_sizes)
+
+    @property
+    def video_joint_rows(self) -> Tensor:
+        """[nv] row of each local video token in the local joint order."""
+        return self.stream_to_joint[:self.num_video_tokens]
+
+    @property
+    def text_joint_rows(self) -> Tensor:
+        """[nt] row of each local text token in the local joint order."""
+        return self.stream_to_joint[self.num_video_tokens:]
 
     @property
     def num_video_tokens(self) -> int:
@@ -151,10 +163,10 @@ def _derive(grid_sizes, text_lens, cp_rank: int, cp_size: int, device) -> PackIn
 
     # Local joint order = held joint indices, ascending; each stream row's place in it.
     local_joint = torch.cat([video_joint[video_index], text_joint[text_index]])
-    order = torch.argsort(local_joint)
-    rows = torch.empty_like(order)
-    rows[order] = torch.arange(order.numel())
-    nv = video_index.numel()
+    joint_to_stream = torch.argsort(local_joint)
+    stream_to_joint = torch.argsort(joint_to_stream)
+    video_sample = torch.repeat_interleave(samples, video_lens)[video_index]
+    text_sample = torch.repeat_interleave(samples, txt_lens)[text_index]
 
     positions = torch.cat([
         torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij"),
@@ -164,15 +176,15 @@ def _derive(grid_sizes, text_lens, cp_rank: int, cp_size: int, device) -> PackIn
     joint = AttnSegments.from_lengths((video_lens + txt_lens).tolist())
     text = AttnSegments.from_lengths(list(text_lens))
     if sharded:
-        joint = dataclasses.replace(joint, local_index=local_joint[order])
+        joint = dataclasses.replace(joint, local_index=local_joint[joint_to_stream])
         text = dataclasses.replace(text, local_index=text_index)
     pack = PackInfo(
         grid_sizes=grid_sizes, text_lens=text_lens, cp_rank=cp_rank, cp_size=cp_size,
         video_index=video_index, text_index=text_index,
-        video_sample=torch.repeat_interleave(samples, video_lens)[video_index],
-        text_sample=torch.repeat_interleave(samples, txt_lens)[text_index],
-        video_pos=positions[video_index], video_joint_rows=rows[:nv], text_joint_rows=rows[nv:],
-        joint=joint, text=text)
+        video_sample=video_sample, text_sample=text_sample, video_pos=positions[video_index],
+        video_counts=tuple(torch.bincount(video_sample, minlength=len(samples)).tolist()),
+        text_counts=tuple(torch.bincount(text_sample, minlength=len(samples)).tolist()),
+        stream_to_joint=stream_to_joint, joint_to_stream=joint_to_stream, joint=joint, text=text)
     return pack if device is None else pack.to(device)
 
 

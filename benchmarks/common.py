@@ -1,0 +1,91 @@
+"""Shared helpers for benchmarks: side-by-side interleaved timing, this machine's matmul peak, output.
+
+Absolute times drift on shared machines, so benchmarks time their candidates round-robin in one
+run (interleaved repeats, median) and report ratios: against a reference implementation, and
+against the fp32 matmul peak measured in the same rounds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+
+def time_call(fn: Callable[[], object]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) of one call, synchronising CUDA if in use.
+
+    CPU seconds are robust to other jobs on a shared machine (they only count this process's
+    work); wall seconds are what a user waits. Report both.
+    """
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def matmul_probe(size: int = 2048, dtype: torch.dtype = torch.float32, device="cpu"
+                 ) -> tuple[Callable[[], object], int]:
+    """(one [size, size] @ [size, size] matmul, its FLOPs): time it beside a workload for the peak."""
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
+    torch.mm(a, b)  # warm the allocator and the BLAS threads
+    return (lambda: torch.mm(a, b)), 2 * size ** 3
+
+
+def interleaved_times(candidates: dict[str, Callable[[], object]], repeats: int, warmup: int = 1
+                      ) -> dict[str, dict[str, list[float]]]:
+    """Time every candidate once per round, `repeats` rounds, after `warmup` untimed rounds.
+
+    Returns {name: {"wall": [seconds per round], "cpu": [process CPU seconds per round]}}.
+    """
+    times = {name: {"wall": [], "cpu": []} for name in candidates}
+    for round_ in range(warmup + repeats):
+        for name, fn in candidates.items():
+            wall, cpu = time_call(fn)
+            if round_ >= warmup:
+                times[name]["wall"].append(wall)
+                times[name]["cpu"].append(cpu)
+    return times
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def machine_info() -> dict:
+    return {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "cpu": platform.processor() or platform.machine(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    """Print rows as an aligned text table, formatting floats to 3 significant digits."""
+    def fmt(v):
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    for row in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+
+
+def write_json(path: str | Path, payload: dict) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"machine": machine_info(), **payload}, indent=2) + "\n")
+    return path

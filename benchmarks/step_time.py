@@ -1,0 +1,130 @@
+"""fp32 training-step time: PanVideoDiffusionTransformer vs diffusers' HunyuanVideoTransformer3DModel.
+
+Both models get the same width, heads, double-stream depth, refiner depth, MLP ratio and tokens
+(2 samples x 1344 video tokens + a short caption); one step = forward, MSE loss, backward, AdamW step.
+Steps of the two models and an fp32 matmul probe are timed round-robin in one run (median of the
+repeats), so the speed ratio and the fraction of the matmul peak do not depend on the machine's drift.
+Both wall time and this process's CPU time are reported: on a CPU shared with other jobs the CPU
+time is the trustworthy one (it counts only this benchmark's work).
+
+    OMP_NUM_THREADS=2 python -m benchmarks.step_time [--repeats 5] [--out benchmarks/results/step_time.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from benchmarks.common import interleaved_times, matmul_probe, median, print_table, write_json
+from pan.models import PackInfo, PanDiTConfig, PanVideoDiffusionTransformer, patchify
+
+LATENT = (16, 7, 24, 32)        # [C, T, H, W] per sample -> (7, 12, 16) = 1344 tokens at patch (1, 2, 2)
+SAMPLES, CAPTION, HEAD_DIM = 2, 32, 64
+SIZES = [  # (hidden, double-stream blocks, refiner blocks)
+    (256, 4, 1),
+    (512, 6, 2),
+]
+
+
+def build_pan(hidden: int, layers: int, refiner: int) -> tuple[torch.nn.Module, callable, int]:
+    c, t, h, w = LATENT
+    cfg = PanDiTConfig(in_channels=c, out_channels=c, patch_size=[1, 2, 2], hidden_size=hidden,
+                       num_attention_heads=hidden // HEAD_DIM, num_layers=layers, num_single_layers=0,
+                       num_refiner_layers=refiner, mlp_ratio=4.0, text_mlp_ratio=4.0,
+                       refiner_mlp_ratio=4.0, text_embed_dim=hidden, rope_axes_dim=[16, 24, 24])
+    model = PanVideoDiffusionTransformer(cfg, attention_backend="sdpa")
+    latents = torch.randn(SAMPLES, *LATENT)
+    x = torch.cat([patchify(z, cfg.patch_size) for z in latents])               # [2 * 1344, 64]
+    target = torch.randn(x.shape[0], c * 4)
+    text = torch.randn(SAMPLES * CAPTION, hidden)
+    sigmas = torch.rand(SAMPLES)
+    pack = PackInfo.build([(t, h // 2, w // 2)] * SAMPLES, [CAPTION] * SAMPLES)
+    loss_fn = lambda: F.mse_loss(model(x, sigmas, text, pack), target)  # noqa: E731
+    return model, loss_fn, model.flops_per_step(pack)
+
+
+def build_hunyuan(hidden: int, layers: int, refiner: int) -> tuple[torch.nn.Module, callable, int]:
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    c = LATENT[0]
+    model = HunyuanVideoTransformer3DModel(
+        in_channels=c, out_channels=c, num_attention_heads=hidden // HEAD_DIM, attention_head_dim=HEAD_DIM,
+        num_layers=layers, num_single_layers=0, num_refiner_layers=refiner, mlp_ratio=4.0, patch_size=2,
+        patch_size_t=1, guidance_embeds=False, text_embed_dim=hidden, pooled_projection_dim=hidden,
+        rope_axes_dim=(16, 24, 24))
+    latents = torch.randn(SAMPLES, *LATENT)
+    target = torch.randn_like(latents)
+    text = torch.randn(SAMPLES, CAPTION, hidden)
+    mask = torch.ones(SAMPLES, CAPTION, dtype=torch.bool)
+    pooled = torch.randn(SAMPLES, hidden)
+    timesteps = torch.rand(SAMPLES) * 1000
+
+    def loss_fn():
+        out = model(latents, timesteps, text, mask, pooled, return_dict=False)[0]
+        return F.mse_loss(out, target)
+
+    return model, loss_fn, None
+
+
+def counted_step_flops(model: torch.nn.Module, loss_fn) -> int:
+    """Forward + backward FLOPs counted by torch (math SDPA, so attention shows up as matmuls)."""
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        loss_fn().backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops()
+
+
+def training_step(model: torch.nn.Module, loss_fn):
+    # Fused AdamW (one kernel over all tensors) for both models: the per-tensor loop's dispatch
+    # overhead would otherwise blur the model comparison on a CPU shared with other jobs.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss_fn().backward()
+        opt.step()
+
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds (after one warm-up round)")
+    parser.add_argument("--out", default="benchmarks/results/step_time.json", help="JSON output path")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    matmul, matmul_flops = matmul_probe()
+    rows = []
+    for hidden, layers, refiner in SIZES:
+        pan, pan_loss, pan_flops = build_pan(hidden, layers, refiner)
+        ref, ref_loss, _ = build_hunyuan(hidden, layers, refiner)
+        ref_flops = counted_step_flops(ref, ref_loss)
+        times = interleaved_times({"pan": training_step(pan, pan_loss), "hunyuan": training_step(ref, ref_loss),
+                                   "matmul": matmul}, repeats=args.repeats)
+        row = {"hidden": hidden, "layers": layers, "refiner": refiner, "tokens": f"{SAMPLES}x1344+{CAPTION}",
+               "pan_params_M": sum(p.numel() for p in pan.parameters()) / 1e6,
+               "hunyuan_params_M": sum(p.numel() for p in ref.parameters()) / 1e6,
+               "pan_gflop": pan_flops / 1e9, "hunyuan_gflop": ref_flops / 1e9, "times": times}
+        for clock in ("wall", "cpu"):   # cpu = this process's CPU seconds, robust to other jobs
+            pan_s, ref_s = median(times["pan"][clock]), median(times["hunyuan"][clock])
+            peak = matmul_flops / median(times["matmul"][clock])
+            row |= {f"pan_{clock}_s": pan_s, f"hunyuan_{clock}_s": ref_s, f"speedup_{clock}": ref_s / pan_s,
+                    f"peak_gflops_{clock}": peak / 1e9, f"pan_frac_peak_{clock}": pan_flops / pan_s / peak,
+                    f"hunyuan_frac_peak_{clock}": ref_flops / ref_s / peak}
+        rows.append(row)
+    print_table(rows, ["hidden", "layers", "refiner", "pan_params_M", "hunyuan_params_M", "pan_gflop",
+                       "hunyuan_gflop"])
+    for clock in ("wall", "cpu"):
+        print(f"\n{clock} clock (median of {args.repeats} interleaved rounds):")
+        print_table(rows, ["hidden", f"pan_{clock}_s", f"hunyuan_{clock}_s", f"speedup_{clock}",
+                           f"peak_gflops_{clock}", f"pan_frac_peak_{clock}", f"hunyuan_frac_peak_{clock}"])
+    path = write_json(args.out, {"benchmark": "step_time", "repeats": args.repeats, "rows": rows})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
