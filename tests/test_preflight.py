@@ -206,6 +206,17 @@ def test_warm_start_with_wrong_shapes_fails_and_right_shapes_pass(tmp_path, data
     assert f"{name} (7, 5) vs model {tuple(state[name].shape)}" in got["warm start"]
 
 
+def test_warm_start_from_a_checkpoint_compares_dcp_metadata(tmp_path, data):
+    state = model_state(base_args(tmp_path, data))
+    good = write_checkpoint(tmp_path / "pretrain", 5, state, dp_size=8)
+    bad = write_checkpoint(tmp_path / "other", 5, {**state, "text_proj.weight": torch.zeros(7, 5)}, 8)
+    args = base_args(tmp_path, data, "--load_transformer_weights", "true")
+    ok = rows_of(args + ["--pretrained_transformer_path", str(good)])["warm start"]
+    assert statuses(ok) == {"pass"} and "(checkpoint)" in ok[0].detail
+    got = failed(rows_of(args + ["--pretrained_transformer_path", str(bad)]))
+    assert "text_proj.weight (7, 5) vs model" in got["warm start"]
+
+
 def test_warm_start_from_unrelated_weights_fails(tmp_path, data):
     other = tmp_path / "other.safetensors"
     save_file({"encoder.weight": torch.zeros(3, 3)}, str(other))
