@@ -40,16 +40,6 @@ def cmd_train(argv: list[str]) -> int:
     return train(job)
 
 
-def _not_built(name: str, issue: str):
-    def run(argv: list[str]) -> int:
-        if argv and argv[0] in ("-h", "--help"):
-            print(f"usage: pan {name} ...\n\nnot built yet ({issue}).")
-            return 0
-        print(f"pan {name}: not built yet ({issue}).", file=sys.stderr)
-        return 1
-    return run
-
-
 def cmd_data(argv: list[str]) -> int:
     """`pan data synth ...` (the demo dataset) and `pan data precompute ...` (latents + text features)."""
     tools = {"synth": "pan.data.synth"}
@@ -72,9 +62,9 @@ def _delegate(module: str, function: str = "main"):
 
 COMMANDS = {
     "train": (cmd_train, "train a model from a YAML config (same as train.py)"),
-    "check": (_not_built("check", "the preflight check comes with the launch issue"),
+    "check": (_delegate("pan.preflight", "main_check"),
               "preflight: validate a config and the environment without training"),
-    "launch-command": (_not_built("launch-command", "comes with the launch issue"),
+    "launch-command": (_delegate("pan.launch_command", "main_launch_command"),
                        "print a validated torchrun/srun command for a workflow"),
     "data": (cmd_data, "data tools: synth (the demo's dataset)"),
     "eval": (_delegate("pan.eval"), "score generated videos against their prompts (the demo's analyser)"),

@@ -168,7 +168,9 @@ class Trainer:
                 "data_wait": data_wait, "skipped_steps": self.state.skipped_steps})
             last = self.state.step == cfg.max_steps
             if self.task.wants_validation(self.state.step):
-                self.task.validate(self.model, self.state.step, self.checkpointer.output_dir)
+                # Validation sees the EMA weights when there are any: they are what gets exported.
+                with self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext():
+                    self.task.validate(self.model, self.state.step, self.checkpointer.output_dir)
             if self.state.step % ckpt_cfg.save_interval == 0 or last:
                 self.checkpointer.save(self.state.step, self.checkpoint_parts())
         self.metrics.close()
