@@ -2,7 +2,9 @@
 
 The trainer calls, in this order:
 
-    model = materialize_and_init(task.build_model_on_meta(), world.device, seed, mesh)
+    with torch.device("meta"):
+        model = task.build_model()
+    model = materialize_and_init(model, world.device, job.trainer.seed, mesh)
     model = parallelize_model(model, mesh, dims, job.parallel, job.trainer)
     ...
     set_gradient_sync(model, last_micro_batch)      # around each backward
