@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -242,8 +244,14 @@ def build_trainer(job) -> Trainer:
     return trainer
 
 
+def world_is_main() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
 def train(job) -> int:
     """Entry point of `train.py` / `pan train`: build everything from the job config and train."""
+    from pan.checkpoint.manager import UnreadableRunError
+    from pan.config import ConfigError
     from pan.data.loader import DataResumeError
     from pan.parallel.world import close_world
 
@@ -257,8 +265,11 @@ def train(job) -> int:
     except NonFiniteLossError as e:
         log.error("%s", e)
         return 1
-    except DataResumeError as e:  # e.g. another number of data-parallel ranks than the checkpoint's
-        log.error("cannot resume: %s", e)
+    except (DataResumeError, UnreadableRunError, ConfigError) as e:
+        # Refusals found while resuming: another number of data-parallel ranks than the
+        # checkpoints', or checkpoints none of which can be read (never silently start over them).
+        if world_is_main():
+            print(f"pan: cannot start: {e}", file=sys.stderr)
         return 2
     finally:
         if trainer is not None and hasattr(trainer.loader, "close"):

@@ -23,8 +23,8 @@ class ParallelConfig:
     enable_gradient_checkpointing: bool = knob(
         False, "recompute each transformer block in the backward pass instead of storing activations")
     use_dedicated_gradient_checkpointing: bool = knob(
-        False, "selective checkpointing: keep the attention outputs and matmul results listed in "
-               "docs/training.md, recompute the cheap element-wise work; needs "
+        False, "selective checkpointing: keep every matmul, attention and all-to-all output of a "
+               "block and recompute only its element-wise work (docs/training.md); needs "
                "enable_gradient_checkpointing")
 
     def check(self, job) -> None:
