@@ -12,8 +12,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from pan.config.core import ConfigError
-from pan.optim import (EMA, Muon, OptimConfig, build_optimizer, build_scheduler, clip_grad_norm, lr_at,
+from pan.optim import (EMA, Muon, OptimConfig, build_optimizer, build_scheduler, lr_at,
                        newton_schulz)
+from pan.parallel.fsdp import clip_grad_norm
 
 # --- Muon ------------------------------------------------------------------------------------------
 
@@ -314,9 +315,9 @@ def test_clip_grad_norm():
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     norm = math.sqrt(sum(p.numel() for p in model.parameters()))
-    assert clip_grad_norm(model.parameters(), 0.0).item() == pytest.approx(norm)  # 0 = measure only
+    assert clip_grad_norm(model, 0.0) == pytest.approx(norm)  # 0 = measure only
     assert all(torch.equal(p.grad, torch.ones_like(p)) for p in model.parameters())
-    assert clip_grad_norm(model.parameters(), 2.0).item() == pytest.approx(norm)
+    assert clip_grad_norm(model, 2.0) == pytest.approx(norm)
     clipped = math.sqrt(sum(p.grad.square().sum().item() for p in model.parameters()))
     assert clipped == pytest.approx(2.0, rel=1e-4)
 
@@ -409,7 +410,7 @@ def _fsdp_worker(rank: int, world: int, init_file: str, results: str) -> None:
             g = torch.Generator().manual_seed(0)  # same data on both ranks: averaged grads unchanged
             for _ in range(3):
                 (model(torch.randn(5, 12, generator=g)) ** 2).mean().backward()
-                norms.append(clip_grad_norm(model.parameters(), cfg.max_grad_norm).item())
+                norms.append(clip_grad_norm(model, cfg.max_grad_norm))
                 opts.step()
                 opts.zero_grad()
                 ema.update()

@@ -372,8 +372,10 @@ class PackedLoader:
     def _data_loader(self) -> DataLoader:
         workers = self.cfg.packed_dataloader_num_workers
         sampler = RefSequence(list(self.replay), self.planner.copy())
+        # Our own generator: otherwise each new iterator draws its base seed from the global torch
+        # RNG, and a resumed run's global RNG would be one draw away from the uninterrupted run's.
         return DataLoader(self.reader, batch_size=None, sampler=sampler, collate_fn=_keep,
-                          num_workers=workers,
+                          num_workers=workers, generator=torch.Generator().manual_seed(self.seed),
                           prefetch_factor=self.cfg.packed_dataloader_prefetch_factor if workers else None)
 
     def close(self) -> None:

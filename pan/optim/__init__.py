@@ -4,7 +4,7 @@ from pan.optim.builder import (OptimConfig, OptimizerSet, build_optimizer, build
                                split_parameters)
 from pan.optim.ema import EMA
 from pan.optim.muon import Muon, newton_schulz
-from pan.optim.schedule import LRSchedulers, clip_grad_norm, lr_at
+from pan.optim.schedule import LRSchedulers, lr_at
 
 __all__ = ["OptimConfig", "OptimizerSet", "build_optimizer", "build_scheduler", "split_parameters",
-           "EMA", "Muon", "newton_schulz", "LRSchedulers", "clip_grad_norm", "lr_at"]
+           "EMA", "Muon", "newton_schulz", "LRSchedulers", "lr_at"]

@@ -16,10 +16,9 @@ and the lr stays at the floor once the decay is over.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 if TYPE_CHECKING:
@@ -76,20 +75,3 @@ class LRSchedulers:
                              " (was use_muon changed between runs?)")
         for name, s in self.schedulers.items():
             s.load_state_dict(state[name])
-
-
-def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Total L2 norm of all gradients (a plain scalar tensor), clipping them to `max_norm` if > 0.
-
-    Works for FSDP2 DTensor gradients: the per-shard norms are reduced into the global norm
-    (`full_tensor`) before scaling, so every rank clips by the same factor. `max_norm = 0` only
-    measures the norm (for logging).
-    """
-    params = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in params]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return total
