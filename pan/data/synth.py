@@ -23,9 +23,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import av
 import numpy as np
 from PIL import Image, ImageDraw
+
+from pan.media import write_mp4
 
 # Saturated colours that stay apart after brightness normalisation (see pan.eval), survive yuv420p
 # chroma subsampling at 32x32, and are easy for a person to name. Blue is lifted off pure (0,0,255)
@@ -145,28 +146,6 @@ def render_clip(spec: ClipSpec, size: int, num_frames: int) -> np.ndarray:
         alpha = _shape_alpha(spec.shape, x, y, spec.shape_size, size)[..., None]  # [H, W, 1]
         frames[t] = np.rint(background + alpha * (colour - background)).astype(np.uint8)
     return frames
-
-
-def _video_codec() -> str:
-    """H.264 where this PyAV build can encode it, else MPEG-4 part 2 (every FFmpeg build has it)."""
-    return "libx264" if "libx264" in av.codecs_available else "mpeg4"
-
-
-def write_mp4(path: Path, frames: np.ndarray, fps: int) -> None:
-    """Encode [T, H, W, 3] uint8 frames (H, W even) as an MP4 that PyAV and browsers can read."""
-    codec = _video_codec()
-    with av.open(str(path), "w") as container:
-        stream = container.add_stream(codec, rate=fps)
-        stream.height, stream.width = frames.shape[1:3]
-        stream.pix_fmt = "yuv420p"
-        # Near-lossless, so the demo learns colour and motion rather than compression artefacts; a
-        # constant quantiser and one thread, because x264's rate control (crf) and frame threads
-        # write different bytes for the same frames from one run to the next.
-        stream.options = {"qp": "10"} if codec == "libx264" else {"qscale": "2"}
-        stream.codec_context.thread_count = 1
-        for frame in frames:
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
-        container.mux(stream.encode())  # flush
 
 
 def _write_split(out_dir: Path, split: str, specs: list[ClipSpec], size: int, num_frames: int,
