@@ -32,8 +32,8 @@ class TrainerConfig:
         "bf16", "compute dtype: bf16 autocast with fp32 master weights, or fp32 throughout (use fp32 "
                 "on CPU: bf16 matmuls there are ~90x slower)")
     legacy_eager_mode: bool = knob(
-        True, "the validated eager execution (side-stream input copies, tensor learning rates, "
-              "capturable optimizers, no autocast cache, FSDP resharding); must stay true")
+        True, "the validated eager execution (no CUDA graphs, autocast without its weight cache, "
+              "FSDP resharding after forward, NCCL async error handling); must stay true")
     compile_transformer: bool = knob(False, "torch.compile each transformer block")
     max_nonfinite_steps: int = knob(
         5, "stop the run after this many consecutive steps with a NaN/inf loss or gradient (each "
