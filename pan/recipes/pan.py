@@ -127,8 +127,13 @@ class ModelInputs:
 
 
 def condition_frames(tasks: TaskConfig, latent_frames: int, rng: random.Random) -> int:
-    """How many leading latent frames a sample is given as condition (0: plain text-to-video)."""
-    r = rng.random()
+    """How many leading latent frames a sample is given as condition (0: plain text-to-video).
+
+    Images (one latent frame) are never conditioned: nothing would be left to predict.
+    """
+    r = rng.random()  # drawn for every sample, so the draws stay in step whatever the sample is
+    if latent_frames == 1:
+        return 0
     if r < tasks.image_cond_prob:
         return 1
     if r < tasks.image_cond_prob + tasks.video_cond_prob and latent_frames > 1:
