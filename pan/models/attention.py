@@ -53,7 +53,7 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, segments: AttnSegments) -> T
             qs, ks, vs = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
             outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)[0].transpose(0, 1))
         start = end
-    return torch.cat(outs)
+    return torch.cat(outs) if outs else torch.empty_like(q)   # all segments empty: no rows
 
 
 def varlen_attention(q: Tensor, k: Tensor, v: Tensor, segments: AttnSegments) -> Tensor:

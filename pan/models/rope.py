@@ -21,11 +21,14 @@ def rope_frequencies(positions: Tensor, axes_dim: list[int] | tuple[int, ...], t
         inv_freq = theta ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=pos.device) / dim)
         angles.append(pos[:, axis, None] * inv_freq)  # [N, dim / 2]
     angle = torch.cat(angles, dim=1)
-    # Angles in float64 so large positions keep their precision; rotations are used in fp32.
+    # Angles in float64 so large positions keep their precision; rotations are used in fp32
+    # (in float64 for float64 inputs, as in gradient checks).
     return torch.polar(torch.ones_like(angle), angle).to(torch.complex64)
 
 
 def apply_rope(x: Tensor, freqs: Tensor) -> Tensor:
     """Rotate interleaved pairs of x [N, heads, head_dim] by freqs [N, head_dim / 2] (complex)."""
-    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))  # [N, H, d/2]
-    return torch.view_as_real(pairs * freqs[:, None, :]).flatten(-2).type_as(x)
+    real = x.to(torch.promote_types(x.dtype, torch.float32))        # bf16/fp16 rotate in fp32
+    pairs = torch.view_as_complex(real.reshape(*x.shape[:-1], -1, 2))  # [N, H, d/2]
+    rotated = pairs * freqs.to(pairs.dtype)[:, None, :]
+    return torch.view_as_real(rotated).flatten(-2).type_as(x)
