@@ -104,6 +104,7 @@ class Trainer:
         self.loader, self.checkpointer, self.metrics = loader, checkpointer, metrics
         self.ema = ema
         self.state = TrainState()
+        self._consumed = None  # the file of sample ids seen (record_samples)
         self.log = get_logger()
 
     # -- one optimizer step --------------------------------------------------------------------
@@ -157,6 +158,7 @@ class Trainer:
             micro_batches, data_wait = self.next_micro_batches()
             out = self.train_step(micro_batches)
             self.state.step += 1
+            self.record_samples(micro_batches)
             stats = self.task.batch_stats(micro_batches)  # this rank's share
             totals = global_sums([stats["samples"], stats["tokens"], stats["flops"],
                                   stats["bad_samples"]])
@@ -176,6 +178,22 @@ class Trainer:
             if self.state.step % ckpt_cfg.save_interval == 0 or last:
                 self.checkpointer.save(self.state.step, self.checkpoint_parts())
         self.metrics.close()
+
+    def record_samples(self, micro_batches: list) -> None:
+        """Append this step's sample ids to output_dir/consumed/<dp rank>.txt (one line per step).
+
+        An audit trail of what the model saw: after a resume the steps since the last checkpoint
+        are trained again and appear twice; the later line of a step is the one that counted.
+        """
+        if not self.task.reads_data:
+            return
+        if self._consumed is None:
+            path = self.checkpointer.output_dir / "consumed" / f"{self.task.dp_rank}.txt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._consumed = open(path, "a")
+        ids = [i for mb in micro_batches for i in mb.sample_ids]
+        self._consumed.write(f"{self.state.step} {' '.join(ids)}\n")
+        self._consumed.flush()
 
     def checkpoint_parts(self) -> dict:
         """Everything a resume restores, by name (the checkpointer decides how each is stored)."""
