@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import random
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -12,6 +13,9 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+
+# A world of one saves and loads DCP without a process group, as intended: not worth a warning.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)

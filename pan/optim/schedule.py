@@ -16,6 +16,7 @@ and the lr stays at the floor once the decay is over.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -59,8 +60,12 @@ class LRSchedulers:
         self.schedulers = {name: LambdaLR(opt, multiplier) for name, opt in optimizers.by_name.items()}
 
     def step(self) -> None:
-        for scheduler in self.schedulers.values():
-            scheduler.step()
+        with warnings.catch_warnings():
+            # The schedule follows the step count, also over steps skipped for a non-finite loss
+            # (which call no optimizer.step(); torch warns about exactly that order).
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+            for scheduler in self.schedulers.values():
+                scheduler.step()
 
     def get_last_lr(self) -> list[float]:
         """[the base learning rate now in force] (before Muon's per-matrix factor), as LambdaLR's."""
