@@ -1,5 +1,11 @@
-"""A 2-rank training SIGKILLed at random moments and relaunched until done ends bit-identical to an
-uninterrupted run: same final weights, EMA, data cursors, per-step losses and samples seen."""
+"""A 2-process training SIGKILLed at random moments (one of them inside a checkpoint save) and
+relaunched until done ends bit-identical to an uninterrupted run: same final weights, EMA, data
+cursors, per-step losses, and the same samples consumed by each data-parallel rank in the same order.
+
+Two layouts of 2 processes: 2 data-parallel ranks, and 1 data-parallel rank split over 2 cp ranks.
+Each layout trains one uninterrupted reference run and one killed run (module-scoped fixture), which
+every assertion below compares.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +17,10 @@ import subprocess
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 
@@ -23,9 +31,11 @@ from pan.data.synth import synth_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_STEPS = 10
+SAVE_INTERVAL = 2
+LAYOUTS = {"dp2": {"cp_size": 1}, "cp2": {"cp_size": 2}}  # the `distributed` section of each
 
 
-def tiny_config(path: Path, data_csv: Path, output_dir: Path) -> Path:
+def tiny_config(path: Path, data_csv: Path, output_dir: Path, distributed: dict) -> Path:
     """The demo recipe shrunk to seconds: 1 joint block of width 32, 16x16 clips of 5 frames."""
     cfg = {
         "model": {"transformer_config_overrides": {
@@ -40,7 +50,8 @@ def tiny_config(path: Path, data_csv: Path, output_dir: Path) -> Path:
                  "max_frames": 5, "max_tokens_per_batch": 240, "max_samples_per_batch": 4,
                  "packed_dataloader_num_workers": 0},
         "tasks": {"conditioning_schema": "none", "cfg_drop_prob": 0.1},
-        "output": {"output_dir": str(output_dir), "save_interval": 2, "save_total_limit": 2,
+        "distributed": distributed,
+        "output": {"output_dir": str(output_dir), "save_interval": SAVE_INTERVAL, "save_total_limit": 2,
                    "log_interval": 1, "report_to": "none", "validation_interval": 0},
     }
     path.write_text(yaml.safe_dump(cfg))
@@ -92,6 +103,19 @@ def logged_steps(output_dir: Path) -> list[dict]:
     return rows
 
 
+def last_logged_step(output_dir: Path, skip: int = 0) -> int:
+    """The highest step among the logged rows after the first `skip` (0: none logged)."""
+    return max((r["step"] for r in logged_steps(output_dir)[skip:]), default=0)
+
+
+def wait_until(condition, job: Job, log: Path, poll: float, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert job.running(), tail(log)
+        assert time.time() < deadline, tail(log)
+        time.sleep(poll)
+
+
 def final_state(output_dir: Path) -> dict:
     final = output_dir / layout.checkpoint_name(MAX_STEPS)
     assert layout.verify_checkpoint(final) is None
@@ -107,38 +131,108 @@ def last_loss_per_step(rows: list[dict]) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in rows}  # a re-run step's last row wins
 
 
-def test_sigkilled_training_resumes_to_bit_identical_weights_and_data(tmp_path):
-    data = synth_dataset(tmp_path / "data", num_train=24, num_heldout=0, size=16, num_frames=5)
-    straight_dir, killed_dir = tmp_path / "straight", tmp_path / "killed"
+def consumed_ids(output_dir: Path) -> dict[str, list[str]]:
+    """Per data-parallel rank file, the sample ids of steps 1..MAX_STEPS in step order, each step
+    taken from its last line (a step re-trained after a resume is the one that counted)."""
+    per_rank = {}
+    for path in sorted((output_dir / "consumed").glob("*.txt")):
+        last_line_of_step: dict[int, list[str]] = {}
+        for line in path.read_text().splitlines():
+            step, *ids = line.split()
+            last_line_of_step[int(step)] = ids
+        assert sorted(last_line_of_step) == list(range(1, MAX_STEPS + 1)), (path.name, sorted(last_line_of_step))
+        per_rank[path.name] = [i for step in range(1, MAX_STEPS + 1) for i in last_line_of_step[step]]
+    return per_rank
 
-    log = tmp_path / "train.log"
-    job = Job(tiny_config(tmp_path / "straight.yaml", data["train_csv"], straight_dir), log)
+
+@dataclass
+class Runs:
+    straight: Path
+    killed: Path
+    log: Path
+    dp_ranks: int
+    killed_inside_save: bool  # the first kill left a checkpoint-N.tmp behind (it hit a save)
+    save_step: int            # the step of that save
+
+
+def kill_inside_save(config: Path, output_dir: Path, log: Path, rng: random.Random) -> tuple[bool, int]:
+    """Launch a fresh run and SIGKILL it a moment after checkpoint-S.tmp appears (S: 4 or 6), while
+    the save of step S is being written. Returns whether the kill landed inside it, and S."""
+    save_step = rng.choice([2 * SAVE_INTERVAL, 3 * SAVE_INTERVAL])
+    tmp = output_dir / f"{layout.checkpoint_name(save_step)}.tmp"
+    job = Job(config, log)
+    wait_until(tmp.exists, job, log, poll=0.002)
+    time.sleep(rng.uniform(0.0, 0.05))  # a save takes ~0.2-0.5 s here
+    job.kill()
+    # A save that finished has renamed its .tmp away; one that was cut leaves it (the next launch
+    # removes it and resumes from the previous checkpoint).
+    landed = tmp.exists() and not (output_dir / layout.checkpoint_name(save_step)).exists()
+    return landed, save_step
+
+
+def kill_after_step(config: Path, output_dir: Path, log: Path, rng: random.Random, target: int) -> None:
+    """Relaunch and SIGKILL once this launch has logged step `target`, a random moment later."""
+    seen = len(logged_steps(output_dir))
+    job = Job(config, log)
+    wait_until(lambda: last_logged_step(output_dir, skip=seen) >= target, job, log, poll=0.05)
+    time.sleep(rng.uniform(0.0, 0.3))
+    assert job.running()  # killed mid-run, not after the end
+    job.kill()
+
+
+@pytest.fixture(scope="module")
+def data_csv(tmp_path_factory) -> Path:
+    data = synth_dataset(tmp_path_factory.mktemp("data"), num_train=24, num_heldout=0, size=16, num_frames=5)
+    return data["train_csv"]
+
+
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def runs(request, data_csv, tmp_path_factory) -> Runs:
+    """The uninterrupted reference run and the killed-twice-and-resumed run of one layout."""
+    root = tmp_path_factory.mktemp(request.param)
+    distributed = LAYOUTS[request.param]
+    straight_dir, killed_dir, log = root / "straight", root / "killed", root / "train.log"
+
+    job = Job(tiny_config(root / "straight.yaml", data_csv, straight_dir, distributed), log)
     assert job.wait(timeout=300) == [0, 0], tail(log)
 
-    config = tiny_config(tmp_path / "killed.yaml", data["train_csv"], killed_dir)
-    rng = random.Random(0)
-    first = rng.randint(2, 5)
-    for target in (first, rng.randint(first + 1, MAX_STEPS - 3)):
-        # SIGKILL once this launch has logged step `target`, a random moment later (saves included).
-        seen = len(logged_steps(killed_dir))
-        job = Job(config, log)
-        deadline = time.time() + 300
-        while max((r["step"] for r in logged_steps(killed_dir)[seen:]), default=0) < target:
-            assert job.running(), tail(log)
-            assert time.time() < deadline, tail(log)
-            time.sleep(0.05)
-        time.sleep(rng.uniform(0.0, 0.3))
-        assert job.running()  # killed mid-run, not after the end
-        job.kill()
+    config = tiny_config(root / "killed.yaml", data_csv, killed_dir, distributed)
+    rng = random.Random(request.param)  # each layout its own (reproducible) kill moments
+    landed, save_step = kill_inside_save(config, killed_dir, log, rng)
+    kill_after_step(config, killed_dir, log, rng, target=rng.randint(save_step + 1, MAX_STEPS - 3))
     job = Job(config, log)
     assert job.wait(timeout=300) == [0, 0], tail(log)
-    assert log.read_text().count("resuming from checkpoint-") == 2
+    assert log.read_text().count("resuming from checkpoint-") == 2, tail(log)
+    return Runs(straight_dir, killed_dir, log, 2 // distributed["cp_size"], landed, save_step)
 
-    straight, resumed = final_state(straight_dir), final_state(killed_dir)
+
+def test_a_kill_landed_inside_a_save(runs):
+    assert runs.killed_inside_save, f"checkpoint-{runs.save_step} was complete before the kill"
+    # ...and the relaunch cleaned up what the cut save left.
+    assert f"removing checkpoint-{runs.save_step}.tmp (left by an interrupted save)" in runs.log.read_text()
+    assert not list(runs.killed.glob("checkpoint-*.tmp"))
+
+
+def test_resumed_run_ends_with_bit_identical_weights_ema_and_cursors(runs):
+    straight, resumed = final_state(runs.straight), final_state(runs.killed)
     for part in ("weights", "ema"):
         assert straight[part].keys() == resumed[part].keys()
         for name in straight[part]:
             assert torch.equal(straight[part][name], resumed[part][name]), (part, name)
-    assert straight["cursors"] == resumed["cursors"] and len(resumed["cursors"]) == 2
+    assert straight["cursors"] == resumed["cursors"] and len(resumed["cursors"]) == runs.dp_ranks
     assert straight["train_state"] == resumed["train_state"]
-    assert last_loss_per_step(logged_steps(straight_dir)) == last_loss_per_step(logged_steps(killed_dir))
+
+
+def test_resumed_run_logs_the_same_loss_at_every_step(runs):
+    straight = last_loss_per_step(logged_steps(runs.straight))
+    assert sorted(straight) == list(range(1, MAX_STEPS + 1))
+    assert straight == last_loss_per_step(logged_steps(runs.killed))
+
+
+def test_resumed_run_consumes_the_same_samples_in_the_same_order(runs):
+    straight, resumed = consumed_ids(runs.straight), consumed_ids(runs.killed)
+    lines = sum(len((runs.straight / "consumed" / name).read_text().splitlines()) for name in straight)
+    assert len(straight) == runs.dp_ranks
+    assert lines == MAX_STEPS * runs.dp_ranks  # the reference run trained each step once
+    assert straight == resumed  # no sample lost, repeated or reordered by the kills
+    assert all(len(ids) >= MAX_STEPS for ids in straight.values())
