@@ -140,7 +140,8 @@ def consumed_ids(output_dir: Path) -> dict[str, list[str]]:
         for line in path.read_text().splitlines():
             step, *ids = line.split()
             last_line_of_step[int(step)] = ids
-        assert sorted(last_line_of_step) == list(range(1, MAX_STEPS + 1)), (path.name, sorted(last_line_of_step))
+        steps = sorted(last_line_of_step)
+        assert steps == list(range(1, MAX_STEPS + 1)), (path.name, steps)
         per_rank[path.name] = [i for step in range(1, MAX_STEPS + 1) for i in last_line_of_step[step]]
     return per_rank
 
