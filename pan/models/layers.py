@@ -93,6 +93,12 @@ class TimestepEmbedder(nn.Module):
         return self.fc2(F.silu(self.fc1(emb)))
 
 
+def like_v(v: Tensor, *qk: Tensor) -> tuple[Tensor, ...]:
+    """q and k in v's dtype. Under CUDA autocast RMSNorm and RoPE run in fp32 while v comes from a
+    bf16 matmul, and attention kernels (and the Ulysses all-to-all) need a single dtype."""
+    return tuple(t.to(v.dtype) for t in qk)
+
+
 class QKV(nn.Module):
     """One fused q/k/v projection plus per-head RMSNorm on q and k: [N, D] -> 3 x [N, H, d]."""
 
@@ -147,6 +153,7 @@ class RefinerBlock(nn.Module):
 
     def forward(self, txt: Tensor, pack: PackInfo) -> Tensor:
         q, k, v = self.attn_qkv(self.attn_norm(txt))                      # [Nt, H, d]
+        q, k = like_v(v, q, k)
         txt = txt + self.attn_out(self.inner_attention(q, k, v, pack.text).flatten(1))
         return txt + self.ffn(self.ffn_norm(txt))
 
@@ -182,6 +189,7 @@ class DoubleStreamBlock(nn.Module):
         vq, vk, vv = self.video_qkv(modulate(layer_norm(vid, self.eps), v_shift1, v_scale1))
         tq, tk, tv = self.text_qkv(modulate(layer_norm(txt, self.eps), t_shift1, t_scale1))
         vq, vk = apply_rope(vq, rope), apply_rope(vk, rope)
+        vq, vk, tq, tk = like_v(vv, vq, vk, tq, tk)
         out = self.inner_attention(to_joint(vq, tq, pack), to_joint(vk, tk, pack), to_joint(vv, tv, pack),
                                    pack.joint)                                            # [L, H, d]
         v_attn, t_attn = from_joint(out.flatten(1), pack)
@@ -224,6 +232,7 @@ class SingleStreamBlock(nn.Module):
         q, k = self.q_norm(q), self.k_norm(k)
         q = torch.cat([apply_rope(q[:nv], rope), q[nv:]])
         k = torch.cat([apply_rope(k[:nv], rope), k[nv:]])
+        q, k = like_v(v, q, k)
         joint = [_PermuteRows.apply(t, pack.joint_to_stream, pack.stream_to_joint) for t in (q, k, v)]
         attn = _PermuteRows.apply(self.inner_attention(*joint, pack.joint).flatten(1),
                                   pack.stream_to_joint, pack.joint_to_stream)       # [L, D] stream order
