@@ -10,6 +10,7 @@ samples/ (one MP4 + GIF per held-out prompt, contact_sheet.gif, scores.json), lo
 from __future__ import annotations
 
 import argparse
+import csv
 import dataclasses
 import json
 import shutil
@@ -47,16 +48,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def make_data(data_dir: Path, quick: bool) -> dict[str, Path]:
-    """The synthetic dataset, written once (reused when its files are there)."""
+def make_data(data_dir: Path, config: Path, quick: bool) -> dict[str, Path]:
+    """The synthetic dataset at the config's sample geometry (frame side `sample_height`, frame count
+    `sample_num_frames`), written once: reused while its CSV has that geometry, rewritten otherwise.
+    (Read from the YAML: the job config can only load once its training CSV exists.)"""
     from pan.data.synth import synth_dataset
 
+    output = yaml.safe_load(config.read_text())["output"]
+    size, num_frames = output["sample_height"], output["sample_num_frames"]
     paths = {"train_csv": data_dir / "train.csv", "heldout_csv": data_dir / "heldout.csv",
              "heldout_prompts": data_dir / "heldout_prompts.json"}
     if all(p.is_file() for p in paths.values()):
-        return paths
+        with paths["train_csv"].open() as f:
+            first = next(csv.DictReader(f), {})
+        if (first.get("height"), first.get("num_frames")) == (str(size), str(num_frames)):
+            return paths
+        print(f"rewriting {data_dir}: its clips are not {num_frames} frames of {size}x{size}")
+        shutil.rmtree(data_dir)
     sizes = {"num_train": 16, "num_heldout": 0} if quick else {}
-    return synth_dataset(data_dir, **sizes)
+    return synth_dataset(data_dir, size=size, num_frames=num_frames, **sizes)
 
 
 def job_argv(args: argparse.Namespace, data: dict[str, Path], run_dir: Path) -> list[str]:
@@ -184,11 +194,11 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out)
     seconds: dict[str, float] = {}
+    run_dir = out / "run"
     t0 = time.perf_counter()
-    data = make_data(out / "data", args.quick)
+    data = make_data(out / "data", Path(args.config), args.quick)
     seconds["data"] = time.perf_counter() - t0
 
-    run_dir = out / "run"
     if run_dir.exists():  # each demo trains afresh: a finished run would otherwise be resumed
         print(f"removing the previous demo run {run_dir}")
         shutil.rmtree(run_dir)
