@@ -42,11 +42,12 @@ def cmd_train(argv: list[str]) -> int:
 
 def cmd_data(argv: list[str]) -> int:
     """`pan data synth ...` (the demo dataset) and `pan data precompute ...` (latents + text features)."""
-    tools = {"synth": "pan.data.synth"}
+    tools = {"synth": "pan.data.synth", "precompute": "pan.data.precompute"}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in tools:
-        print("usage: pan data {synth} [options]\n\n"
+        print("usage: pan data {synth,precompute} [options]\n\n"
               "  synth       write the demo's synthetic captioned videos (MP4 + CSV + held-out prompts)\n"
-              "(precompute comes with the data issue's encoder work)")
+              "  precompute  encode a run's video CSVs into latents + text features: --config X.yaml\n"
+              "              [--key value ...] --out DIR [--limit N] [--device D]")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     import importlib
     return importlib.import_module(tools[argv[0]]).main(argv[1:])

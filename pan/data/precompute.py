@@ -1,0 +1,261 @@
+"""`pan data precompute`: encode a run's video CSVs once, offline, into latents + text features.
+
+    pan data precompute --config X.yaml [--key value ...] --out DIR [--limit N]
+
+For every row of every `video_csv_paths` CSV the clip is decoded by the data pipeline's own reader
+(`SampleReader`, the run's buckets, fps and frame rules), normalised uint8 -> [-1, 1] and encoded by
+the run's VAE, and the caption by the run's text encoder, exactly as online training does it
+(`PanTask.sample_latent`, `caption_features`). Written under DIR:
+- `<csv stem>/<row>.safetensors`: `latent` [C, T, H, W] and `text` [L, D], fp32;
+- `<csv stem>.csv`: the source's columns (`path` re-pointed from DIR) plus `latent_path`, one row
+  per clip that has a latent; train from it by listing it in `video_csv_paths`;
+- `failures.csv`: csv, row, reason, detail of every row that could not be encoded;
+- `precompute.json`: the settings the latents depend on; a rerun with other settings is refused.
+
+Each file is written to a temporary name and renamed, and rows whose latent exists are skipped, so
+a killed precompute continues where it stopped. Image tars are not precomputed: keep them in
+`image_tar_paths` next to the precomputed CSVs and they are decoded online.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from pan.data.loader import Loaded, Ref, SampleReader, rules_of
+from pan.data.sources import SourceError, VideoCsvSource, read_video_csv
+
+LATENT_COLUMN = "latent_path"
+FAILURE_COLUMNS = ("csv", "row", "reason", "detail")
+SETTINGS_FILE = "precompute.json"
+
+
+class PrecomputeError(ValueError):
+    """A precompute that cannot start (the message says how to fix it)."""
+
+
+@dataclass
+class Failure:
+    csv: str      # source CSV path
+    row: int      # row 0 = first row after the header (as in sample ids)
+    reason: str   # a data skip reason (docs/data.md), or vae_shape / encode_error
+    detail: str
+
+
+@dataclass
+class PrecomputeReport:
+    written: int = 0                       # latents encoded by this run
+    existing: int = 0                      # rows skipped because their latent was already there
+    failures: list[Failure] = field(default_factory=list)
+    csvs: list[Path] = field(default_factory=list)  # the precomputed CSVs written under DIR
+
+
+def latent_file(source: VideoCsvSource, row: int) -> str:
+    """Where a row's latent goes, relative to DIR (and so to the precomputed CSV beside it)."""
+    return f"{source.name}/{row:08d}.safetensors"
+
+
+def settings_of(job) -> dict:
+    """Every key a latent or text feature depends on: a rerun into DIR must match them."""
+    data = job.data
+    return {"data": {k: getattr(data, k) for k in ("resolution_buckets", "allow_upscale", "target_fps",
+                                                   "min_frames", "max_frames", "frames_mod",
+                                                   "frames_remainder")},
+            "vae": dataclasses.asdict(job.vae), "text_encoder": dataclasses.asdict(job.text_encoder)}
+
+
+def check_settings(out_dir: Path, settings: dict) -> None:
+    """Refuse to mix latents of different settings in one DIR (resume would reuse stale ones)."""
+    path = out_dir / SETTINGS_FILE
+    if path.is_file():
+        before = json.loads(path.read_text())
+        if before != settings:
+            changed = sorted(f"{section}.{k}" for section in settings for k in settings[section]
+                             if before.get(section, {}).get(k) != settings[section][k])
+            raise PrecomputeError(f"{out_dir} holds latents made with other settings "
+                             f"({', '.join(changed)} changed): use a new --out folder.")
+    else:
+        write_atomic_text(path, json.dumps(settings, indent=2) + "\n")
+
+
+def write_atomic_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def save_atomic(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """A reader (or a resumed run) sees the whole file or none of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file(tensors, str(tmp))
+    os.replace(tmp, path)
+
+
+class Encoders:
+    """The run's frozen VAE and text encoder, used the way PanTask uses them."""
+
+    def __init__(self, job, device: torch.device):
+        from pan.encoders.text import TextEncoder
+        from pan.encoders.vae import build_vae
+
+        self.device = device
+        self.text_encoder = TextEncoder(job.text_encoder, device=device)
+        self.vae = build_vae(job.vae, device=device)
+
+    @torch.no_grad()
+    def encode(self, frames: torch.Tensor, caption: str) -> dict[str, torch.Tensor]:
+        error = self.vae.geometry.clip_shape_error(frames.shape[0], frames.shape[2], frames.shape[3])
+        if error:
+            raise ValueError(error)
+        pixels = frames.to(self.device).float().div(127.5).sub(1.0)  # uint8 -> [-1, 1]
+        latent = self.vae.encode(pixels).float()                     # [C, T', H', W']
+        text = self.text_encoder.encode([caption])[0].float()        # [L, D]
+        return {"latent": latent.cpu().contiguous(), "text": text.cpu().contiguous()}
+
+
+def _keep(item: Loaded) -> Loaded:
+    return item
+
+
+def precompute_csv(source: VideoCsvSource, reader: SampleReader, encoders: Encoders, out_dir: Path,
+                   report: PrecomputeReport, *, limit: int | None, workers: int, prefetch: int) -> None:
+    """Encode the rows of one CSV whose latents are missing, then write its precomputed CSV."""
+    stream = f"video:{source.name}"
+    rows = range(min(len(source), limit) if limit is not None else len(source))
+    todo = [Ref(i, stream, 0, i, i) for i in rows if not (out_dir / latent_file(source, i)).is_file()]
+    report.existing += len(rows) - len(todo)
+    decoded = DataLoader(reader, batch_size=None, sampler=todo, collate_fn=_keep, num_workers=workers,
+                         prefetch_factor=prefetch if workers else None)
+    for got in tqdm(decoded, total=len(todo), desc=source.name, unit="clip", file=sys.stderr):
+        row = got.ref.index
+        if got.sample is None:
+            report.failures.append(Failure(str(source.path), row, got.reason, got.detail))
+            continue
+        try:
+            tensors = encoders.encode(got.sample.frames, got.sample.caption)
+        except ValueError as e:  # the clip's shape does not fit the VAE
+            report.failures.append(Failure(str(source.path), row, "vae_shape", str(e)))
+            continue
+        except Exception as e:  # noqa: BLE001 - one clip's encoder error must not stop the others
+            report.failures.append(Failure(str(source.path), row, "encode_error", f"{type(e).__name__}: {e}"))
+            continue
+        save_atomic(tensors, out_dir / latent_file(source, row))
+        report.written += 1
+    report.csvs.append(write_precomputed_csv(source, rows, out_dir))
+
+
+def write_precomputed_csv(source: VideoCsvSource, rows: range, out_dir: Path) -> Path:
+    """The source's columns plus latent_path, for the rows whose latent exists; `path` is
+    re-pointed so that it still names the clip from the new CSV's folder."""
+    header = list(source.columns) + [LATENT_COLUMN]
+    path_at = source.columns["path"]
+    lines = []
+    for i in rows:
+        name = latent_file(source, i)
+        if not (out_dir / name).is_file():
+            continue
+        row = list(source.rows[i]) + [""] * (len(source.columns) - len(source.rows[i]))
+        clip = source.field(row, "path")
+        if clip is not None:
+            row[path_at] = os.path.relpath(source.resolve(clip).resolve(), out_dir.resolve())
+        lines.append(row[:len(source.columns)] + [name])
+    out = out_dir / f"{source.name}.csv"
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(header)
+        writer.writerows(lines)
+    os.replace(tmp, out)
+    return out
+
+
+def write_failures(failures: list[Failure], out_dir: Path) -> Path:
+    path = out_dir / "failures.csv"
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(FAILURE_COLUMNS)
+        writer.writerows([f.csv, f.row, f.reason, f.detail] for f in failures)
+    os.replace(tmp, path)
+    return path
+
+
+def precompute(job, out_dir: str | Path, *, limit: int | None = None,
+               device: torch.device | str | None = None) -> PrecomputeReport:
+    """Encode every row of the job's video CSVs (the first `limit` rows of each) into `out_dir`."""
+    out_dir = Path(out_dir)
+    sources = [read_video_csv(p) for p in job.data.video_csv_paths]
+    for source in sources:
+        if source.precomputed:
+            raise PrecomputeError(f"{source.path} is already precomputed (it has a latent_path column); "
+                                  "list the source CSVs in video_csv_paths.")
+    names = [s.name for s in sources]
+    if len(set(names)) != len(names):
+        raise PrecomputeError(f"video CSV file stems must be unique (they name the outputs): {names}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    check_settings(out_dir, settings_of(job))
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    encoders = Encoders(job, device)
+    reader = SampleReader({f"video:{s.name}": s for s in sources}, None, rules_of(job.data))
+    report = PrecomputeReport()
+    for source in sources:
+        precompute_csv(source, reader, encoders, out_dir, report, limit=limit,
+                       workers=job.data.packed_dataloader_num_workers,
+                       prefetch=job.data.packed_dataloader_prefetch_factor)
+    write_failures(report.failures, out_dir)
+    return report
+
+
+def print_report(report: PrecomputeReport, out_dir: Path) -> None:
+    print(f"precompute: {report.written} latents written, {report.existing} already there, "
+          f"{len(report.failures)} rows failed")
+    for f in report.failures:
+        print(f"  failed: {f.csv} row {f.row}: {f.reason}: {f.detail}")
+    if report.failures:
+        print(f"failures listed in {out_dir / 'failures.csv'}")
+    for path in report.csvs:
+        print(f"precomputed CSV: {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`pan data precompute --config X.yaml [--key value ...] --out DIR [--limit N] [--device D]`;
+    exit 0 when some row has a latent, 1 when none has."""
+    parser = argparse.ArgumentParser(
+        prog="pan data precompute", allow_abbrev=False,
+        description="Encode the run's video CSVs into latents + text features (see docs/data.md). "
+                    "Other options are the run's config (--config X.yaml) and key overrides.")
+    parser.add_argument("--out", required=True, help="folder for the latents and precomputed CSVs")
+    parser.add_argument("--limit", type=int, default=None, help="only the first N rows of each CSV")
+    parser.add_argument("--device", default=None, help="encoder device (default: cuda if present, else cpu)")
+    args, rest = parser.parse_known_args(argv)
+    if args.limit is not None and args.limit < 1:
+        parser.error("--limit must be at least 1")
+    from pan.cli import load_config_or_exit
+
+    job = load_config_or_exit(rest)
+    if job.data.image_tar_paths:
+        print("precompute: image tars are not precomputed; keep image_tar_paths in the training "
+              "config and they are decoded online.", file=sys.stderr)
+    try:
+        report = precompute(job, args.out, limit=args.limit, device=args.device)
+    except (PrecomputeError, SourceError) as e:
+        print(f"pan data precompute: {e}", file=sys.stderr)
+        return 2
+    print_report(report, Path(args.out))
+    return 0 if report.written + report.existing > 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
