@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -93,7 +94,7 @@ def load_condition(path: str, given_frames: int, settings: SampleSettings, vae, 
 
     if Path(path).suffix.lower() in (".png", ".jpg", ".jpeg", ".webp"):
         image = Image.open(path).convert("RGB").resize((settings.width, settings.height))
-        frames = torch.from_numpy(np.asarray(image)).permute(2, 0, 1)[None]
+        frames = torch.from_numpy(np.array(image)).permute(2, 0, 1)[None]
     else:
         import av
         with av.open(path) as container:
