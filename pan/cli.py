@@ -67,7 +67,7 @@ COMMANDS = {
               "preflight: validate a config and the environment without training"),
     "launch-command": (_delegate("pan.launch_command", "main_launch_command"),
                        "print a validated torchrun/srun command for a workflow"),
-    "data": (cmd_data, "data tools: synth (the demo's dataset)"),
+    "data": (cmd_data, "data tools: synth (the demo dataset), precompute (latents + text features)"),
     "eval": (_delegate("pan.eval"), "score generated videos against their prompts (the demo's analyser)"),
     "sample": (_delegate("pan.sampling"), "generate videos from a checkpoint"),
     "export": (_delegate("pan.checkpoint.export", "main_export"),
