@@ -69,8 +69,8 @@ def make_data(data_dir: Path, config: Path, quick: bool) -> dict[str, Path]:
     return synth_dataset(data_dir, size=size, num_frames=num_frames, **sizes)
 
 
-def job_argv(args: argparse.Namespace, data: dict[str, Path], run_dir: Path) -> list[str]:
-    overrides = {"video_csv_paths": [str(data["train_csv"])], "output_dir": str(run_dir)}
+def job_argv(args: argparse.Namespace, train_csv: Path, run_dir: Path) -> list[str]:
+    overrides = {"video_csv_paths": [str(train_csv)], "output_dir": str(run_dir)}
     if args.quick:
         overrides |= QUICK_OVERRIDES | {"max_steps": args.steps or 2}
     elif args.steps:
@@ -86,22 +86,23 @@ def job_argv(args: argparse.Namespace, data: dict[str, Path], run_dir: Path) -> 
     return argv
 
 
-class CachedCaptions:
-    """The frozen text encoder with a cache of caption -> features: the demo has 45 distinct
-    training captions, so after the first epoch no step runs the encoder."""
+def precompute_clips(job, latents_dir: Path) -> Path:
+    """Encode every training clip once (pixels + caption features, `pan data precompute`) and return
+    the precomputed CSV: a step then loads 48 small tensors instead of decoding 48 MP4s and running the
+    text encoder, which left the model waiting for data half of each step. Reused while the data and
+    encoder keys are unchanged; redone when they changed."""
+    from pan.data.precompute import PrecomputeError, precompute
 
-    def __init__(self, encoder):
-        self.encoder = encoder
-        self.cache: dict[str, torch.Tensor] = {}
-
-    def encode(self, prompts: list[str]) -> list[torch.Tensor]:
-        new = [p for p in dict.fromkeys(prompts) if p not in self.cache]
-        if new:
-            self.cache.update(zip(new, self.encoder.encode(new)))
-        return [self.cache[p] for p in prompts]
-
-    def __getattr__(self, name: str):
-        return getattr(self.encoder, name)
+    try:
+        report = precompute(job, latents_dir)
+    except PrecomputeError as err:  # made with other settings: start over
+        print(f"redoing {latents_dir}: {err}")
+        shutil.rmtree(latents_dir)
+        report = precompute(job, latents_dir)
+    if report.failures:
+        raise SystemExit(f"pan demo: {len(report.failures)} clips failed to encode; see "
+                         f"{latents_dir / 'failures.csv'}")
+    return report.csvs[0]
 
 
 def sample_prompts(trainer, prompts: list[dict], out_dir: Path) -> list[Path]:
@@ -197,15 +198,16 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = out / "run"
     t0 = time.perf_counter()
     data = make_data(out / "data", Path(args.config), args.quick)
+    source_job = load_config_or_exit(job_argv(args, data["train_csv"], run_dir))
+    train_csv = precompute_clips(source_job, out / "data" / "latents")
     seconds["data"] = time.perf_counter() - t0
 
     if run_dir.exists():  # each demo trains afresh: a finished run would otherwise be resumed
         print(f"removing the previous demo run {run_dir}")
         shutil.rmtree(run_dir)
-    job = load_config_or_exit(job_argv(args, data, run_dir))
+    job = load_config_or_exit(job_argv(args, train_csv, run_dir))
     t0 = time.perf_counter()
     trainer = build_trainer(job)
-    trainer.task.text_encoder = CachedCaptions(trainer.task.text_encoder)
     try:
         trainer.fit()
     finally:

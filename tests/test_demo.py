@@ -36,8 +36,14 @@ def test_rerun_reuses_data_and_trains_afresh(tmp_path):
     out = tmp_path / "demo"
     assert main(["--quick", "--out", str(out), "--steps", "1"]) == 0
     first_csv = (out / "data" / "train.csv").stat().st_mtime_ns
+    latent = out / "data" / "latents" / "train" / "00000000.safetensors"
+    first_latent = latent.stat().st_mtime_ns
     assert main(["--quick", "--out", str(out), "--steps", "2"]) == 0
     assert (out / "data" / "train.csv").stat().st_mtime_ns == first_csv
+    assert latent.stat().st_mtime_ns == first_latent  # clips are encoded once
+    # The run trains from the precomputed clips, not the MP4s.
+    run_config = (out / "run" / "config.yaml").read_text()
+    assert str(out / "data" / "latents" / "train.csv") in run_config
     assert "training steps: 2" in (out / "report.md").read_text()
 
 
