@@ -17,9 +17,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def base(tmp_path):
-    """The demo config, pointed at a data CSV and output dir inside tmp_path."""
+    """The tiny CPU config, pointed at a data CSV and output dir inside tmp_path."""
     (tmp_path / "train.csv").write_text("path,caption\nclip.mp4,a red square moving left\n")
-    cfg = yaml.safe_load((REPO / "config/demo_cpu.yaml").read_text())
+    cfg = yaml.safe_load((REPO / "config/tiny_cpu.yaml").read_text())
     cfg["data"]["video_csv_paths"] = [str(tmp_path / "train.csv")]
     cfg["output"]["output_dir"] = str(tmp_path / "run")
     return cfg
@@ -38,7 +38,7 @@ def train_py(*args, timeout=120):
 
 
 def edit(cfg, section, key, value):
-    cfg[section][key] = value
+    cfg.setdefault(section, {})[key] = value
     return cfg
 
 
@@ -93,7 +93,7 @@ def test_overrides_beat_the_file_and_nest(tmp_path, base):
     assert job.optim.learning_rate == 1e-5
     assert job.model.transformer_config_overrides.num_layers == 2
     assert job.model.transformer_config_overrides.mlp_ratio == 2.0
-    assert job.model.transformer_config_overrides.hidden_size == 128  # the file's value is kept
+    assert job.model.transformer_config_overrides.hidden_size == 64  # the file's value is kept
 
 
 def test_legacy_architecture_names_load_with_one_warning_each(tmp_path, base):
@@ -104,7 +104,7 @@ def test_legacy_architecture_names_load_with_one_warning_each(tmp_path, base):
     warnings = []
     job = load_job_config(["--config", str(write(tmp_path, base))], warn=warnings.append)
     got = job.model.transformer_config_overrides
-    assert (got.num_attention_heads, got.num_layers, got.rope_axes_dim) == (4, 4, [8, 12, 12])
+    assert (got.num_attention_heads, got.num_layers, got.rope_axes_dim) == (4, 2, [4, 6, 6])
     assert len(warnings) == 3
     for new in ("num_attention_heads", "num_layers", "rope_axes_dim"):
         assert sum(new in w for w in warnings) == 1

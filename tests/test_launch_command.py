@@ -17,7 +17,7 @@ from pan.data.synth import synth_dataset
 from pan.launch_command import main_launch_command
 
 REPO = Path(__file__).resolve().parents[1]
-DEMO = "config/demo_cpu.yaml"
+DEMO = "config/tiny_cpu.yaml"
 
 
 @pytest.fixture(scope="module")

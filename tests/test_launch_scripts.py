@@ -281,7 +281,7 @@ def test_local_slurm_stop_ends_every_daemon(tmp_path_factory):
 
 
 # ---- the real trainer -----------------------------------------------------------------------
-TINY_CPU_CONFIG = REPO_ROOT / "config" / "demo_cpu.yaml"
+TINY_CPU_CONFIG = REPO_ROOT / "config" / "tiny_cpu.yaml"
 
 
 def logged_steps(job_log: str) -> list[int]:
@@ -289,7 +289,7 @@ def logged_steps(job_log: str) -> list[int]:
 
 
 @pytest.mark.skipif(not (REPO_ROOT / "train.py").exists() or not TINY_CPU_CONFIG.exists(),
-                    reason="waits for the trainer: train.py and config/demo_cpu.yaml must both exist")
+                    reason="waits for the trainer: train.py and config/tiny_cpu.yaml must both exist")
 def test_pretrain_script_trains_and_resumes_under_slurm(slurm_cluster, tmp_path):
     """The real train.py on the tiny CPU config, 2 processes, submitted twice to the same output_dir."""
     data = tmp_path / "data"

@@ -35,7 +35,7 @@ def data(tmp_path_factory) -> Path:
 
 
 def base_args(tmp_path: Path, csv: Path, *extra: str) -> list[str]:
-    return ["--config", str(REPO / "config/demo_cpu.yaml"), "--video_csv_paths", str(csv),
+    return ["--config", str(REPO / "config/tiny_cpu.yaml"), "--video_csv_paths", str(csv),
             "--output_dir", str(tmp_path / "run"), "--transformer_config_overrides.num_layers", "1",
             *extra]
 
@@ -283,8 +283,8 @@ def test_resume_with_another_data_parallel_size(tmp_path, data):
 
 def test_resume_into_another_architecture_fails(tmp_path, data):
     write_checkpoint(tmp_path / "run", 10, model_state(base_args(tmp_path, data)), dp_size=1)
-    got = failed(rows_of(base_args(tmp_path, data, "--transformer_config_overrides.hidden_size", "64",
-                                   "--transformer_config_overrides.rope_axes_dim", "[4, 6, 6]")))
+    got = failed(rows_of(base_args(tmp_path, data, "--transformer_config_overrides.hidden_size", "32",
+                                   "--transformer_config_overrides.rope_axes_dim", "[2, 2, 4]")))
     assert "holds another architecture" in got["resume"]
 
 
