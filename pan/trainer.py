@@ -109,11 +109,10 @@ class Trainer:
 
     # -- one optimizer step --------------------------------------------------------------------
     def next_micro_batches(self) -> tuple[list, float]:
-        """The k micro-batches of one step, prepared for the model; and the seconds spent waiting."""
-        t0 = time.perf_counter()
-        batches = [self.task.next_batch(self.loader) for _ in range(
-            self.job.trainer.gradient_accumulation_steps)]
-        return batches, time.perf_counter() - t0
+        """The k micro-batches of one step, prepared for the model; and the seconds spent waiting
+        for the data loader."""
+        got = [self.task.next_batch(self.loader) for _ in range(self.job.trainer.gradient_accumulation_steps)]
+        return [batch for batch, _ in got], sum(waited for _, waited in got)
 
     def train_step(self, micro_batches: list) -> dict:
         cfg = self.job.trainer

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Literal
@@ -271,12 +272,16 @@ class PanTask:
             sample_ids=[s.sample_id for s in samples], samples=len(samples), tokens=sum(token_counts),
             packing=batch.packing_efficiency, bad_samples=self.bad_samples)
 
-    def next_batch(self, loader) -> ModelInputs:
-        """The next micro-batch for this process (its cp share when context parallel is on)."""
-        inputs = self.prepare(next(loader)) if self.reads_data else None
+    def next_batch(self, loader) -> tuple[ModelInputs, float]:
+        """The next micro-batch for this process (its cp share when context parallel is on), and the
+        seconds spent waiting for the data loader (encoding and noising are not waiting)."""
+        t0 = time.perf_counter()
+        raw = next(loader) if self.reads_data else None
+        waited = time.perf_counter() - t0
+        inputs = self.prepare(raw) if self.reads_data else None
         if self.cp is not None:
             inputs = self.cp.distribute(inputs)
-        return inputs.to(self.world.device)
+        return inputs.to(self.world.device), waited
 
     def loss_count(self, inputs: ModelInputs) -> float:
         """Loss elements of this process's rows (summed over ranks to normalise the loss)."""
