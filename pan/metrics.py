@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import time
@@ -11,7 +12,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from pan.config.core import knob
+from pan.config.core import knob, require
 from pan.logging import get_logger
 
 
@@ -25,6 +26,12 @@ class MetricsConfig:
         "none", "where metrics also go: wandb (WANDB_PROJECT / WANDB_RUN_ID / WANDB_API_KEY from the "
                 "environment) or tensorboard (output_dir/tensorboard)")
     progress_bar: bool = knob(True, "show a progress bar on the console (rank 0)")
+
+    def check(self, job) -> None:
+        package = {"wandb": "wandb", "tensorboard": "tensorboard"}.get(self.report_to)
+        require(package is None or importlib.util.find_spec(package) is not None, "report_to",
+                f"is {self.report_to}, but the {package} package is not installed: "
+                f"pip install {package}, or set report_to: none.")
 
 
 # Dense bf16 tensor-core peaks (FLOP/s) for MFU on GPUs; CPUs are measured at start-up instead.

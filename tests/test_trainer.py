@@ -149,3 +149,23 @@ def test_caption_dropout_uses_the_computed_empty_caption(tmp_path):
     assert torch.equal(dropped, task.text_encoder.encode([""])[0].float())
     (kept,) = task.caption_features([sample], drop=False)
     assert kept.shape[0] != dropped.shape[0] or not torch.equal(kept, dropped)
+
+
+def test_metrics_go_to_jsonl_and_tensorboard(tmp_path):
+    job = tiny_job(tmp_path, "--max_steps", "2", "--log_interval", "1", "--report_to", "tensorboard")
+    trainer = build_trainer(job)
+    trainer.fit()
+    rows = [__import__("json").loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert {"loss", "grad_norm", "lr", "tokens_per_s", "mfu", "data_wait", "packing"} <= set(rows[0])
+    assert list((tmp_path / "run/tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_report_to_wandb_without_the_package_is_refused_at_load(tmp_path, monkeypatch):
+    import importlib.util
+
+    from pan.config import ConfigError
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ConfigError, match="pip install wandb"):
+        tiny_job(tmp_path, "--report_to", "wandb")
