@@ -17,10 +17,10 @@ def test_quick_demo_writes_every_artefact(tmp_path, capsys):
     assert {"colour_accuracy", "direction_accuracy", "shape_accuracy", "per_video"} <= set(scores)
     for i in range(2):
         clip = load_video(out / "samples" / f"{i:02d}.mp4")
-        assert clip.shape == (5, 24, 24, 3)  # the config's sample geometry
+        assert clip.shape == (5, 16, 16, 3)  # the config's sample geometry
         assert Image.open(out / "samples" / f"{i:02d}.gif").n_frames == 5
     sheet = Image.open(out / "samples" / "contact_sheet.gif")
-    assert sheet.n_frames == 5 and sheet.width > 2 * 24  # two clips side by side, scaled up
+    assert sheet.n_frames == 5 and sheet.width > 2 * 16  # two clips side by side, scaled up
 
     assert Image.open(out / "loss.png").size == (640, 360)
     rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -51,9 +51,9 @@ def test_data_follows_the_config_geometry(tmp_path):
     config = tmp_path / "demo.yaml"
     config.write_text(DEFAULT_CONFIG.read_text())
     first = make_data(tmp_path / "data", config, quick=True)
-    assert load_video(first["train_csv"].parent / "train" / "000000.mp4").shape == (5, 24, 24, 3)
+    assert load_video(first["train_csv"].parent / "train" / "000000.mp4").shape == (5, 16, 16, 3)
 
     config.write_text(DEFAULT_CONFIG.read_text().replace("sample_num_frames: 5", "sample_num_frames: 9")
-                      .replace("sample_height: 24", "sample_height: 16"))
+                      .replace("sample_height: 16", "sample_height: 24"))
     second = make_data(tmp_path / "data", config, quick=True)  # stale geometry: rewritten
-    assert load_video(second["train_csv"].parent / "train" / "000000.mp4").shape == (9, 16, 16, 3)
+    assert load_video(second["train_csv"].parent / "train" / "000000.mp4").shape == (9, 24, 24, 3)
