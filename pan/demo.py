@@ -3,8 +3,9 @@ held-out prompts, score them and write a report.
 
     python -m pan.cli demo [--out demo_out] [--steps N] [--quick]
 
-Everything lands under `--out`: data/ (the synthetic dataset; latents/ its encoded clips), run/ (checkpoints, metrics.jsonl),
-samples/ (one MP4 + GIF per held-out prompt, contact_sheet.gif, scores.json), loss.png, report.md.
+Everything lands under `--out`: data/ (the synthetic dataset; latents/ its encoded clips), run/
+(checkpoints, metrics.jsonl), samples/ (one MP4 + GIF per held-out prompt, contact_sheet.gif,
+scores.json), loss.png, report.md.
 """
 
 from __future__ import annotations
