@@ -22,6 +22,8 @@ demo: setup
 	$(PY) -m pan.cli demo
 
 test: setup
+	@command -v slurmctld >/dev/null || bash .ci/install_slurm.sh || \
+		echo "Slurm could not be installed: the launch-script tests will be skipped"
 	OMP_NUM_THREADS=2 $(PY) -m pytest tests
 
 docs: setup
