@@ -6,6 +6,10 @@
 2. Packing efficiency (real tokens / budget) of the lookahead best-fit packer against padding to
    aspect buckets (each batch holds one aspect bucket, padded to its longest clip: what a bucketed
    sampler without packing does), on a mixed-resolution token set shaped like Pan's 720p data.
+3. Supply against demand on a tiny model: the clips per second the loader decodes (1 worker, the
+   synthetic demo clips) against the samples per second the trainer consumes with
+   `config/tiny_cpu.yaml`, and the fraction of training time spent waiting for data over the second
+   half of the run (the first includes starting the worker), from the trainer's own log.
 
     OMP_NUM_THREADS=1 python -m benchmarks.data_throughput [--rounds 3] [--out benchmarks/results/data_throughput.json]
 """
@@ -123,11 +127,48 @@ def packing(count: int) -> list[dict]:
     return rows
 
 
+# ----------------------------------------------------------------------------------------------
+# 3. Supply against demand in a tiny training run
+# ----------------------------------------------------------------------------------------------
+
+def supply_and_demand(steps: int) -> list[dict]:
+    """Decode rate of the loader alone, then a tiny training run's consumption and data wait."""
+    import json
+
+    from pan.config import load_job_config
+    from pan.data.synth import synth_dataset
+    from pan.trainer import build_trainer
+
+    root = Path(tempfile.mkdtemp(prefix="pan_supply_"))
+    data = synth_dataset(root / "data", num_train=128, num_heldout=1, size=32, num_frames=5)["train_csv"]
+    argv = ["--config", str(Path(__file__).resolve().parents[1] / "config/tiny_cpu.yaml"),
+            "--video_csv_paths", str(data), "--output_dir", str(root / "run"), "--max_steps", str(steps),
+            "--log_interval", str(steps // 2), "--save_interval", str(10 * steps), "--progress_bar", "false",
+            "--packed_dataloader_num_workers", "1", "--max_tokens_per_batch", "2560",
+            "--max_samples_per_batch", "8"]
+    job = load_job_config(argv, warn=lambda m: None)
+    tokens = lambda t, h, w: (t // 1) * (h // 4) * (w // 4)  # noqa: E731  (identity VAE, patch 4)
+    loader = build_data_loader(job.data, tokens_of=tokens, dp_rank=0, dp_size=1, seed=0)
+    next(loader)  # start the worker
+    t0 = time.perf_counter()
+    clips = sum(len(next(loader).samples) for _ in range(steps))
+    decode_rate = clips / (time.perf_counter() - t0)
+    loader.close()
+    build_trainer(job).fit()
+    # The second half of the run: the first includes starting the worker and filling the lookahead.
+    row = json.loads((root / "run/metrics.jsonl").read_text().splitlines()[-1])
+    return [{"decoded_clips_per_s": round(decode_rate, 1),
+             "trainer_samples_per_s": round(row["samples_per_s"], 1),
+             "supply_over_demand": round(decode_rate / row["samples_per_s"], 2),
+             "data_wait_fraction": round(row["data_wait"], 4)}]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--samples-per-round", type=int, default=24)
     parser.add_argument("--pack-samples", type=int, default=20000)
+    parser.add_argument("--train-steps", type=int, default=40, help="steps of the tiny training run")
     parser.add_argument("--out", default="benchmarks/results/data_throughput.json")
     args = parser.parse_args()
 
@@ -137,7 +178,12 @@ def main() -> None:
     pack_rows = packing(args.pack_samples)
     print(f"\npacking efficiency (real tokens / budget {BUDGET}), 720p buckets, 17..121 frames")
     print_table(pack_rows, ["image_prob", "bucket_padding", "packer_L1", "packer_L8", "packer_L32", "packer_L64"])
-    path = write_json(args.out, {"decode": decode_rows, "packing": pack_rows, "budget": BUDGET})
+    supply_rows = supply_and_demand(args.train_steps)
+    print("\ntiny training run (config/tiny_cpu.yaml, 8 clips of 5x32x32 per step, 1 decoding worker)")
+    print_table(supply_rows, ["decoded_clips_per_s", "trainer_samples_per_s", "supply_over_demand",
+                              "data_wait_fraction"])
+    path = write_json(args.out, {"decode": decode_rows, "packing": pack_rows, "budget": BUDGET,
+                                 "supply": supply_rows})
     print(f"\nwrote {path}")
 
 

@@ -66,7 +66,8 @@ class DataConfig:
     packed_dataloader_num_workers: int = knob(
         4, "decoding processes per rank (0 decodes in the training process)", ge=0)
     packed_dataloader_prefetch_factor: int = knob(
-        2, "samples each decoding process prepares ahead", ge=1)
+        2, "packed batches decoded ahead of the trainer: each decoding process keeps this many "
+           "batches' share of samples (max_samples_per_batch / workers) in flight", ge=1)
 
     # --- resume ----------------------------------------------------------------------------------
     resume_video_csv: bool = knob(

@@ -376,7 +376,14 @@ class PackedLoader:
         # RNG, and a resumed run's global RNG would be one draw away from the uninterrupted run's.
         return DataLoader(self.reader, batch_size=None, sampler=sampler, collate_fn=_keep,
                           num_workers=workers, generator=torch.Generator().manual_seed(self.seed),
-                          prefetch_factor=self.cfg.packed_dataloader_prefetch_factor if workers else None)
+                          prefetch_factor=self.samples_in_flight_per_worker() if workers else None)
+
+    def samples_in_flight_per_worker(self) -> int:
+        """DataLoader's prefetch factor counts samples here: keep `packed_dataloader_prefetch_factor`
+        whole batches in flight, or the trainer waits for most of each batch to be decoded."""
+        workers = self.cfg.packed_dataloader_num_workers
+        share = -(-self.cfg.max_samples_per_batch // workers)  # ceil
+        return self.cfg.packed_dataloader_prefetch_factor * share
 
     def close(self) -> None:
         """Stop the decoding workers (they restart on the next batch)."""
