@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
 from pan.checkpoint import dcp as layout
@@ -20,7 +19,7 @@ from pan.checkpoint import dcp as layout
 def consolidated_weights(dcp_dir: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of a DCP folder, unsharded, on CPU (optionally cast to `dtype`)."""
     state = {key: torch.empty(size, dtype=stored) for key, (size, stored) in layout.dcp_tensor_shapes(dcp_dir).items()}
-    dcp.load(state, checkpoint_id=str(dcp_dir), no_dist=True)
+    layout.load_dcp(state, dcp_dir)
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     return state

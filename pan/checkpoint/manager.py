@@ -73,10 +73,6 @@ def _dcp_save(state: dict, path: Path) -> None:
     dcp.save(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
 
 
-def _dcp_load(state: dict, path: Path) -> None:
-    dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
-
-
 def _first_line(e: BaseException) -> str:
     """The gist of an error (DCP's carry every rank's full traceback)."""
     lines = [line for line in str(e).splitlines() if line.strip()]
@@ -325,11 +321,11 @@ class Checkpointer:
         ema = parts.get("ema")
         ema_saved = ema is not None and (path / layout.EMA).is_dir()
         try:
-            _dcp_load(model_state, path / layout.TRANSFORMER)
-            _dcp_load(optim_state, path / layout.OPTIMIZER)
+            layout.load_dcp(model_state, path / layout.TRANSFORMER)
+            layout.load_dcp(optim_state, path / layout.OPTIMIZER)
             if ema_saved:
                 ema_state = ema.state_dict()
-                _dcp_load(ema_state, path / layout.EMA)
+                layout.load_dcp(ema_state, path / layout.EMA)
         except (Exception, CheckpointException) as e:
             # DCP gathers every rank's read errors (as a CheckpointException, a BaseException),
             # so all ranks land here together.

@@ -20,8 +20,6 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
@@ -166,7 +164,7 @@ def load_checkpoint_weights(model: nn.Module, path: Path) -> WarmStartReport:
     names = _compare(report, {k: size for k, (size, _) in stored.items()},
                      {k: v.shape for k, v in state.items()})  # DTensor.shape is the global shape
     wanted = {n: state[n] for n in names}
-    dcp.load(wanted, checkpoint_id=str(dcp_dir), no_dist=not dist.is_initialized())
+    layout.load_dcp(wanted, dcp_dir)
     set_model_state_dict(model, wanted, options=StateDictOptions(strict=False))
     return report
 
