@@ -206,3 +206,28 @@ def test_precomputed_rows_are_read_without_decoding(tmp_path):
         i = int(s.sample_id[-1])
         assert s.frames is None and s.latent.shape[1:] == s.grid and s.text.shape == (5 + i, 16)
         assert torch.all(s.latent == i) and s.tokens == latent_tokens(*s.grid)
+
+
+def test_samples_cross_from_workers_intact_small_tensors_by_value(monkeypatch):
+    """Small tensors travel inside the message (no per-tensor fd handshake), large ones through
+    shared memory; both arrive equal, dtype and shape included."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  (registers the shared-memory reductions)
+    from pan.data.loader import Sample
+
+    g = torch.Generator().manual_seed(0)
+    sample = Sample(sample_id="a:0", kind="video", caption="c", grid=(5, 32, 32), tokens=320,
+                    frames=torch.randint(0, 255, (5, 3, 32, 32), dtype=torch.uint8, generator=g),
+                    latent=torch.randn(4, 2, 8, 8, generator=g).to(torch.bfloat16),
+                    text=torch.randn(0, 16, generator=g))
+    by_value = ForkingPickler.dumps(sample)
+    monkeypatch.setattr(Sample, "BY_VALUE_BYTES", 0)
+    shared = ForkingPickler.dumps(sample)
+    assert len(by_value) > sample.frames.nbytes > len(shared)
+    for message in (by_value, shared):
+        got = ForkingPickler.loads(message)
+        for key in ("frames", "latent", "text"):
+            assert getattr(got, key).dtype == getattr(sample, key).dtype
+            assert torch.equal(getattr(got, key), getattr(sample, key)), key
+        assert got.sample_id == sample.sample_id and got.grid == sample.grid
