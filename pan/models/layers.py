@@ -19,24 +19,35 @@ from pan.models.packing import PackInfo
 from pan.models.rope import apply_rope
 
 
-def per_token(values: Tensor, counts: tuple[int, ...]) -> Tensor:
-    """Per-sample rows [B, X] -> per-token rows [N, X]; sample i covers the next counts[i] tokens.
+def _segments(t: Tensor, counts: tuple[int, ...]) -> list[Tensor]:
+    return list(t.split(list(counts)))
 
-    Built from broadcast views, so the backward is a per-sample sum (a gather's backward would be a
-    slow scatter-add on CPU). One sample: the [1, X] row itself, broadcast by the caller's op.
+
+def modulate(x: Tensor, shift: Tensor, one_plus_scale: Tensor, counts: tuple[int, ...] | None = None
+             ) -> Tensor:
+    """shift + x * scale with per-sample shift/scale rows [B, D] (or one row [1, D] for all tokens):
+    sample i's row applies to the next counts[i] token rows of x [N, D].
+
+    Sample by sample on views, never expanding [B, D] to [N, D]: the expansion cost a copy of every
+    modulation vector per token, and its backward a reduction, in each block.
     """
-    if len(counts) == 1:
-        return values
-    return torch.cat([row.expand(n, -1) for row, n in zip(values.split(1), counts) if n])
+    if counts is None or len(counts) == 1:
+        return torch.addcmul(shift, x, one_plus_scale)
+    return torch.cat([torch.addcmul(sh, xi, sc) for xi, sh, sc in
+                      zip(_segments(x, counts), shift.split(1), one_plus_scale.split(1))])
+
+
+def gated_residual(x: Tensor, gate: Tensor, y: Tensor, counts: tuple[int, ...] | None = None) -> Tensor:
+    """x + gate * y with per-sample gate rows [B, D] (or [1, D]), as in `modulate`."""
+    if counts is None or len(counts) == 1:
+        return torch.addcmul(x, gate, y)
+    return torch.cat([torch.addcmul(xi, g, yi) for xi, g, yi in
+                      zip(_segments(x, counts), gate.split(1), _segments(y, counts))])
 
 
 def layer_norm(x: Tensor, eps: float) -> Tensor:
     """LayerNorm without affine parameters (the modulation supplies scale and shift)."""
     return F.layer_norm(x, x.shape[-1:], eps=eps)
-
-
-def modulate(x: Tensor, shift: Tensor, one_plus_scale: Tensor) -> Tensor:
-    return torch.addcmul(shift, x, one_plus_scale)
 
 
 def adaln_vectors(mod: Tensor, n: int) -> Tensor:
@@ -181,22 +192,24 @@ class DoubleStreamBlock(nn.Module):
     def forward(self, vid: Tensor, txt: Tensor, temb_act: Tensor, rope: Tensor, pack: PackInfo
                 ) -> tuple[Tensor, Tensor]:
         # vid [Nv, D], txt [Nt, D], temb_act = SiLU(temb) [B, D], rope [Nv, d/2] complex
-        v_mod = per_token(adaln_vectors(self.video_mod(temb_act), 6), pack.video_counts)
-        v_shift1, v_scale1, v_gate1, v_shift2, v_scale2, v_gate2 = v_mod.chunk(6, dim=-1)  # [Nv|1, D]
+        counts = pack.video_counts
+        v_shift1, v_scale1, v_gate1, v_shift2, v_scale2, v_gate2 = adaln_vectors(
+            self.video_mod(temb_act), 6).chunk(6, dim=-1)                                   # [B, D]
         t_shift1, t_scale1, t_gate1, t_shift2, t_scale2, t_gate2 = adaln_vectors(
             self.text_mod.reshape(1, -1), 6).chunk(6, dim=-1)                               # [1, D]
 
-        vq, vk, vv = self.video_qkv(modulate(layer_norm(vid, self.eps), v_shift1, v_scale1))
+        vq, vk, vv = self.video_qkv(modulate(layer_norm(vid, self.eps), v_shift1, v_scale1, counts))
         tq, tk, tv = self.text_qkv(modulate(layer_norm(txt, self.eps), t_shift1, t_scale1))
         vq, vk = apply_rope(vq, rope), apply_rope(vk, rope)
         vq, vk, tq, tk = like_v(vv, vq, vk, tq, tk)
         out = self.inner_attention(to_joint(vq, tq, pack), to_joint(vk, tk, pack), to_joint(vv, tv, pack),
                                    pack.joint)                                            # [L, H, d]
         v_attn, t_attn = from_joint(out.flatten(1), pack)
-        vid = torch.addcmul(vid, v_gate1, self.video_out(v_attn))
+        vid = gated_residual(vid, v_gate1, self.video_out(v_attn), counts)
         txt = torch.addcmul(txt, t_gate1, self.text_out(t_attn))
 
-        vid = torch.addcmul(vid, v_gate2, self.video_mlp(modulate(layer_norm(vid, self.eps), v_shift2, v_scale2)))
+        vid = gated_residual(vid, v_gate2, self.video_mlp(modulate(layer_norm(vid, self.eps), v_shift2, v_scale2,
+                                                                   counts)), counts)
         txt = torch.addcmul(txt, t_gate2, self.text_mlp(modulate(layer_norm(txt, self.eps), t_shift2, t_scale2)))
         return vid, txt
 
@@ -224,9 +237,9 @@ class SingleStreamBlock(nn.Module):
         nv = pack.num_video_tokens
         mod = adaln_vectors(self.mod(temb_act), 3)                        # [B, 3D]
         # stream order: every sample's video rows, then every sample's text rows
-        mod = per_token(torch.cat([mod, mod]), pack.video_counts + pack.text_counts)
-        shift, scale, gate = mod.chunk(3, dim=-1)
-        qkv, mlp = self.linear1(modulate(layer_norm(x, self.eps), shift, scale)).split(
+        counts = pack.video_counts + pack.text_counts
+        shift, scale, gate = torch.cat([mod, mod]).chunk(3, dim=-1)        # [2B, D]
+        qkv, mlp = self.linear1(modulate(layer_norm(x, self.eps), shift, scale, counts)).split(
             [x.shape[-1] * 3, self.mlp_size], dim=-1)
         q, k, v = qkv.unflatten(-1, (3, self.num_heads, -1)).unbind(-3)   # [L, H, d]
         q, k = self.q_norm(q), self.k_norm(k)
@@ -237,7 +250,7 @@ class SingleStreamBlock(nn.Module):
         attn = _PermuteRows.apply(self.inner_attention(*joint, pack.joint).flatten(1),
                                   pack.stream_to_joint, pack.joint_to_stream)       # [L, D] stream order
         out = self.linear2(torch.cat([attn, F.gelu(mlp, approximate="tanh")], -1))
-        return torch.addcmul(x, gate, out)
+        return gated_residual(x, gate, out, counts)
 
 
 class FinalLayer(nn.Module):
@@ -251,6 +264,4 @@ class FinalLayer(nn.Module):
 
     def forward(self, vid: Tensor, temb_act: Tensor, pack: PackInfo) -> Tensor:
         scale, shift = self.mod(temb_act).chunk(2, dim=-1)               # [B, D] each
-        mod = per_token(torch.cat([shift, 1 + scale], -1), pack.video_counts)
-        shift, scale = mod.chunk(2, dim=-1)
-        return self.proj(modulate(layer_norm(vid, self.eps), shift, scale))
+        return self.proj(modulate(layer_norm(vid, self.eps), shift, 1 + scale, pack.video_counts))
