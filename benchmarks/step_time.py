@@ -5,9 +5,10 @@ Both models get the same width, heads, double-stream depth, refiner depth, MLP r
 Steps of the two models and an fp32 matmul probe are timed round-robin in one run (median of the
 repeats), so the speed ratio and the fraction of the matmul peak do not depend on the machine's drift.
 Both wall time and this process's CPU time are reported: on a CPU shared with other jobs the CPU
-time is the trustworthy one (it counts only this benchmark's work).
+time is the trustworthy one (it counts only this benchmark's work). `--compile` adds pan with
+`compile_transformer` (torch.compile per block) to the same rounds.
 
-    OMP_NUM_THREADS=2 python -m benchmarks.step_time [--repeats 5] [--out benchmarks/results/step_time.json]
+    OMP_NUM_THREADS=2 python -m benchmarks.step_time [--repeats 5] [--compile] [--out benchmarks/results/step_time.json]
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks.common import interleaved_times, matmul_probe, median, print_table, write_json
 from pan.models import PackInfo, PanDiTConfig, PanVideoDiffusionTransformer, patchify
+from pan.parallel.fsdp import transformer_blocks
 
 LATENT = (16, 7, 24, 32)        # [C, T, H, W] per sample -> (7, 12, 16) = 1344 tokens at patch (1, 2, 2)
 SAMPLES, CAPTION, HEAD_DIM = 2, 32, 64
@@ -30,13 +32,17 @@ SIZES = [  # (hidden, double-stream blocks, refiner blocks)
 ]
 
 
-def build_pan(hidden: int, layers: int, refiner: int) -> tuple[torch.nn.Module, callable, int]:
+def build_pan(hidden: int, layers: int, refiner: int, compiled: bool = False
+              ) -> tuple[torch.nn.Module, callable, int]:
     c, t, h, w = LATENT
     cfg = PanDiTConfig(in_channels=c, out_channels=c, patch_size=[1, 2, 2], hidden_size=hidden,
                        num_attention_heads=hidden // HEAD_DIM, num_layers=layers, num_single_layers=0,
                        num_refiner_layers=refiner, mlp_ratio=4.0, text_mlp_ratio=4.0,
                        refiner_mlp_ratio=4.0, text_embed_dim=hidden, rope_axes_dim=[16, 24, 24])
     model = PanVideoDiffusionTransformer(cfg, attention_backend="sdpa")
+    if compiled:  # what `compile_transformer: true` does
+        for block in transformer_blocks(model):
+            block.compile()
     latents = torch.randn(SAMPLES, *LATENT)
     x = torch.cat([patchify(z, cfg.patch_size) for z in latents])               # [2 * 1344, 64]
     target = torch.randn(x.shape[0], c * 4)
@@ -95,6 +101,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds (after one warm-up round)")
     parser.add_argument("--out", default="benchmarks/results/step_time.json", help="JSON output path")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time pan with compile_transformer (torch.compile per block; the "
+                             "diffusers model stays eager, so its ratio is pan-as-configured, not equal code)")
     args = parser.parse_args()
     torch.manual_seed(0)
     matmul, matmul_flops = matmul_probe()
@@ -103,8 +112,12 @@ def main() -> None:
         pan, pan_loss, pan_flops = build_pan(hidden, layers, refiner)
         ref, ref_loss, _ = build_hunyuan(hidden, layers, refiner)
         ref_flops = counted_step_flops(ref, ref_loss)
-        times = interleaved_times({"pan": training_step(pan, pan_loss), "hunyuan": training_step(ref, ref_loss),
-                                   "matmul": matmul}, repeats=args.repeats)
+        candidates = {"pan": training_step(pan, pan_loss), "hunyuan": training_step(ref, ref_loss),
+                      "matmul": matmul}
+        if args.compile:
+            compiled, compiled_loss, _ = build_pan(hidden, layers, refiner, compiled=True)
+            candidates["pan_compiled"] = training_step(compiled, compiled_loss)
+        times = interleaved_times(candidates, repeats=args.repeats)
         row = {"hidden": hidden, "layers": layers, "refiner": refiner, "tokens": f"{SAMPLES}x1344+{CAPTION}",
                "pan_params_M": sum(p.numel() for p in pan.parameters()) / 1e6,
                "hunyuan_params_M": sum(p.numel() for p in ref.parameters()) / 1e6,
@@ -115,13 +128,18 @@ def main() -> None:
             row |= {f"pan_{clock}_s": pan_s, f"hunyuan_{clock}_s": ref_s, f"speedup_{clock}": ref_s / pan_s,
                     f"peak_gflops_{clock}": peak / 1e9, f"pan_frac_peak_{clock}": pan_flops / pan_s / peak,
                     f"hunyuan_frac_peak_{clock}": ref_flops / ref_s / peak}
+            if args.compile:
+                compiled_s = median(times["pan_compiled"][clock])
+                row |= {f"compiled_speedup_{clock}": ref_s / compiled_s,
+                        f"compiled_frac_peak_{clock}": pan_flops / compiled_s / peak}
         rows.append(row)
     print_table(rows, ["hidden", "layers", "refiner", "pan_params_M", "hunyuan_params_M", "pan_gflop",
                        "hunyuan_gflop"])
     for clock in ("wall", "cpu"):
         print(f"\n{clock} clock (median of {args.repeats} interleaved rounds):")
         print_table(rows, ["hidden", f"pan_{clock}_s", f"hunyuan_{clock}_s", f"speedup_{clock}",
-                           f"peak_gflops_{clock}", f"pan_frac_peak_{clock}", f"hunyuan_frac_peak_{clock}"])
+                           f"peak_gflops_{clock}", f"pan_frac_peak_{clock}", f"hunyuan_frac_peak_{clock}"]
+                    + ([f"compiled_speedup_{clock}", f"compiled_frac_peak_{clock}"] if args.compile else []))
     path = write_json(args.out, {"benchmark": "step_time", "repeats": args.repeats, "rows": rows})
     print(f"wrote {path}")
 
