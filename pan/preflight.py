@@ -567,7 +567,7 @@ def main_check(argv: list[str]) -> int:
         job = load_job_config(rest, warn=lambda msg: print(f"pan check: {msg}", file=sys.stderr))
     except ConfigError as e:
         ctx = Preflight(None, args.nodes, args.gpus_per_node, args.sample_rows)
-        rows = [Row("config", "fail", str(e), "fix this key; run pan check again to see the rest.")]
+        rows = [Row("config", "fail", str(e), "fix the keys named; every problem found is listed.")]
         print(format_table(rows + run_preflight(ctx)))
         return EXIT_CONFIG_ERROR
     ctx = Preflight(job, args.nodes, args.gpus_per_node, args.sample_rows)

@@ -74,6 +74,28 @@ def test_train_py_rejects_with_exit_code_2(tmp_path, base, change, key, words):
     assert not (tmp_path / "run").exists()  # refused before anything was written
 
 
+def test_every_independent_problem_is_reported_in_one_run(tmp_path, base):
+    """One launch lists them all: a typo, a bad enum, a bound inside the architecture overrides and
+    a bad command-line value, from four different components."""
+    edit(base, "training", "learning_rat", 1e-3)
+    edit(base, "diffusion", "flow_snr_type", "logit")
+    base["model"]["transformer_config_overrides"]["mlp_ratio"] = 0
+    result = train_py("--config", write(tmp_path, base), "--max_steps", "zero")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "4 problems" in result.stderr, result.stderr
+    for key in ("learning_rat", "flow_snr_type", "transformer_config_overrides.mlp_ratio", "max_steps"):
+        assert f"`{key}`" in result.stderr, (key, result.stderr)
+    assert "run.yaml:" in result.stderr  # each still points at its line
+
+
+def test_cross_key_rules_of_different_components_are_reported_together(tmp_path, base):
+    edit(base, "distributed", "cp_size", 3)
+    edit(base, "model", "pretrained_transformer_path", "weights.pt")
+    with pytest.raises(ConfigError) as info:
+        load_job_config(["--config", str(write(tmp_path, base))], warn=lambda m: None)
+    assert "`cp_size`" in str(info.value) and "`pretrained_transformer_path`" in str(info.value)
+
+
 def test_key_in_two_sections_names_both_lines(tmp_path, base):
     path = write(tmp_path, base, "extra:\n  learning_rate: 0.1\n")
     result = train_py("--config", path)

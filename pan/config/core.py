@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Callable
 
 
 class ConfigError(Exception):
@@ -36,6 +37,41 @@ class ConfigError(Exception):
         where = f" ({self.location})" if self.location else ""
         head = f"`{self.key}`{where}: " if self.key else ""
         return head + self.message
+
+
+class ConfigErrors(ConfigError):
+    """Several independent problems of one config, all reported at once: a run refused for one key
+    should not be refused again, one launch later, for the next."""
+
+    def __init__(self, errors: list[ConfigError]):
+        self.errors = errors
+        super().__init__(errors[0].key, errors[0].message)
+        self.location = errors[0].location
+
+    def __str__(self) -> str:
+        return f"{len(self.errors)} problems:\n" + "\n".join(f"  - {e}" for e in self.errors)
+
+
+class ErrorCollector:
+    """Gathers ConfigErrors from independent checks; `raise_any` raises them together."""
+
+    def __init__(self):
+        self.errors: list[ConfigError] = []
+
+    @contextmanager
+    def gather(self, locate: Callable[[ConfigError], ConfigError] = lambda e: e):
+        try:
+            yield
+        except ConfigErrors as e:
+            self.errors.extend(locate(x) for x in e.errors)
+        except ConfigError as e:
+            self.errors.append(locate(e))
+
+    def raise_any(self) -> None:
+        if len(self.errors) == 1:
+            raise self.errors[0]
+        if self.errors:
+            raise ConfigErrors(list(self.errors))
 
 
 def knob(default: Any, help: str, *, ge=None, gt=None, le=None, lt=None, length: int | None = None,

@@ -10,7 +10,7 @@ from typing import Any, Callable
 import yaml
 
 from pan.config import loader
-from pan.config.core import ConfigError
+from pan.config.core import ConfigError, ErrorCollector
 from pan.config.loader import Entry, build_dataclass, field_types, parse_overrides
 
 DEFAULT_RECIPE = "pan"
@@ -94,70 +94,85 @@ def build_job(job_cls, entries: dict[str, list[Entry]], cli: list[tuple[str, Any
     comps = components(job_cls)
     values: dict[str, Any] = {}
     where: dict[str, str] = {}
+    problems = ErrorCollector()  # independent problems are reported together
 
     for key, found in entries.items():
         if key in loader.TOP_LEVEL_KEYS:
             continue
         first = found[0]
-        if key not in owners:
-            err = ConfigError(key, _unknown_message(key, owners, nested))
-            err.location = first.where
-            raise err
-        if len(found) > 1:
-            places = " and ".join(f"section `{e.section or '(top level)'}` ({e.where})" for e in found)
-            err = ConfigError(key, f"is set twice, in {places}. Section names only group keys: keep "
-                                   "one of them.")
-            raise err
-        values[key] = first.value
-        where[key] = first.where
+        with problems.gather():
+            if key not in owners:
+                err = ConfigError(key, _unknown_message(key, owners, nested))
+                err.location = first.where
+                raise err
+            if len(found) > 1:
+                places = " and ".join(f"section `{e.section or '(top level)'}` ({e.where})" for e in found)
+                raise ConfigError(key, f"is set twice, in {places}. Section names only group keys: keep "
+                                       "one of them.")
+            values[key] = first.value
+            where[key] = first.where
 
     for key, value in cli:
         if key in loader.TOP_LEVEL_KEYS:
             continue
-        head, dot, rest = key.partition(".")
-        if head not in owners:
-            raise ConfigError(key, "(command line) " + _unknown_message(head, owners, nested))
-        where.setdefault(head, "command line")
-        if dot:
-            if head not in nested:
-                raise ConfigError(key, f"`{head}` is not a nested config; pass --{head} <value>.")
-            current = dict(values.get(head) or {})
-            current[rest] = value
-            values[head] = current
-        elif head in nested and isinstance(value, dict):
-            merged = dict(values.get(head) or {})
-            merged.update(value)
-            values[head] = merged
-        else:
-            values[head] = value
-        where[head] = "command line"
+        with problems.gather():
+            _apply_override(key, value, values, where, owners, nested)
 
     built = {}
     for attr, cls in comps.items():
-        mine = {k: v for k, v in values.items() if owners[k] == attr}
-        nested_here = {}
-        for k in list(mine):
-            if k in nested:
-                sub = mine.pop(k)
-                if sub is None:
-                    sub = {}
-                if not isinstance(sub, dict):
-                    raise _located(ConfigError(k, f"must be a mapping of {nested[k].__name__} keys, "
-                                                  f"got {sub!r}."), where)
-                nested_here[k] = _build_nested(k, nested[k], sub, owners, warn, where)
-        try:
-            component = build_dataclass(cls, mine)
-        except ConfigError as e:
-            raise _located(e, where) from None
-        for k, v in nested_here.items():
-            setattr(component, k, v)
-        built[attr] = component
+        with problems.gather(lambda e: _located(e, where)):
+            built[attr] = _build_component(cls, {k: v for k, v in values.items() if owners[k] == attr},
+                                           nested, owners, warn, where)
+    problems.raise_any()
 
     job = job_cls(**built)
     job.recipe = _recipe_of(entries, cli)
     job.explicit_keys = _changed_keys(job, values, owners)
     run_checks(job, where)
     return job
+
+
+def _apply_override(key: str, value: Any, values: dict[str, Any], where: dict[str, str],
+                    owners: dict[str, str], nested: dict[str, type]) -> None:
+    """Apply one `--key value` (or `--nested.key value`) on top of the file's values."""
+    head, dot, rest = key.partition(".")
+    if head not in owners:
+        raise ConfigError(key, "(command line) " + _unknown_message(head, owners, nested))
+    if dot:
+        if head not in nested:
+            raise ConfigError(key, f"`{head}` is not a nested config; pass --{head} <value>.")
+        current = dict(values.get(head) or {})
+        current[rest] = value
+        values[head] = current
+    elif head in nested and isinstance(value, dict):
+        merged = dict(values.get(head) or {})
+        merged.update(value)
+        values[head] = merged
+    else:
+        values[head] = value
+    where[head] = "command line"
+
+
+def _build_component(cls, mine: dict[str, Any], nested, owners, warn, where):
+    """One component dataclass from its keys' values (nested configs built first)."""
+    problems = ErrorCollector()
+    nested_here = {}
+    for k in list(mine):
+        if k in nested:
+            sub = mine.pop(k)
+            if sub is None:
+                sub = {}
+            with problems.gather():
+                if not isinstance(sub, dict):
+                    raise _located(ConfigError(k, f"must be a mapping of {nested[k].__name__} keys, "
+                                                  f"got {sub!r}."), where)
+                nested_here[k] = _build_nested(k, nested[k], sub, owners, warn, where)
+    with problems.gather(lambda e: _located(e, where)):
+        component = build_dataclass(cls, mine)
+    problems.raise_any()
+    for k, v in nested_here.items():
+        setattr(component, k, v)
+    return component
 
 
 def _changed_keys(job, values: dict[str, Any], owners: dict[str, str]) -> set[str]:
@@ -175,15 +190,18 @@ def _changed_keys(job, values: dict[str, Any], owners: dict[str, str]) -> set[st
 
 def _build_nested(key, cls, sub, owners, warn, where):
     legacy = getattr(cls, "LEGACY_NAMES", {})
+    problems = ErrorCollector()
     for name in sub:
         if name in owners and name not in field_types(cls):
-            raise _located(ConfigError(f"{key}.{name}", f"`{name}` is a top-level key, not part of "
-                                       f"`{key}`: move it out of `{key}` (set it once, beside "
-                                       f"`{key}`)."), where, key)
-    try:
-        return build_dataclass(cls, sub, prefix=f"{key}.", legacy=legacy, warn=warn)
-    except ConfigError as e:
-        raise _located(e, where, key) from None
+            with problems.gather():
+                raise _located(ConfigError(f"{key}.{name}", f"`{name}` is a top-level key, not part of "
+                                           f"`{key}`: move it out of `{key}` (set it once, beside "
+                                           f"`{key}`)."), where, key)
+    problems.raise_any()  # (each would also be reported as an unknown key below)
+    with problems.gather(lambda e: _located(e, where, key)):
+        built = build_dataclass(cls, sub, prefix=f"{key}.", legacy=legacy, warn=warn)
+    problems.raise_any()
+    return built
 
 
 def _located(err: ConfigError, where: dict[str, str], key: str | None = None) -> ConfigError:
@@ -193,20 +211,20 @@ def _located(err: ConfigError, where: dict[str, str], key: str | None = None) ->
 
 
 def run_checks(job, where: dict[str, str] | None = None) -> None:
-    """Run every component's cross-key `check(job)` (and a nested config's own `check()`)."""
+    """Run every component's cross-key `check(job)` (and a nested config's own `check()`); the
+    failures of different components are reported together."""
+    problems = ErrorCollector()
+    locate = lambda e: _located(e, where or {})  # noqa: E731
     for attr in components(type(job)):
         component = getattr(job, attr)
         for value in vars(component).values():
             if dataclasses.is_dataclass(value) and hasattr(value, "check"):
-                try:
+                with problems.gather(locate):
                     value.check(job)
-                except ConfigError as e:
-                    raise _located(e, where or {}) from None
         if hasattr(component, "check"):
-            try:
+            with problems.gather(locate):
                 component.check(job)
-            except ConfigError as e:
-                raise _located(e, where or {}) from None
+    problems.raise_any()
 
 
 def _unknown_message(key: str, owners: dict[str, str], nested: dict[str, type]) -> str:

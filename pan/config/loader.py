@@ -18,7 +18,7 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
-from pan.config.core import ConfigError, check_bounds
+from pan.config.core import ConfigError, ErrorCollector, check_bounds
 
 TOP_LEVEL_KEYS = ("recipe",)  # keys that live outside every component
 
@@ -219,13 +219,17 @@ def build_dataclass(cls, values: dict[str, Any], prefix: str = "", legacy: dict[
                      "in your config.")
             values[new] = values.pop(old)
     kwargs = {}
+    problems = ErrorCollector()
     for name, raw in values.items():
-        if name not in types_:
-            raise ConfigError(prefix + name, unknown_key_message(name, list(types_), f"{cls.__name__}"))
-        kwargs[name] = coerce(prefix + name, raw, types_[name])
+        with problems.gather():
+            if name not in types_:
+                raise ConfigError(prefix + name, unknown_key_message(name, list(types_), f"{cls.__name__}"))
+            kwargs[name] = coerce(prefix + name, raw, types_[name])
     for f in dataclasses.fields(cls):
         if f.name in kwargs:
-            check_bounds(prefix + f.name, kwargs[f.name], f.metadata)
+            with problems.gather():
+                check_bounds(prefix + f.name, kwargs[f.name], f.metadata)
+    problems.raise_any()
     return cls(**kwargs)
 
 
