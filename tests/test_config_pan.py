@@ -61,6 +61,9 @@ REJECTIONS = [
     (lambda c: edit(c, "training", "max_steps", 0), "max_steps", ">= 1"),
     (lambda c: edit(c, "data", "max_tokens_per_batch", -5), "max_tokens_per_batch", "> 0"),
     (lambda c: edit(c, "tasks", "cfg_drop_prob", 1.5), "cfg_drop_prob", "<= 1"),
+    (lambda c: edit(c, "model", "transformer_config_overrides",
+                    {**c["model"]["transformer_config_overrides"], "text_embed_dim": 128}),
+     "transformer_config_overrides.text_embed_dim", "gives 384-wide features"),
 ]
 
 

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from pan import preflight
 from pan.checkpoint import dcp as layout
-from pan.config import load_job_config
+from pan.config import ConfigError, load_job_config
 from pan.data.synth import synth_dataset
 from pan.preflight import Preflight, Row, main_check, run_preflight
 
@@ -162,8 +162,9 @@ def test_csv_without_caption_column_fails(tmp_path, data):
 # ---- encoders -----------------------------------------------------------------------------------
 
 def test_text_encoder_width_must_match_the_model(tmp_path, data):
-    got = failed(rows_of(base_args(tmp_path, data, "--transformer_config_overrides.text_embed_dim", "128")))
-    assert "text_embed_dim" in got["text encoder"] and "384-wide" in got["text encoder"]
+    # Refused when the config loads (so train.py refuses it too), before any row is checked.
+    with pytest.raises(ConfigError, match="text_embed_dim.*384-wide"):
+        load_job_config(base_args(tmp_path, data, "--transformer_config_overrides.text_embed_dim", "128"))
 
 
 def test_text_encoder_without_tokenizer_files_fails(tmp_path, data):
@@ -171,8 +172,8 @@ def test_text_encoder_without_tokenizer_files_fails(tmp_path, data):
     local = tmp_path / "encoder"
     local.mkdir()
     shutil.copy(resolve_text_encoder_path(MINILM) / "config.json", local)  # config only
-    got = failed(rows_of(base_args(tmp_path, data, "--text_encoder_path", str(local))))
-    assert "has no tokenizer files" in got["text encoder"]
+    with pytest.raises(ConfigError, match="has no tokenizer files"):
+        load_job_config(base_args(tmp_path, data, "--text_encoder_path", str(local)))
 
 
 def test_vae_channels_must_match_the_model(tmp_path, data):

