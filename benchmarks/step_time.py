@@ -8,6 +8,11 @@ Both wall time and this process's CPU time are reported: on a CPU shared with ot
 time is the trustworthy one (it counts only this benchmark's work). `--compile` adds pan with
 `compile_transformer` (torch.compile per block) to the same rounds.
 
+`*_kernel_share` is the fraction of a step's CPU time inside the dense kernels (BLAS matmuls and the
+fused attention kernels, from torch.profiler), and `speedup_bound` the ratio pan would reach against
+the reference if it spent no time outside them: the ceiling for any eager implementation that calls
+the same kernels with the same shapes.
+
     OMP_NUM_THREADS=2 python -m benchmarks.step_time [--repeats 5] [--compile] [--out benchmarks/results/step_time.json]
 """
 
@@ -84,6 +89,23 @@ def counted_step_flops(model: torch.nn.Module, loss_fn) -> int:
     return counter.get_total_flops()
 
 
+# The dense kernels both models spend their FLOPs in: BLAS matmuls and the fused attention kernels.
+KERNELS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product_flash_attention_for_cpu",
+           "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
+
+
+def kernel_share(step) -> float:
+    """Fraction of one step's CPU time spent inside KERNELS (torch.profiler, self time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    return sum(e.self_cpu_time_total for e in events if e.key in KERNELS) / total
+
+
 def training_step(model: torch.nn.Module, loss_fn):
     # Fused AdamW (one kernel over all tensors) for both models: the per-tensor loop's dispatch
     # overhead would otherwise blur the model comparison on a CPU shared with other jobs.
@@ -118,13 +140,18 @@ def main() -> None:
             compiled, compiled_loss, _ = build_pan(hidden, layers, refiner, compiled=True)
             candidates["pan_compiled"] = training_step(compiled, compiled_loss)
         times = interleaved_times(candidates, repeats=args.repeats)
+        shares = {"pan_kernel_share": kernel_share(candidates["pan"]),
+                  "hunyuan_kernel_share": kernel_share(candidates["hunyuan"])}
         row = {"hidden": hidden, "layers": layers, "refiner": refiner, "tokens": f"{SAMPLES}x1344+{CAPTION}",
                "pan_params_M": sum(p.numel() for p in pan.parameters()) / 1e6,
                "hunyuan_params_M": sum(p.numel() for p in ref.parameters()) / 1e6,
-               "pan_gflop": pan_flops / 1e9, "hunyuan_gflop": ref_flops / 1e9, "times": times}
+               "pan_gflop": pan_flops / 1e9, "hunyuan_gflop": ref_flops / 1e9, "times": times, **shares}
         for clock in ("wall", "cpu"):   # cpu = this process's CPU seconds, robust to other jobs
             pan_s, ref_s = median(times["pan"][clock]), median(times["hunyuan"][clock])
             peak = matmul_flops / median(times["matmul"][clock])
+            # If pan spent no time at all outside the dense kernels, this is the ratio it would reach.
+            bound = ref_s / (pan_s * shares["pan_kernel_share"])
+            row |= {f"speedup_bound_{clock}": bound}
             row |= {f"pan_{clock}_s": pan_s, f"hunyuan_{clock}_s": ref_s, f"speedup_{clock}": ref_s / pan_s,
                     f"peak_gflops_{clock}": peak / 1e9, f"pan_frac_peak_{clock}": pan_flops / pan_s / peak,
                     f"hunyuan_frac_peak_{clock}": ref_flops / ref_s / peak}
@@ -134,10 +161,10 @@ def main() -> None:
                         f"compiled_frac_peak_{clock}": pan_flops / compiled_s / peak}
         rows.append(row)
     print_table(rows, ["hidden", "layers", "refiner", "pan_params_M", "hunyuan_params_M", "pan_gflop",
-                       "hunyuan_gflop"])
+                       "hunyuan_gflop", "pan_kernel_share", "hunyuan_kernel_share"])
     for clock in ("wall", "cpu"):
         print(f"\n{clock} clock (median of {args.repeats} interleaved rounds):")
-        print_table(rows, ["hidden", f"pan_{clock}_s", f"hunyuan_{clock}_s", f"speedup_{clock}",
+        print_table(rows, ["hidden", f"pan_{clock}_s", f"hunyuan_{clock}_s", f"speedup_{clock}", f"speedup_bound_{clock}",
                            f"peak_gflops_{clock}", f"pan_frac_peak_{clock}", f"hunyuan_frac_peak_{clock}"]
                     + ([f"compiled_speedup_{clock}", f"compiled_frac_peak_{clock}"] if args.compile else []))
     path = write_json(args.out, {"benchmark": "step_time", "repeats": args.repeats, "rows": rows})
