@@ -259,6 +259,28 @@ def check_batch(ctx: Preflight) -> list[Row]:
     return rows
 
 
+@register_check("pan")
+def check_cpu(ctx: Preflight) -> list[Row]:
+    """Cores of this machine against what one node's processes ask for: the training threads plus
+    the decoding workers. Oversubscribed, the workers starve and the trainer waits for data
+    (measured on a 2-core machine: data wait 1.7% with 1 thread + 1 worker, 18% with 2 + 1)."""
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    workers = ctx.job.data.packed_dataloader_num_workers
+    # torchrun sets OMP_NUM_THREADS=1 for several processes per node unless it is set already.
+    threads = int(os.environ.get("OMP_NUM_THREADS", 1 if ctx.gpus_per_node > 1 else torch.get_num_threads()))
+    wanted = ctx.gpus_per_node * (threads + workers)
+    detail = (f"{ctx.gpus_per_node} process(es) per node x ({threads} training thread(s) + {workers} "
+              f"decoding worker(s)) = {wanted} busy processes/threads; {cores} cores here")
+    if workers and wanted > cores:
+        return [Row("cpu", "warn", detail + ": the decoding workers will compete with training for "
+                    "cores, and the trainer will wait for data.",
+                    f"lower OMP_NUM_THREADS or packed_dataloader_num_workers so that they fit {cores} "
+                    "cores (this counts the machine pan check runs on).")]
+    return [Row("cpu", "pass", detail + ".")]
+
+
 def _clips(found, label: str) -> str:
     return ", ".join(f"{f}x{h}x{w} -> {tok} tokens" for lab, f, h, w, tok in found if lab == label)
 

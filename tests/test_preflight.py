@@ -317,3 +317,16 @@ def test_a_recipe_registers_its_own_checks(monkeypatch):
 
     assert preflight.CHECKS == {"other_recipe": [check_something]}
     assert preflight.check_name(check_something) == "something"
+
+
+def test_cpu_check_warns_when_workers_and_threads_oversubscribe_the_cores(tmp_path, data, monkeypatch):
+    import os
+    cores = len(os.sched_getaffinity(0))
+    if cores < 2:
+        pytest.skip("needs 2 cores: one to train, one to decode")
+    monkeypatch.setenv("OMP_NUM_THREADS", str(cores))
+    rows = rows_of(base_args(tmp_path, data, "--packed_dataloader_num_workers", "1"))["cpu"]
+    assert statuses(rows) == {"warn"} and "compete with training" in rows[0].detail
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    rows = rows_of(base_args(tmp_path, data, "--packed_dataloader_num_workers", str(cores - 1)))["cpu"]
+    assert statuses(rows) == {"pass"}, rows
