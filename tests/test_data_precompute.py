@@ -134,3 +134,32 @@ def test_the_loader_and_the_trainer_read_the_precomputed_csv(precomputed, tmp_pa
     batches, _ = trainer.next_micro_batches()
     metrics = trainer.train_step(batches)
     assert metrics["finite"] and metrics["loss"] > 0
+
+
+def test_torchrun_shares_the_rows_and_writes_what_one_process_writes(dataset, precomputed, tmp_path):
+    """2 processes under torchrun: each encodes half of the missing rows; the latents, the
+    precomputed CSV and failures.csv equal the single-process run's."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "pre2"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    run = subprocess.run(["torchrun", "--standalone", "--nproc_per_node", "2", "-m", "pan.cli", "data",
+                          "precompute", "--config", str(REPO / "config/tiny_cpu.yaml"),
+                          "--video_csv_paths", str(dataset), "--output_dir", str(tmp_path / "run"),
+                          "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert f"{NUM_GOOD} latents written (by rank: 3, 3)" in run.stdout, run.stdout
+    _, single = precomputed
+    def rows(folder):  # `path` is relative to each output folder: compare where it points
+        with open(folder / "train.csv", newline="") as f:
+            return [[str((folder / r[0]).resolve()), *r[1:]] for r in csv.reader(f)][1:]
+
+    assert rows(out) == rows(single) and len(rows(out)) == NUM_GOOD
+    assert (out / "failures.csv").read_text() == (single / "failures.csv").read_text()
+    for latent in sorted((single / "train").glob("*.safetensors")):
+        a, b = load_file(latent), load_file(out / "train" / latent.name)
+        # Text features to fp32 rounding: the encoder's matmuls ran with another thread count.
+        assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-5) for k in a)

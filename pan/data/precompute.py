@@ -15,6 +15,10 @@ the run's VAE, and the caption by the run's text encoder, exactly as online trai
 Each file is written to a temporary name and renamed, and rows whose latent exists are skipped, so
 a killed precompute continues where it stopped. Image tars are not precomputed: keep them in
 `image_tar_paths` next to the precomputed CSVs and they are decoded online.
+
+Under torchrun (`torchrun --nproc_per_node 8 -m pan.cli data precompute ...`) each process encodes
+every WORLD_SIZE-th missing row on its own GPU (cuda:LOCAL_RANK); rank 0 writes the CSVs and the
+merged failures once all are done. The output is the same as one process's.
 """
 
 from __future__ import annotations
@@ -59,6 +63,30 @@ class PrecomputeReport:
     existing: int = 0                      # rows skipped because their latent was already there
     failures: list[Failure] = field(default_factory=list)
     csvs: list[Path] = field(default_factory=list)  # the precomputed CSVs written under DIR
+    written_by_rank: list[int] = field(default_factory=list)  # under torchrun: latents per process
+
+
+@dataclass(frozen=True)
+class Share:
+    """This process's share of the rows: every `world`-th missing row, starting at `rank`."""
+    rank: int = 0
+    world: int = 1
+
+    @classmethod
+    def from_env(cls) -> Share:
+        return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)))
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            torch.distributed.barrier()
+
+    def gather(self, obj) -> list:
+        """Every process's `obj`, by rank (on every process)."""
+        if self.world == 1:
+            return [obj]
+        out: list = [None] * self.world
+        torch.distributed.all_gather_object(out, obj)
+        return out
 
 
 def latent_file(source: VideoCsvSource, row: int) -> str:
@@ -129,13 +157,20 @@ def _keep(item: Loaded) -> Loaded:
     return item
 
 
+def source_rows(source: VideoCsvSource, limit: int | None) -> range:
+    return range(min(len(source), limit) if limit is not None else len(source))
+
+
+def missing_rows(source: VideoCsvSource, out_dir: Path, limit: int | None) -> list[int]:
+    return [i for i in source_rows(source, limit) if not (out_dir / latent_file(source, i)).is_file()]
+
+
 def precompute_csv(source: VideoCsvSource, reader: SampleReader, encoders: Encoders, out_dir: Path,
-                   report: PrecomputeReport, *, limit: int | None, workers: int, prefetch: int) -> None:
-    """Encode the rows of one CSV whose latents are missing, then write its precomputed CSV."""
+                   report: PrecomputeReport, *, missing: list[int], workers: int, prefetch: int,
+                   share: Share = Share()) -> None:
+    """Encode this process's share of the rows of one CSV whose latents are missing."""
     stream = f"video:{source.name}"
-    rows = range(min(len(source), limit) if limit is not None else len(source))
-    todo = [Ref(i, stream, 0, i, i) for i in rows if not (out_dir / latent_file(source, i)).is_file()]
-    report.existing += len(rows) - len(todo)
+    todo = [Ref(i, stream, 0, i, i) for i in missing[share.rank::share.world]]
     decoded = DataLoader(reader, batch_size=None, sampler=todo, collate_fn=_keep, num_workers=workers,
                          prefetch_factor=prefetch if workers else None)
     for got in tqdm(decoded, total=len(todo), desc=source.name, unit="clip", file=sys.stderr):
@@ -153,7 +188,6 @@ def precompute_csv(source: VideoCsvSource, reader: SampleReader, encoders: Encod
             continue
         save_atomic(tensors, out_dir / latent_file(source, row))
         report.written += 1
-    report.csvs.append(write_precomputed_csv(source, rows, out_dir))
 
 
 def write_precomputed_csv(source: VideoCsvSource, rows: range, out_dir: Path) -> Path:
@@ -193,8 +227,9 @@ def write_failures(failures: list[Failure], out_dir: Path) -> Path:
 
 
 def precompute(job, out_dir: str | Path, *, limit: int | None = None,
-               device: torch.device | str | None = None) -> PrecomputeReport:
-    """Encode every row of the job's video CSVs (the first `limit` rows of each) into `out_dir`."""
+               device: torch.device | str | None = None, share: Share = Share()) -> PrecomputeReport:
+    """Encode every row of the job's video CSVs (the first `limit` rows of each) into `out_dir`;
+    with several processes (`share`), each encodes its share and all get the merged report."""
     out_dir = Path(out_dir)
     sources = [read_video_csv(p) for p in job.data.video_csv_paths]
     for source in sources:
@@ -205,21 +240,43 @@ def precompute(job, out_dir: str | Path, *, limit: int | None = None,
     if len(set(names)) != len(names):
         raise PrecomputeError(f"video CSV file stems must be unique (they name the outputs): {names}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    check_settings(out_dir, settings_of(job))
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    encoders = Encoders(job, device)
+    refusal = None
+    if share.rank == 0:  # one process writes or compares the settings; all hear its verdict
+        try:
+            check_settings(out_dir, settings_of(job))
+        except PrecomputeError as e:
+            refusal = str(e)
+    refusal = share.gather(refusal)[0]
+    if refusal:
+        raise PrecomputeError(refusal)
+    if device is None:
+        device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
+    encoders = Encoders(job, torch.device(device))
     reader = SampleReader({f"video:{s.name}": s for s in sources}, None, rules_of(job.data))
-    report = PrecomputeReport()
-    for source in sources:
-        precompute_csv(source, reader, encoders, out_dir, report, limit=limit,
+    # One list of missing rows, taken by rank 0 before anyone writes, so the shares agree.
+    missing = share.gather([missing_rows(s, out_dir, limit) for s in sources] if share.rank == 0 else None)[0]
+    mine = PrecomputeReport()
+    for source, todo in zip(sources, missing):
+        precompute_csv(source, reader, encoders, out_dir, mine, missing=todo,
                        workers=job.data.packed_dataloader_num_workers,
-                       prefetch=job.data.packed_dataloader_prefetch_factor)
-    write_failures(report.failures, out_dir)
+                       prefetch=job.data.packed_dataloader_prefetch_factor, share=share)
+    everyone = share.gather(mine)
+    report = PrecomputeReport(written=sum(r.written for r in everyone),
+                              existing=sum(len(source_rows(s, limit)) - len(m) for s, m in zip(sources, missing)),
+                              failures=sorted((f for r in everyone for f in r.failures),
+                                              key=lambda f: (f.csv, f.row)),
+                              written_by_rank=[r.written for r in everyone])
+    if share.rank == 0:  # every latent is on disk now: list them
+        report.csvs = [write_precomputed_csv(s, source_rows(s, limit), out_dir) for s in sources]
+        write_failures(report.failures, out_dir)
+    share.barrier()
     return report
 
 
 def print_report(report: PrecomputeReport, out_dir: Path) -> None:
-    print(f"precompute: {report.written} latents written, {report.existing} already there, "
+    by_rank = (f" (by rank: {', '.join(map(str, report.written_by_rank))})"
+               if len(report.written_by_rank) > 1 else "")
+    print(f"precompute: {report.written} latents written{by_rank}, {report.existing} already there, "
           f"{len(report.failures)} rows failed")
     for f in report.failures:
         print(f"  failed: {f.csv} row {f.row}: {f.reason}: {f.detail}")
@@ -245,15 +302,27 @@ def main(argv: list[str] | None = None) -> int:
     from pan.cli import load_config_or_exit
 
     job = load_config_or_exit(rest)
-    if job.data.image_tar_paths:
+    share = Share.from_env()
+    if share.world > 1:  # torchrun: gloo is enough to hand round the small reports
+        torch.distributed.init_process_group("gloo")
+    try:
+        return _run(job, args, share)
+    finally:
+        if share.world > 1:
+            torch.distributed.destroy_process_group()
+
+
+def _run(job, args, share: Share) -> int:
+    if job.data.image_tar_paths and share.rank == 0:
         print("precompute: image tars are not precomputed; keep image_tar_paths in the training "
               "config and they are decoded online.", file=sys.stderr)
     try:
-        report = precompute(job, args.out, limit=args.limit, device=args.device)
+        report = precompute(job, args.out, limit=args.limit, device=args.device, share=share)
     except (PrecomputeError, SourceError) as e:
         print(f"pan data precompute: {e}", file=sys.stderr)
         return 2
-    print_report(report, Path(args.out))
+    if share.rank == 0:
+        print_report(report, Path(args.out))
     return 0 if report.written + report.existing > 0 else 1
 
 
