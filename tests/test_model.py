@@ -258,3 +258,31 @@ def test_tiny_model_overfits_one_batch():
         if losses[-1] < losses[0] / 20:
             break
     assert losses[-1] < losses[0] / 10, (len(losses), losses[0], losses[-1])
+
+
+def test_compiled_blocks_do_not_recompile_for_each_new_batch_layout():
+    """compile_transformer compiles each block; packed batches change their number of samples and
+    every sample's size each step. After the first few layouts (static, then dynamic shapes, and
+    one sample vs several) new layouts must reuse the compiled code, not recompile each step until
+    torch's recompile limit silently drops the blocks back to eager; and the results must equal
+    eager ones."""
+    from torch._dynamo.testing import CompileCounter
+
+    from pan.parallel.fsdp import transformer_blocks
+
+    torch._dynamo.reset()
+    eager = tiny_model().float()
+    compiled = tiny_model().float()
+    counter = CompileCounter()  # dynamo's guards and recompiles, without inductor's codegen time
+    for block in transformer_blocks(compiled):
+        block.compile(backend=counter)
+    frames = []
+    for step in range(12):
+        n = 1 + step % 4
+        grids = [(1 + (step + i) % 3, 2 + (step * i) % 3, 2 + i % 2) for i in range(n)]
+        x, t, text, pack = batch(eager, grids, [3 + (step + i) % 5 for i in range(n)], seed=step)
+        x, t, text = x.float(), t.float(), text.float()
+        torch.testing.assert_close(compiled(x, t, text, pack), eager(x, t, text, pack), rtol=1e-5, atol=1e-6)
+        frames.append(counter.frame_count)
+    assert frames[-1] == frames[5], frames  # the last six layouts, all new, compiled nothing
+    torch._dynamo.reset()

@@ -75,6 +75,9 @@ class InnerAttention(nn.Module):
         super().__init__()
         self.backend = backend
 
+    # Not traced by torch.compile (compile_transformer): the kernels are whole already, and the
+    # per-segment loop (or varlen's max_seqlen) would make every new batch layout a recompilation.
+    @torch.compiler.disable
     def forward(self, q: Tensor, k: Tensor, v: Tensor, segments: AttnSegments) -> Tensor:
         return attention(q, k, v, segments, self.backend)
 

@@ -9,6 +9,7 @@ tokens.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -19,30 +20,53 @@ from pan.models.packing import PackInfo
 from pan.models.rope import apply_rope
 
 
-def _segments(t: Tensor, counts: tuple[int, ...]) -> list[Tensor]:
-    return list(t.split(list(counts)))
+@dataclass(frozen=True)
+class Samples:
+    """Which sample each token row belongs to: `counts[i]` contiguous rows for sample i, and the
+    same as a per-row index (`index[r]` = sample of row r).
 
-
-def modulate(x: Tensor, shift: Tensor, one_plus_scale: Tensor, counts: tuple[int, ...] | None = None
-             ) -> Tensor:
-    """shift + x * scale with per-sample shift/scale rows [B, D] (or one row [1, D] for all tokens):
-    sample i's row applies to the next counts[i] token rows of x [N, D].
-
-    Sample by sample on views, never expanding [B, D] to [N, D]: the expansion cost a copy of every
-    modulation vector per token, and its backward a reduction, in each block.
+    Under torch.compile only `index` is kept: reading the counts (Python ints) would make the
+    compiled graph depend on each batch's layout.
     """
-    if counts is None or len(counts) == 1:
-        return torch.addcmul(shift, x, one_plus_scale)
-    return torch.cat([torch.addcmul(sh, xi, sc) for xi, sh, sc in
-                      zip(_segments(x, counts), shift.split(1), one_plus_scale.split(1))])
+    counts: tuple[int, ...]
+    index: Tensor
+
+    @classmethod
+    def of(cls, counts_fn, index: Tensor) -> Samples:
+        return cls(() if torch.compiler.is_compiling() else counts_fn(), index)
+
+    def rows(self, t: Tensor) -> list[Tensor]:
+        return list(t.split(list(self.counts)))
 
 
-def gated_residual(x: Tensor, gate: Tensor, y: Tensor, counts: tuple[int, ...] | None = None) -> Tensor:
+def _per_sample(fn, samples: Samples | None, x: Tensor, *per_sample: Tensor) -> Tensor:
+    """fn(x, *rows) where each of `per_sample` [B, D] (or [1, D]) gives every token its sample's row.
+
+    Eager: sample by sample on views, never expanding [B, D] to [N, D] (the expansion cost a copy of
+    every modulation vector per token, and its backward a reduction, in each block). Under
+    torch.compile: one gather by the row index, which the compiler fuses into `fn`; a loop over the
+    samples would make every new batch layout a recompilation.
+    """
+    if samples is None or per_sample[0].shape[0] == 1:
+        return fn(x, *per_sample)
+    if torch.compiler.is_compiling():
+        return fn(x, *(v.index_select(0, samples.index) for v in per_sample))
+    return torch.cat([fn(xi, *(v[i:i + 1] for v in per_sample)) for i, xi in enumerate(samples.rows(x))])
+
+
+def modulate(x: Tensor, shift: Tensor, one_plus_scale: Tensor, samples: Samples | None = None) -> Tensor:
+    """shift + x * scale with per-sample shift/scale rows [B, D] (or one row [1, D] for all tokens)."""
+    return _per_sample(lambda xs, sh, sc: torch.addcmul(sh, xs, sc), samples, x, shift, one_plus_scale)
+
+
+def gated_residual(x: Tensor, gate: Tensor, y: Tensor, samples: Samples | None = None) -> Tensor:
     """x + gate * y with per-sample gate rows [B, D] (or [1, D]), as in `modulate`."""
-    if counts is None or len(counts) == 1:
+    if samples is None or gate.shape[0] == 1:
         return torch.addcmul(x, gate, y)
-    return torch.cat([torch.addcmul(xi, g, yi) for xi, g, yi in
-                      zip(_segments(x, counts), gate.split(1), _segments(y, counts))])
+    if torch.compiler.is_compiling():
+        return torch.addcmul(x, gate.index_select(0, samples.index), y)
+    return torch.cat([torch.addcmul(xi, gate[i:i + 1], yi)
+                      for i, (xi, yi) in enumerate(zip(samples.rows(x), samples.rows(y)))])
 
 
 def layer_norm(x: Tensor, eps: float) -> Tensor:
@@ -192,24 +216,24 @@ class DoubleStreamBlock(nn.Module):
     def forward(self, vid: Tensor, txt: Tensor, temb_act: Tensor, rope: Tensor, pack: PackInfo
                 ) -> tuple[Tensor, Tensor]:
         # vid [Nv, D], txt [Nt, D], temb_act = SiLU(temb) [B, D], rope [Nv, d/2] complex
-        counts = pack.video_counts
+        samples = Samples.of(lambda: pack.video_counts, pack.video_sample)
         v_shift1, v_scale1, v_gate1, v_shift2, v_scale2, v_gate2 = adaln_vectors(
             self.video_mod(temb_act), 6).chunk(6, dim=-1)                                   # [B, D]
         t_shift1, t_scale1, t_gate1, t_shift2, t_scale2, t_gate2 = adaln_vectors(
             self.text_mod.reshape(1, -1), 6).chunk(6, dim=-1)                               # [1, D]
 
-        vq, vk, vv = self.video_qkv(modulate(layer_norm(vid, self.eps), v_shift1, v_scale1, counts))
+        vq, vk, vv = self.video_qkv(modulate(layer_norm(vid, self.eps), v_shift1, v_scale1, samples))
         tq, tk, tv = self.text_qkv(modulate(layer_norm(txt, self.eps), t_shift1, t_scale1))
         vq, vk = apply_rope(vq, rope), apply_rope(vk, rope)
         vq, vk, tq, tk = like_v(vv, vq, vk, tq, tk)
         out = self.inner_attention(to_joint(vq, tq, pack), to_joint(vk, tk, pack), to_joint(vv, tv, pack),
                                    pack.joint)                                            # [L, H, d]
         v_attn, t_attn = from_joint(out.flatten(1), pack)
-        vid = gated_residual(vid, v_gate1, self.video_out(v_attn), counts)
+        vid = gated_residual(vid, v_gate1, self.video_out(v_attn), samples)
         txt = torch.addcmul(txt, t_gate1, self.text_out(t_attn))
 
         vid = gated_residual(vid, v_gate2, self.video_mlp(modulate(layer_norm(vid, self.eps), v_shift2, v_scale2,
-                                                                   counts)), counts)
+                                                                   samples)), samples)
         txt = torch.addcmul(txt, t_gate2, self.text_mlp(modulate(layer_norm(txt, self.eps), t_shift2, t_scale2)))
         return vid, txt
 
@@ -237,9 +261,10 @@ class SingleStreamBlock(nn.Module):
         nv = pack.num_video_tokens
         mod = adaln_vectors(self.mod(temb_act), 3)                        # [B, 3D]
         # stream order: every sample's video rows, then every sample's text rows
-        counts = pack.video_counts + pack.text_counts
+        samples = Samples.of(lambda: pack.video_counts + pack.text_counts,
+                             torch.cat([pack.video_sample, pack.text_sample + mod.shape[0]]))
         shift, scale, gate = torch.cat([mod, mod]).chunk(3, dim=-1)        # [2B, D]
-        qkv, mlp = self.linear1(modulate(layer_norm(x, self.eps), shift, scale, counts)).split(
+        qkv, mlp = self.linear1(modulate(layer_norm(x, self.eps), shift, scale, samples)).split(
             [x.shape[-1] * 3, self.mlp_size], dim=-1)
         q, k, v = qkv.unflatten(-1, (3, self.num_heads, -1)).unbind(-3)   # [L, H, d]
         q, k = self.q_norm(q), self.k_norm(k)
@@ -250,7 +275,7 @@ class SingleStreamBlock(nn.Module):
         attn = _PermuteRows.apply(self.inner_attention(*joint, pack.joint).flatten(1),
                                   pack.stream_to_joint, pack.joint_to_stream)       # [L, D] stream order
         out = self.linear2(torch.cat([attn, F.gelu(mlp, approximate="tanh")], -1))
-        return gated_residual(x, gate, out, counts)
+        return gated_residual(x, gate, out, samples)
 
 
 class FinalLayer(nn.Module):
@@ -264,4 +289,5 @@ class FinalLayer(nn.Module):
 
     def forward(self, vid: Tensor, temb_act: Tensor, pack: PackInfo) -> Tensor:
         scale, shift = self.mod(temb_act).chunk(2, dim=-1)               # [B, D] each
-        return self.proj(modulate(layer_norm(vid, self.eps), shift, 1 + scale, pack.video_counts))
+        return self.proj(modulate(layer_norm(vid, self.eps), shift, 1 + scale,
+                                  Samples.of(lambda: pack.video_counts, pack.video_sample)))
