@@ -14,6 +14,7 @@ the reference if it spent no time outside them: the ceiling for any eager implem
 the same kernels with the same shapes.
 
     OMP_NUM_THREADS=2 python -m benchmarks.step_time [--repeats 5] [--compile] [--out benchmarks/results/step_time.json]
+    python -m benchmarks.step_time --device cuda --dtype bf16 --samples 8 --sizes 1024x8x2,2048x8x2   # a GPU
 """
 
 from __future__ import annotations
@@ -30,11 +31,19 @@ from pan.models import PackInfo, PanDiTConfig, PanVideoDiffusionTransformer, pat
 from pan.parallel.fsdp import transformer_blocks
 
 LATENT = (16, 7, 24, 32)        # [C, T, H, W] per sample -> (7, 12, 16) = 1344 tokens at patch (1, 2, 2)
-SAMPLES, CAPTION, HEAD_DIM = 2, 32, 64
-SIZES = [  # (hidden, double-stream blocks, refiner blocks)
-    (256, 4, 1),
-    (512, 6, 2),
-]
+CAPTION, HEAD_DIM = 32, 64
+SIZES = "256x4x1,512x6x2"       # hidden x double-stream blocks x refiner blocks, comma-separated
+
+
+class Setup:
+    """Where and how the step runs: set once from the command line."""
+    device = torch.device("cpu")
+    bf16 = False                 # bf16 autocast over fp32 weights (the trainer's dtype: bf16)
+    samples = 2
+
+
+def on(t: torch.Tensor) -> torch.Tensor:
+    return t.to(Setup.device)
 
 
 def build_pan(hidden: int, layers: int, refiner: int, compiled: bool = False
@@ -44,16 +53,18 @@ def build_pan(hidden: int, layers: int, refiner: int, compiled: bool = False
                        num_attention_heads=hidden // HEAD_DIM, num_layers=layers, num_single_layers=0,
                        num_refiner_layers=refiner, mlp_ratio=4.0, text_mlp_ratio=4.0,
                        refiner_mlp_ratio=4.0, text_embed_dim=hidden, rope_axes_dim=[16, 24, 24])
-    model = PanVideoDiffusionTransformer(cfg, attention_backend="sdpa")
+    # auto: one SDPA per sample on CPU, the varlen kernel for bf16 on CUDA (what training uses)
+    model = PanVideoDiffusionTransformer(cfg, attention_backend="auto").to(Setup.device)
     if compiled:  # what `compile_transformer: true` does
         for block in transformer_blocks(model):
             block.compile()
-    latents = torch.randn(SAMPLES, *LATENT)
-    x = torch.cat([patchify(z, cfg.patch_size) for z in latents])               # [2 * 1344, 64]
-    target = torch.randn(x.shape[0], c * 4)
-    text = torch.randn(SAMPLES * CAPTION, hidden)
-    sigmas = torch.rand(SAMPLES)
-    pack = PackInfo.build([(t, h // 2, w // 2)] * SAMPLES, [CAPTION] * SAMPLES)
+    n = Setup.samples
+    latents = torch.randn(n, *LATENT)
+    x = on(torch.cat([patchify(z, cfg.patch_size) for z in latents]))            # [n * 1344, 64]
+    target = on(torch.randn(x.shape[0], c * 4))
+    text = on(torch.randn(n * CAPTION, hidden))
+    sigmas = on(torch.rand(n))
+    pack = PackInfo.build([(t, h // 2, w // 2)] * n, [CAPTION] * n, device=Setup.device)
     loss_fn = lambda: F.mse_loss(model(x, sigmas, text, pack), target)  # noqa: E731
     return model, loss_fn, model.flops_per_step(pack)
 
@@ -66,13 +77,14 @@ def build_hunyuan(hidden: int, layers: int, refiner: int) -> tuple[torch.nn.Modu
         in_channels=c, out_channels=c, num_attention_heads=hidden // HEAD_DIM, attention_head_dim=HEAD_DIM,
         num_layers=layers, num_single_layers=0, num_refiner_layers=refiner, mlp_ratio=4.0, patch_size=2,
         patch_size_t=1, guidance_embeds=False, text_embed_dim=hidden, pooled_projection_dim=hidden,
-        rope_axes_dim=(16, 24, 24))
-    latents = torch.randn(SAMPLES, *LATENT)
+        rope_axes_dim=(16, 24, 24)).to(Setup.device)
+    n = Setup.samples
+    latents = on(torch.randn(n, *LATENT))
     target = torch.randn_like(latents)
-    text = torch.randn(SAMPLES, CAPTION, hidden)
-    mask = torch.ones(SAMPLES, CAPTION, dtype=torch.bool)
-    pooled = torch.randn(SAMPLES, hidden)
-    timesteps = torch.rand(SAMPLES) * 1000
+    text = on(torch.randn(n, CAPTION, hidden))
+    mask = on(torch.ones(n, CAPTION, dtype=torch.bool))
+    pooled = on(torch.randn(n, hidden))
+    timesteps = on(torch.rand(n) * 1000)
 
     def loss_fn():
         out = model(latents, timesteps, text, mask, pooled, return_dict=False)[0]
@@ -113,7 +125,9 @@ def training_step(model: torch.nn.Module, loss_fn):
 
     def step():
         opt.zero_grad(set_to_none=True)
-        loss_fn().backward()
+        with torch.autocast(Setup.device.type, dtype=torch.bfloat16, enabled=Setup.bf16):
+            loss = loss_fn()
+        loss.backward()
         opt.step()
 
     return step
@@ -126,11 +140,20 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true",
                         help="also time pan with compile_transformer (torch.compile per block; the "
                              "diffusers model stays eager, so its ratio is pan-as-configured, not equal code)")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda for the same comparison on a GPU")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                        help="bf16: autocast over fp32 weights, as the trainer's `dtype: bf16`")
+    parser.add_argument("--samples", type=int, default=2, help="clips of 1344 tokens per step")
+    parser.add_argument("--sizes", default=SIZES, help="hidden x double blocks x refiner blocks, e.g. "
+                                                      "1024x8x2,2048x8x2 on a GPU")
     args = parser.parse_args()
+    Setup.device, Setup.bf16, Setup.samples = torch.device(args.device), args.dtype == "bf16", args.samples
     torch.manual_seed(0)
-    matmul, matmul_flops = matmul_probe()
+    matmul, matmul_flops = matmul_probe(dtype=torch.bfloat16 if Setup.bf16 else torch.float32,
+                                        device=Setup.device)
+    on_cpu = Setup.device.type == "cpu"
     rows = []
-    for hidden, layers, refiner in SIZES:
+    for hidden, layers, refiner in (tuple(map(int, size.split("x"))) for size in args.sizes.split(",")):
         pan, pan_loss, pan_flops = build_pan(hidden, layers, refiner)
         ref, ref_loss, _ = build_hunyuan(hidden, layers, refiner)
         ref_flops = counted_step_flops(ref, ref_loss)
@@ -140,9 +163,11 @@ def main() -> None:
             compiled, compiled_loss, _ = build_pan(hidden, layers, refiner, compiled=True)
             candidates["pan_compiled"] = training_step(compiled, compiled_loss)
         times = interleaved_times(candidates, repeats=args.repeats)
-        shares = {"pan_kernel_share": kernel_share(candidates["pan"]),
-                  "hunyuan_kernel_share": kernel_share(candidates["hunyuan"])}
-        row = {"hidden": hidden, "layers": layers, "refiner": refiner, "tokens": f"{SAMPLES}x1344+{CAPTION}",
+        # The CPU profiler's self times are the kernels' times only when the kernels run on the CPU.
+        shares = {"pan_kernel_share": kernel_share(candidates["pan"]) if on_cpu else None,
+                  "hunyuan_kernel_share": kernel_share(candidates["hunyuan"]) if on_cpu else None}
+        row = {"hidden": hidden, "layers": layers, "refiner": refiner,
+               "tokens": f"{Setup.samples}x1344+{CAPTION}", "device": str(Setup.device), "dtype": args.dtype,
                "pan_params_M": sum(p.numel() for p in pan.parameters()) / 1e6,
                "hunyuan_params_M": sum(p.numel() for p in ref.parameters()) / 1e6,
                "pan_gflop": pan_flops / 1e9, "hunyuan_gflop": ref_flops / 1e9, "times": times, **shares}
@@ -150,8 +175,8 @@ def main() -> None:
             pan_s, ref_s = median(times["pan"][clock]), median(times["hunyuan"][clock])
             peak = matmul_flops / median(times["matmul"][clock])
             # If pan spent no time at all outside the dense kernels, this is the ratio it would reach.
-            bound = ref_s / (pan_s * shares["pan_kernel_share"])
-            row |= {f"speedup_bound_{clock}": bound}
+            if on_cpu:
+                row |= {f"speedup_bound_{clock}": ref_s / (pan_s * shares["pan_kernel_share"])}
             row |= {f"pan_{clock}_s": pan_s, f"hunyuan_{clock}_s": ref_s, f"speedup_{clock}": ref_s / pan_s,
                     f"peak_gflops_{clock}": peak / 1e9, f"pan_frac_peak_{clock}": pan_flops / pan_s / peak,
                     f"hunyuan_frac_peak_{clock}": ref_flops / ref_s / peak}
@@ -162,7 +187,7 @@ def main() -> None:
         rows.append(row)
     print_table(rows, ["hidden", "layers", "refiner", "pan_params_M", "hunyuan_params_M", "pan_gflop",
                        "hunyuan_gflop", "pan_kernel_share", "hunyuan_kernel_share"])
-    for clock in ("wall", "cpu"):
+    for clock in ("wall", "cpu") if on_cpu else ("wall",):
         print(f"\n{clock} clock (median of {args.repeats} interleaved rounds):")
         print_table(rows, ["hidden", f"pan_{clock}_s", f"hunyuan_{clock}_s", f"speedup_{clock}", f"speedup_bound_{clock}",
                            f"peak_gflops_{clock}", f"pan_frac_peak_{clock}", f"hunyuan_frac_peak_{clock}"]
