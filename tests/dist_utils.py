@@ -33,11 +33,15 @@ def _worker(rank: int, fn, world_size: int, local_world_size: int, port: int, ar
                       LOCAL_RANK=str(rank % local_world_size), LOCAL_WORLD_SIZE=str(local_world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # the test machine has 2 cores for all ranks
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    # A file store, not a TCP store served by rank 0: a rank that finishes first and exits must not
+    # take the store away from ranks still tearing their groups down (seen once as a SIGABRT,
+    # "terminate called without an active exception", in a rank that outlived rank 0).
+    dist.init_process_group("gloo", init_method=f"file://{Path(out_dir) / 'store'}", rank=rank,
                             world_size=world_size)
     try:
         result = fn(*args)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+        dist.barrier()  # every rank is done with every collective before any group goes away
     except BaseException:
         (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
         raise

@@ -25,8 +25,11 @@ class Samples:
     """Which sample each token row belongs to: `counts[i]` contiguous rows for sample i, and the
     same as a per-row index (`index[r]` = sample of row r).
 
-    Under torch.compile only `index` is kept: reading the counts (Python ints) would make the
-    compiled graph depend on each batch's layout.
+    Per-sample vectors [B, D] reach the tokens through it. Eager: sample by sample on views, never
+    expanding [B, D] to [N, D] (the expansion cost a copy of every modulation vector per token, and
+    its backward a reduction, in each block). Under torch.compile: one gather by `index`, which the
+    compiler fuses into the op; the counts (Python ints) are not even read, since a graph that
+    depends on them would be recompiled for every new batch layout.
     """
     counts: tuple[int, ...]
     index: Tensor
@@ -39,24 +42,15 @@ class Samples:
         return list(t.split(list(self.counts)))
 
 
-def _per_sample(fn, samples: Samples | None, x: Tensor, *per_sample: Tensor) -> Tensor:
-    """fn(x, *rows) where each of `per_sample` [B, D] (or [1, D]) gives every token its sample's row.
-
-    Eager: sample by sample on views, never expanding [B, D] to [N, D] (the expansion cost a copy of
-    every modulation vector per token, and its backward a reduction, in each block). Under
-    torch.compile: one gather by the row index, which the compiler fuses into `fn`; a loop over the
-    samples would make every new batch layout a recompilation.
-    """
-    if samples is None or per_sample[0].shape[0] == 1:
-        return fn(x, *per_sample)
-    if torch.compiler.is_compiling():
-        return fn(x, *(v.index_select(0, samples.index) for v in per_sample))
-    return torch.cat([fn(xi, *(v[i:i + 1] for v in per_sample)) for i, xi in enumerate(samples.rows(x))])
-
-
 def modulate(x: Tensor, shift: Tensor, one_plus_scale: Tensor, samples: Samples | None = None) -> Tensor:
     """shift + x * scale with per-sample shift/scale rows [B, D] (or one row [1, D] for all tokens)."""
-    return _per_sample(lambda xs, sh, sc: torch.addcmul(sh, xs, sc), samples, x, shift, one_plus_scale)
+    if samples is None or shift.shape[0] == 1:
+        return torch.addcmul(shift, x, one_plus_scale)
+    if torch.compiler.is_compiling():
+        return torch.addcmul(shift.index_select(0, samples.index), x,
+                             one_plus_scale.index_select(0, samples.index))
+    return torch.cat([torch.addcmul(shift[i:i + 1], xi, one_plus_scale[i:i + 1])
+                      for i, xi in enumerate(samples.rows(x))])
 
 
 def gated_residual(x: Tensor, gate: Tensor, y: Tensor, samples: Samples | None = None) -> Tensor:
