@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 import yaml
 from PIL import Image, ImageDraw
 

@@ -1,7 +1,6 @@
 """The training loop and the Pan task in one process: learning, accumulation, skips, conditioning."""
 
 import importlib.util
-import math
 import random
 from pathlib import Path
 
@@ -9,7 +8,6 @@ import pytest
 import torch
 
 from pan.config import load_job_config
-from pan.models.packing import patchify
 from pan.recipes.pan import PanTask, condition_frames, model_input_latent
 from pan.trainer import NonFiniteLossError, build_trainer
 
@@ -58,8 +56,6 @@ def test_accumulation_equals_one_big_batch(tmp_path):
         if job.trainer.gradient_accumulation_steps == 2:
             batches = [trainer.task.prepare(r) for r in raw]
         else:
-            merged = type(raw[0])(samples=raw[0].samples + raw[1].samples, tokens=640,
-                                  token_budget=640, skipped={})
             # draw timesteps/noise in the same order as the two micro-batches did
             trainer.task.generator.set_state(rng_state)
             batches = [prepare_like_two(trainer.task, raw)]

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 

@@ -19,7 +19,6 @@ import math
 import warnings
 from typing import TYPE_CHECKING
 
-import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 if TYPE_CHECKING:

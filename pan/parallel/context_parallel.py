@@ -115,7 +115,6 @@ class UlyssesAttention(nn.Module):
         if heads % n:
             raise ValueError(f"{heads} attention heads cannot be split over {n} context-parallel ranks.")
         layout = self.layouts.get(segments)
-        total = sum(layout.counts)
 
         # [3, L_r, H, d] -> [N, 3, L_r, H/N, d]: block g goes to rank g (its head group).
         qkv = torch.stack([q, k, v]).unflatten(2, (n, heads // n)).permute(2, 0, 1, 3, 4)
