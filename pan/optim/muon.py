@@ -112,7 +112,9 @@ class ShardedOrthogonaliser:
     Here the matrices are taken N at a time; each is sent, shard by shard, to one owner rank (one
     all-to-all), the owner orthogonalises it whole, and a second all-to-all hands every rank its
     rows of each result. Each rank computes 1/N of the matrices and moves about the same bytes as
-    the all-gather it replaces, and the result is the same as the unsharded step to the bit.
+    the all-gather it replaces, and the result is the same as the unsharded step to the bit. Under
+    HSDP (R replicas of the shard group) the replicas take different matrices, R x N at a time,
+    and all-gather their rows of the results over the replica group: 1/(R N) of the work each.
     """
 
     def __init__(self, mesh, shard_dim: int):
@@ -120,11 +122,39 @@ class ShardedOrthogonaliser:
         self.group = mesh.get_group(shard_dim)
         self.ranks = mesh.size(shard_dim)
         self.me = mesh.get_local_rank(shard_dim)
+        # HSDP: the replicas (one more mesh dim) take different matrices and swap the results.
+        replicate = [d for d in range(mesh.ndim) if d != shard_dim]
+        self.replica_group = mesh.get_group(replicate[0]) if len(replicate) == 1 else None
+        self.replicas = mesh.size(replicate[0]) if self.replica_group is not None else 1
+        self.replica = mesh.get_local_rank(replicate[0]) if self.replica_group is not None else 0
 
     def __call__(self, updates: list[DTensor], orthogonalise) -> list[DTensor]:
         out = []
-        for start in range(0, len(updates), self.ranks):
-            out += self._round(updates[start:start + self.ranks], orthogonalise[start:start + self.ranks])
+        per_round = self.ranks * self.replicas
+        for start in range(0, len(updates), per_round):
+            batch = updates[start:start + per_round]
+            # Replica r orthogonalises matrices [r * ranks, (r + 1) * ranks) of the batch.
+            first = start + self.replica * self.ranks
+            mine = updates[first:min(first + self.ranks, start + len(batch))]
+            done = self._round(mine, orthogonalise[first:first + len(mine)]) if mine else []
+            out += self._from_every_replica(batch, done) if self.replicas > 1 else done
+        return out
+
+    def _from_every_replica(self, batch: list[DTensor], done: list[DTensor]) -> list[DTensor]:
+        """This rank's shards of every matrix of `batch`, given its shards of its own replica's
+        share (`done`): one all-gather over the replicas (padded to the largest share)."""
+        shares = [batch[r * self.ranks:(r + 1) * self.ranks] for r in range(self.replicas)]
+        sizes = [sum(u.to_local().numel() for u in share) for share in shares]
+        flat = torch.cat([d.to_local().reshape(-1) for d in done]) if done else batch[0].to_local().new_empty(0)
+        padded = flat.new_zeros(max(sizes))
+        padded[:flat.numel()] = flat
+        gathered = [torch.empty_like(padded) for _ in range(self.replicas)]
+        dist.all_gather(gathered, padded, group=self.replica_group)
+        out = []
+        for share, size, buffer in zip(shares, sizes, gathered):
+            pieces = buffer[:size].split([u.to_local().numel() for u in share])
+            out += [DTensor.from_local(piece.view(u.to_local().shape), u.device_mesh, u.placements,
+                                       shape=u.shape, stride=u.stride()) for u, piece in zip(share, pieces)]
         return out
 
     def _round(self, updates: list[DTensor], orthogonalise) -> list[DTensor]:
