@@ -61,7 +61,7 @@ def _sharded_run(mesh_shape: tuple[int, ...]) -> dict:
             "sharded_calls": len(calls), "rank": dist.get_rank()}
 
 
-@pytest.mark.parametrize("mesh_shape", [(2,), (4,), (2, 2)], ids=["fsdp2", "fsdp4", "hsdp2x2"])
+@pytest.mark.parametrize("mesh_shape", [(2,), (4,), (2, 2), (2, 1)], ids=["fsdp2", "fsdp4", "hsdp2x2", "ddp2"])
 def test_sharded_muon_splits_the_work_and_equals_the_unsharded_step(mesh_shape):
     world = 1
     for n in mesh_shape:

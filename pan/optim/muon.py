@@ -115,6 +115,7 @@ class ShardedOrthogonaliser:
     the all-gather it replaces, and the result is the same as the unsharded step to the bit. Under
     HSDP (R replicas of the shard group) the replicas take different matrices, R x N at a time,
     and all-gather their rows of the results over the replica group: 1/(R N) of the work each.
+    DDP is HSDP with shards of one rank: each rank orthogonalises whole matrices it already holds.
     """
 
     def __init__(self, mesh, shard_dim: int):
@@ -194,7 +195,7 @@ def orthogonal_updates(updates: list[Tensor], groups: list[dict]) -> list[Tensor
     batches: dict[tuple, list[int]] = {}
     for i, (u, g) in enumerate(zip(updates, groups)):
         shard_dim = _row_shard_dim(u) if isinstance(u, DTensor) and dist.is_initialized() else None
-        if shard_dim is None or u.device_mesh.size(shard_dim) == 1:
+        if shard_dim is None:
             out[i] = orthogonal_update(u, g["row_splits"], g["ns_steps"], g["ns_coefficients"], g["eps"],
                                        g["ns_dtype"])
         else:
