@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import shutil
 import sys
 import tempfile
@@ -264,8 +265,6 @@ def check_cpu(ctx: Preflight) -> list[Row]:
     """Cores of this machine against what one node's processes ask for: the training threads plus
     the decoding workers. Oversubscribed, the workers starve and the trainer waits for data
     (measured on a 2-core machine: data wait 1.7% with 1 thread + 1 worker, 18% with 2 + 1)."""
-    import os
-
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = ctx.job.data.packed_dataloader_num_workers
     # torchrun sets OMP_NUM_THREADS=1 for several processes per node unless it is set already.

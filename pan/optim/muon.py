@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -73,10 +74,9 @@ def scaled_orthogonal(m: Tensor, row_splits: tuple[int, ...] | None, steps: int,
                       for b in blocks])
 
 
-def orthogonal_update(update: Tensor, row_splits: tuple[int, ...] | None, steps: int,
-                      coefficients: tuple[float, float, float], eps: float,
-                      dtype: torch.dtype | None) -> Tensor:
-    """`scaled_orthogonal`, also when `update` is a sharded DTensor of any layout.
+def orthogonal_update(update: Tensor, orthogonalise: Callable[[Tensor], Tensor]) -> Tensor:
+    """`orthogonalise` (a whole-matrix `scaled_orthogonal`), also when `update` is a sharded DTensor
+    of any layout.
 
     The iteration mixes all rows, so a shard cannot be orthogonalised alone: gather the full matrix
     once, orthogonalise it (every rank computes the same result), and keep this rank's shard, so the
@@ -84,8 +84,8 @@ def orthogonal_update(update: Tensor, row_splits: tuple[int, ...] | None, steps:
     for the usual row-sharded layouts.
     """
     if not isinstance(update, DTensor):
-        return scaled_orthogonal(update, row_splits, steps, coefficients, eps, dtype)
-    full = scaled_orthogonal(update.full_tensor(), row_splits, steps, coefficients, eps, dtype)
+        return orthogonalise(update)
+    full = orthogonalise(update.full_tensor())
     # src_data_rank=None: every rank holds the same `full`, so each slices its own shard locally.
     return distribute_tensor(full, update.device_mesh, update.placements, src_data_rank=None)
 
@@ -119,7 +119,6 @@ class ShardedOrthogonaliser:
     """
 
     def __init__(self, mesh, shard_dim: int):
-        self.mesh, self.shard_dim = mesh, shard_dim
         self.group = mesh.get_group(shard_dim)
         self.ranks = mesh.size(shard_dim)
         self.me = mesh.get_local_rank(shard_dim)
@@ -188,24 +187,27 @@ class ShardedOrthogonaliser:
         return list(out.split(recv_sizes))
 
 
+def _newton_schulz_of(group: dict) -> Callable[[Tensor], Tensor]:
+    """A param group's Newton-Schulz settings as one whole-matrix function."""
+    return functools.partial(scaled_orthogonal, row_splits=group["row_splits"], steps=group["ns_steps"],
+                             coefficients=group["ns_coefficients"], eps=group["eps"], dtype=group["ns_dtype"])
+
+
 def orthogonal_updates(updates: list[Tensor], groups: list[dict]) -> list[Tensor]:
     """Muon's direction for each update (its param group gives the Newton-Schulz settings); row-
     sharded DTensors of one mesh and dtype go through one ShardedOrthogonaliser."""
+    fns = [_newton_schulz_of(g) for g in groups]
     out: list[Tensor | None] = [None] * len(updates)
     batches: dict[tuple, list[int]] = {}
-    for i, (u, g) in enumerate(zip(updates, groups)):
+    for i, u in enumerate(updates):
         shard_dim = _row_shard_dim(u) if isinstance(u, DTensor) and dist.is_initialized() else None
         if shard_dim is None:
-            out[i] = orthogonal_update(u, g["row_splits"], g["ns_steps"], g["ns_coefficients"], g["eps"],
-                                       g["ns_dtype"])
+            out[i] = orthogonal_update(u, fns[i])
         else:
             batches.setdefault((id(u.device_mesh), shard_dim, u.dtype), []).append(i)
     for (_, shard_dim, _), idx in batches.items():
-        mesh = updates[idx[0]].device_mesh
-        fns = [functools.partial(scaled_orthogonal, row_splits=groups[i]["row_splits"],
-                                 steps=groups[i]["ns_steps"], coefficients=groups[i]["ns_coefficients"],
-                                 eps=groups[i]["eps"], dtype=groups[i]["ns_dtype"]) for i in idx]
-        for i, result in zip(idx, ShardedOrthogonaliser(mesh, shard_dim)([updates[i] for i in idx], fns)):
+        sharded = ShardedOrthogonaliser(updates[idx[0]].device_mesh, shard_dim)
+        for i, result in zip(idx, sharded([updates[i] for i in idx], [fns[i] for i in idx])):
             out[i] = result
     return out
 
