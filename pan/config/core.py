@@ -58,6 +58,9 @@ class ErrorCollector:
     def __init__(self):
         self.errors: list[ConfigError] = []
 
+    def add(self, error: ConfigError) -> None:
+        self.errors.append(error)
+
     @contextmanager
     def gather(self, locate: Callable[[ConfigError], ConfigError] = lambda e: e):
         try:

@@ -100,15 +100,15 @@ def build_job(job_cls, entries: dict[str, list[Entry]], cli: list[tuple[str, Any
         if key in loader.TOP_LEVEL_KEYS:
             continue
         first = found[0]
-        with problems.gather():
-            if key not in owners:
-                err = ConfigError(key, _unknown_message(key, owners, nested))
-                err.location = first.where
-                raise err
-            if len(found) > 1:
-                places = " and ".join(f"section `{e.section or '(top level)'}` ({e.where})" for e in found)
-                raise ConfigError(key, f"is set twice, in {places}. Section names only group keys: keep "
-                                       "one of them.")
+        if key not in owners:
+            err = ConfigError(key, _unknown_message(key, owners, nested))
+            err.location = first.where
+            problems.add(err)
+        elif len(found) > 1:
+            places = " and ".join(f"section `{e.section or '(top level)'}` ({e.where})" for e in found)
+            problems.add(ConfigError(key, f"is set twice, in {places}. Section names only group keys: "
+                                          "keep one of them."))
+        else:
             values[key] = first.value
             where[key] = first.where
 
@@ -162,10 +162,11 @@ def _build_component(cls, mine: dict[str, Any], nested, owners, warn, where):
             sub = mine.pop(k)
             if sub is None:
                 sub = {}
+            if not isinstance(sub, dict):
+                problems.add(_located(ConfigError(k, f"must be a mapping of {nested[k].__name__} keys, "
+                                                     f"got {sub!r}."), where))
+                continue
             with problems.gather():
-                if not isinstance(sub, dict):
-                    raise _located(ConfigError(k, f"must be a mapping of {nested[k].__name__} keys, "
-                                                  f"got {sub!r}."), where)
                 nested_here[k] = _build_nested(k, nested[k], sub, owners, warn, where)
     with problems.gather(lambda e: _located(e, where)):
         component = build_dataclass(cls, mine)
@@ -193,10 +194,9 @@ def _build_nested(key, cls, sub, owners, warn, where):
     problems = ErrorCollector()
     for name in sub:
         if name in owners and name not in field_types(cls):
-            with problems.gather():
-                raise _located(ConfigError(f"{key}.{name}", f"`{name}` is a top-level key, not part of "
-                                           f"`{key}`: move it out of `{key}` (set it once, beside "
-                                           f"`{key}`)."), where, key)
+            problems.add(_located(ConfigError(f"{key}.{name}", f"`{name}` is a top-level key, not part "
+                                              f"of `{key}`: move it out of `{key}` (set it once, beside "
+                                              f"`{key}`)."), where, key))
     problems.raise_any()  # (each would also be reported as an unknown key below)
     with problems.gather(lambda e: _located(e, where, key)):
         built = build_dataclass(cls, sub, prefix=f"{key}.", legacy=legacy, warn=warn)
