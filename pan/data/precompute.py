@@ -80,6 +80,14 @@ class Share:
         if self.world > 1:
             torch.distributed.barrier()
 
+    def from_rank0(self, obj):
+        """Rank 0's `obj`, on every process (the others pass anything)."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
     def gather(self, obj) -> list:
         """Every process's `obj`, by rank (on every process)."""
         if self.world == 1:
@@ -246,7 +254,7 @@ def precompute(job, out_dir: str | Path, *, limit: int | None = None,
             check_settings(out_dir, settings_of(job))
         except PrecomputeError as e:
             refusal = str(e)
-    refusal = share.gather(refusal)[0]
+    refusal = share.from_rank0(refusal)
     if refusal:
         raise PrecomputeError(refusal)
     if device is None:
@@ -254,7 +262,7 @@ def precompute(job, out_dir: str | Path, *, limit: int | None = None,
     encoders = Encoders(job, torch.device(device))
     reader = SampleReader({f"video:{s.name}": s for s in sources}, None, rules_of(job.data))
     # One list of missing rows, taken by rank 0 before anyone writes, so the shares agree.
-    missing = share.gather([missing_rows(s, out_dir, limit) for s in sources] if share.rank == 0 else None)[0]
+    missing = share.from_rank0([missing_rows(s, out_dir, limit) for s in sources] if share.rank == 0 else None)
     mine = PrecomputeReport()
     for source, todo in zip(sources, missing):
         precompute_csv(source, reader, encoders, out_dir, mine, missing=todo,
