@@ -3,6 +3,7 @@
 import sys
 
 from pan.cli import cmd_train
+from pan.parallel.world import exit_process
 
 if __name__ == "__main__":
-    sys.exit(cmd_train(sys.argv[1:]))
+    exit_process(cmd_train(sys.argv[1:]))

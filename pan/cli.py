@@ -93,5 +93,14 @@ def main(argv: list[str] | None = None) -> int:
     return fn(argv[1:]) or 0
 
 
+def run() -> None:
+    """The `pan` console script: `main`, then an exit that stays safe after a process group ran."""
+    code = main()
+    world = sys.modules.get("pan.parallel.world")  # loaded only by commands that can start one
+    if world is not None:
+        world.exit_process(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import tempfile
 import traceback
 from pathlib import Path
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
 
 
 def free_port() -> int:
@@ -34,19 +36,24 @@ def _worker(rank: int, fn, world_size: int, local_world_size: int, port: int, ar
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # the test machine has 2 cores for all ranks
     # A file store, not a TCP store served by rank 0: a rank that finishes first and exits must not
-    # take the store away from ranks still tearing their groups down (seen once as a SIGABRT,
-    # "terminate called without an active exception", in a rank that outlived rank 0).
+    # take the store away from ranks still tearing their groups down.
     dist.init_process_group("gloo", init_method=f"file://{Path(out_dir) / 'store'}", rank=rank,
                             world_size=world_size)
+    code = 0
     try:
         result = fn(*args)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
         dist.barrier()  # every rank is done with every collective before any group goes away
     except BaseException:
         (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
+        code = 1
     finally:
         dist.destroy_process_group()
+    # Skip the interpreter's teardown, as pan's entry points do (pan.parallel.world.exit_process):
+    # a gloo worker thread still freeing a finished collective's tensors aborts the process there.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run_distributed(fn, world_size: int, args: tuple = (), local_world_size: int | None = None
@@ -57,7 +64,7 @@ def run_distributed(fn, world_size: int, args: tuple = (), local_world_size: int
             mp.start_processes(_worker, args=(fn, world_size, local_world_size or world_size,
                                               free_port(), args, out_dir),
                                nprocs=world_size, start_method="spawn")
-        except mp.ProcessRaisedException as e:
+        except ProcessException as e:
             errors = sorted(Path(out_dir).glob("rank*.err"))
             detail = "\n".join(f"--- {p.stem}:\n{p.read_text()}" for p in errors)
             raise RuntimeError(f"a distributed worker failed:\n{detail or e}") from None

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
+from dist_utils import run_distributed
 from pan.config.core import ConfigError
 from pan.optim import (EMA, Muon, OptimConfig, build_optimizer, build_scheduler, lr_at,
                        newton_schulz)
@@ -383,57 +383,47 @@ def test_good_optim_keys_are_accepted(kwargs):
 # --- FSDP2: a sharded Muon step equals the unsharded one -----------------------------------------
 
 
-def _fsdp_worker(rank: int, world: int, init_file: str, results: str) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+def _fsdp_sharded_vs_unsharded_errors() -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
 
-        cfg = OptimConfig(learning_rate=1e-2, weight_decay=0.1, ema_decay=0.5, max_grad_norm=0.5)
-        torch.manual_seed(0)
-        reference = StandIn(d=8)
-        sharded = StandIn(d=8)
-        sharded.load_state_dict(reference.state_dict())
-        initial = {n: p.detach().clone() for n, p in reference.named_parameters()}
-        mesh = init_device_mesh("cpu", (world,))
-        for block in sharded.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(sharded, mesh=mesh)
+    cfg = OptimConfig(learning_rate=1e-2, weight_decay=0.1, ema_decay=0.5, max_grad_norm=0.5)
+    torch.manual_seed(0)
+    reference = StandIn(d=8)
+    sharded = StandIn(d=8)
+    sharded.load_state_dict(reference.state_dict())
+    initial = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in sharded.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
 
-        outcomes = []
-        for model in (reference, sharded):
-            opts, _ = build_optimizer(model, cfg)
-            ema = EMA(model, cfg.ema_decay)
-            norms = []
-            g = torch.Generator().manual_seed(0)  # same data on both ranks: averaged grads unchanged
-            for _ in range(3):
-                (model(torch.randn(5, 12, generator=g)) ** 2).mean().backward()
-                norms.append(clip_grad_norm(model, cfg.max_grad_norm))
-                opts.step()
-                opts.zero_grad()
-                ema.update()
-            full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
-            weights = {n: full(p.detach()).clone() for n, p in model.named_parameters()}
-            shadows = {n: full(t).clone() for n, t in ema.state_dict().items()}
-            outcomes.append((weights, shadows, norms))
-        (ref_w, ref_e, ref_n), (sh_w, sh_e, sh_n) = outcomes
-        assert any(type(p).__name__ == "DTensor" for p in sharded.parameters())
-        errors = {"norm": max(abs(a - b) for a, b in zip(ref_n, sh_n)),
-                  "weights": max((ref_w[n] - sh_w[n]).abs().max().item() for n in ref_w),
-                  "ema": max((ref_e[n] - sh_e[n]).abs().max().item() for n in ref_e),
-                  "moved": min((ref_w[n] - initial[n]).abs().max().item() for n in ref_w)}
-        if rank == 0:
-            torch.save(errors, results)
-    finally:
-        dist.destroy_process_group()
+    outcomes = []
+    for model in (reference, sharded):
+        opts, _ = build_optimizer(model, cfg)
+        ema = EMA(model, cfg.ema_decay)
+        norms = []
+        g = torch.Generator().manual_seed(0)  # same data on both ranks: averaged grads unchanged
+        for _ in range(3):
+            (model(torch.randn(5, 12, generator=g)) ** 2).mean().backward()
+            norms.append(clip_grad_norm(model, cfg.max_grad_norm))
+            opts.step()
+            opts.zero_grad()
+            ema.update()
+        full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
+        weights = {n: full(p.detach()).clone() for n, p in model.named_parameters()}
+        shadows = {n: full(t).clone() for n, t in ema.state_dict().items()}
+        outcomes.append((weights, shadows, norms))
+    (ref_w, ref_e, ref_n), (sh_w, sh_e, sh_n) = outcomes
+    assert any(type(p).__name__ == "DTensor" for p in sharded.parameters())
+    return {"norm": max(abs(a - b) for a, b in zip(ref_n, sh_n)),
+              "weights": max((ref_w[n] - sh_w[n]).abs().max().item() for n in ref_w),
+              "ema": max((ref_e[n] - sh_e[n]).abs().max().item() for n in ref_e),
+              "moved": min((ref_w[n] - initial[n]).abs().max().item() for n in ref_w)}
 
 
-def test_fsdp2_sharded_muon_adamw_clip_and_ema_equal_unsharded(tmp_path):
-    results = str(tmp_path / "errors.pt")
-    mp.spawn(_fsdp_worker, args=(2, str(tmp_path / "pg_init"), results), nprocs=2, join=True)
-    errors = torch.load(results)
+def test_fsdp2_sharded_muon_adamw_clip_and_ema_equal_unsharded():
+    errors = run_distributed(_fsdp_sharded_vs_unsharded_errors, world_size=2)[0]
     assert errors["norm"] < 1e-5
     assert errors["weights"] < 1e-5
     assert errors["ema"] < 1e-5

@@ -39,6 +39,7 @@ from tqdm import tqdm
 
 from pan.data.loader import Loaded, Ref, SampleReader, rules_of
 from pan.data.sources import SourceError, VideoCsvSource, read_video_csv
+from pan.parallel.world import start_process_group
 
 LATENT_COLUMN = "latent_path"
 FAILURE_COLUMNS = ("csv", "row", "reason", "detail")
@@ -312,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     job = load_config_or_exit(rest)
     share = Share.from_env()
     if share.world > 1:  # torchrun: gloo is enough to hand round the small reports
-        torch.distributed.init_process_group("gloo")
+        start_process_group("gloo")
     try:
         return _run(job, args, share)
     finally:
