@@ -179,16 +179,11 @@ class ShardedOrthogonaliser:
                                    shape=u.shape, stride=u.stride()) for j, u in enumerate(updates)]
 
     def _exchange(self, send: list[Tensor], recv_sizes: list[int]) -> list[Tensor]:
-        """all-to-all: send[i] goes to rank i; returns the pieces received, by sender.
-
-        Every piece carries one extra element: gloo's all-to-all with an empty piece (a rank that
-        owns no matrix this round) aborted the process now and then (about 1 run in 10 here).
-        """
-        inp = torch.cat([x for t in send for x in (t, t.new_zeros(1))])
-        out = inp.new_empty(sum(recv_sizes) + len(recv_sizes))
-        dist.all_to_all_single(out, inp, output_split_sizes=[n + 1 for n in recv_sizes],
-                               input_split_sizes=[t.numel() + 1 for t in send], group=self.group)
-        return [piece[:-1] for piece in out.split([n + 1 for n in recv_sizes])]
+        """all-to-all: send[i] goes to rank i; returns the pieces received, by sender."""
+        out = send[0].new_empty(sum(recv_sizes))
+        dist.all_to_all_single(out, torch.cat(send), output_split_sizes=recv_sizes,
+                               input_split_sizes=[t.numel() for t in send], group=self.group)
+        return list(out.split(recv_sizes))
 
 
 def _newton_schulz_of(group: dict) -> Callable[[Tensor], Tensor]:
