@@ -1,6 +1,6 @@
 """Checkpoint save and load throughput against the disk's own sequential write and read speed.
 
-    python benchmarks/checkpoint_io.py [--size-mb 400] [--repeats 3] [--dir /some/disk] [--out result.json]
+    python -m benchmarks.checkpoint_io [--size-mb 400] [--repeats 3] [--dir /some/disk] [--out benchmarks/results/checkpoint_io.json]
 
 One process, a model of `--size-mb` MB of fp32 weights with AdamW state (so a checkpoint is about 3x
 that). Each repeat, side by side in one run:
@@ -17,7 +17,6 @@ likely served from memory, the load ratio then compares software overhead, and t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -29,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from benchmarks.common import write_json
 from pan.checkpoint.dcp import folder_size
 from pan.checkpoint.manager import CheckpointConfig, Checkpointer
 from pan.parallel.dims import ParallelConfig, ParallelDims
@@ -114,7 +114,7 @@ def main() -> None:
     parser.add_argument("--size-mb", type=int, default=400, help="model weights in MB (fp32)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
-    parser.add_argument("--out", default="checkpoint_io.json")
+    parser.add_argument("--out", default="benchmarks/results/checkpoint_io.json")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -135,8 +135,8 @@ def main() -> None:
     dropped = all(r["cache_dropped"] for r in runs)
     print("(disk: one file of the same size, 8 MiB blocks, fsync after writing; page cache "
           + ("dropped before every read)" if dropped else "NOT dropped: reads may come from memory)"))
-    Path(args.out).write_text(json.dumps({"size_mb": args.size_mb, "repeats": runs, "median": median},
-                                         indent=1) + "\n")
+    write_json(args.out, {"benchmark": "checkpoint_io", "size_mb": args.size_mb, "repeats": runs,
+                          "median": median})
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Ulysses context-parallel overhead: step time for cp = 1, 2, 4 at equal global work, and the bytes
 the all-to-alls move per step against the analytic count.
 
-    python benchmarks/cp_overhead.py [--cp 1 2 4] [--steps 3] [--out cp_overhead.json]
+    python -m benchmarks.cp_overhead [--cp 1 2 4] [--steps 3] [--out benchmarks/results/cp_overhead.json]
 
 Each cp size runs as its own gloo process group on this machine (FSDP over the cp ranks, fp32, one
 thread per rank), on the same packed batch. Two measures per step, as ratios to cp = 1 from the same
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import socket
 import statistics
@@ -32,6 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks.common import write_json
 from pan.models.packing import PackInfo
 from pan.models.pan_dit import PanDiTConfig, PanVideoDiffusionTransformer
 from pan.parallel.context_parallel import ContextParallel
@@ -149,7 +149,7 @@ def main() -> None:
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    parser.add_argument("--out", default="cp_overhead.json")
+    parser.add_argument("--out", default="benchmarks/results/cp_overhead.json")
     args = parser.parse_args()
     cores = os.cpu_count() or 1
     rows = [measure(cp, args.threads, args.steps) for cp in args.cp]
@@ -167,9 +167,9 @@ def main() -> None:
               f"{r['cpu_s_all_ranks']:>7.3f} {r['cpu_vs_first']:>6.2f} "
               f"{r['all_to_all_calls_per_rank']:>9} {r['all_to_all_bytes'] / 1e6:>9.2f} "
               f"{r['analytic_bytes'] / 1e6:>11.2f} {ratio:>9.3f}")
-    Path(args.out).write_text(json.dumps({"cores": cores, "grids": GRIDS, "text_lens": TEXT_LENS,
-                                          "hidden_size": ARCH.hidden_size, "rows": rows}, indent=2))
-    print(f"wrote {args.out}")
+    path = write_json(args.out, {"benchmark": "cp_overhead", "cores": cores, "grids": GRIDS,
+                                 "text_lens": TEXT_LENS, "hidden_size": ARCH.hidden_size, "rows": rows})
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -288,8 +288,6 @@ def logged_steps(job_log: str) -> list[int]:
     return [int(n) for n in re.findall(r"\bstep (\d+) \| loss", job_log)]
 
 
-@pytest.mark.skipif(not (REPO_ROOT / "train.py").exists() or not TINY_CPU_CONFIG.exists(),
-                    reason="waits for the trainer: train.py and config/tiny_cpu.yaml must both exist")
 def test_pretrain_script_trains_and_resumes_under_slurm(slurm_cluster, tmp_path):
     """The real train.py on the tiny CPU config, 2 processes, submitted twice to the same output_dir."""
     data = tmp_path / "data"
