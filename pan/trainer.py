@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -69,6 +70,33 @@ class TrainState:
 
 class NonFiniteLossError(RuntimeError):
     pass
+
+
+class StoppedBySignal(RuntimeError):
+    """A signal asked the run to stop; the checkpoint of the step it stopped at is written."""
+
+    def __init__(self, signum: int, step: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}: checkpoint-{step} "
+                         "is saved and the next launch resumes from it")
+        self.exit_code = 128 + signum  # what the signal itself would have given
+
+
+@contextlib.contextmanager
+def sigterm_recorded(enabled: bool):
+    """While active, SIGTERM only sets `received[0]` (the loop stops at the next step boundary)."""
+    received = [0]
+    if not enabled:
+        yield received
+        return
+
+    def record(signum, frame):
+        received[0] = signum
+
+    previous = signal.signal(signal.SIGTERM, record)
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def global_sums(values: list[float], group=None) -> list[float]:
@@ -152,30 +180,38 @@ class Trainer:
         cfg = self.job.trainer
         ckpt_cfg = self.job.checkpoint
         self.metrics.start(self.state.step, cfg.max_steps)
-        while self.state.step < cfg.max_steps:
-            t0 = time.perf_counter()
-            micro_batches, data_wait = self.next_micro_batches()
-            out = self.train_step(micro_batches)
-            self.state.step += 1
-            self.record_samples(micro_batches)
-            stats = self.task.batch_stats(micro_batches)  # this rank's share
-            totals = global_sums([stats["samples"], stats["tokens"], stats["flops"],
-                                  stats["bad_samples"]])
-            self.state.samples_seen += int(totals[0])
-            self.state.tokens_seen += int(totals[1])
-            step_time = time.perf_counter() - t0
-            self.metrics.step(self.state.step, {
-                **out, "samples": totals[0], "tokens": totals[1], "flops": totals[2],
-                "bad_samples": int(totals[3]), "packing": stats["packing"],
-                "lr": self.scheduler.get_last_lr()[0], "step_time": step_time,
-                "data_wait": data_wait, "skipped_steps": self.state.skipped_steps})
-            last = self.state.step == cfg.max_steps
-            if self.task.wants_validation(self.state.step):
-                # Validation sees the EMA weights when there are any: they are what gets exported.
-                with self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext():
-                    self.task.validate(self.model, self.state.step, self.checkpointer.output_dir)
-            if self.state.step % ckpt_cfg.save_interval == 0 or last:
-                self.checkpointer.save(self.state.step, self.checkpoint_parts())
+        with sigterm_recorded(ckpt_cfg.save_on_sigterm) as signalled:
+            while self.state.step < cfg.max_steps:
+                t0 = time.perf_counter()
+                micro_batches, data_wait = self.next_micro_batches()
+                out = self.train_step(micro_batches)
+                self.state.step += 1
+                self.record_samples(micro_batches)
+                stats = self.task.batch_stats(micro_batches)  # this rank's share
+                # The signal rides on the step's sums, so every rank stops after the same step even
+                # when the signal reached them at different moments.
+                totals = global_sums([stats["samples"], stats["tokens"], stats["flops"],
+                                      stats["bad_samples"], signalled[0]])
+                self.state.samples_seen += int(totals[0])
+                self.state.tokens_seen += int(totals[1])
+                step_time = time.perf_counter() - t0
+                self.metrics.step(self.state.step, {
+                    **out, "samples": totals[0], "tokens": totals[1], "flops": totals[2],
+                    "bad_samples": int(totals[3]), "packing": stats["packing"],
+                    "lr": self.scheduler.get_last_lr()[0], "step_time": step_time,
+                    "data_wait": data_wait, "skipped_steps": self.state.skipped_steps})
+                last = self.state.step == cfg.max_steps
+                stop = totals[4] > 0 and not last
+                # Validation is skipped when stopping: the grace period before SIGKILL is for the save.
+                if self.task.wants_validation(self.state.step) and not stop:
+                    # Validation sees the EMA weights when there are any: they are what gets exported.
+                    with self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext():
+                        self.task.validate(self.model, self.state.step, self.checkpointer.output_dir)
+                if self.state.step % ckpt_cfg.save_interval == 0 or last or stop:
+                    self.checkpointer.save(self.state.step, self.checkpoint_parts())
+                if stop:
+                    self.metrics.close()
+                    raise StoppedBySignal(signal.SIGTERM, self.state.step)
         self.metrics.close()
 
     def record_samples(self, micro_batches: list) -> None:
@@ -282,6 +318,9 @@ def train(job) -> int:
     except NonFiniteLossError as e:
         log.error("%s", e)
         return 1
+    except StoppedBySignal as e:
+        log.warning("%s", e)
+        return e.exit_code
     except (DataResumeError, UnreadableRunError, ConfigError) as e:
         # Refusals found while resuming: another number of data-parallel ranks than the
         # checkpoints', or checkpoints none of which can be read (never silently start over them).

@@ -1,6 +1,7 @@
 """A 2-process training SIGKILLed at random moments (one of them inside a checkpoint save) and
 relaunched until done ends bit-identical to an uninterrupted run: same final weights, EMA, data
 cursors, per-step losses, and the same samples consumed by each data-parallel rank in the same order.
+So does one stopped by SIGTERM (as Slurm preempts), which saves where it stopped and repeats nothing.
 
 Two layouts of 2 processes: 2 data-parallel ranks, and 1 data-parallel rank split over 2 cp ranks.
 Each layout trains one uninterrupted reference run and one killed run (module-scoped fixture), which
@@ -35,7 +36,8 @@ SAVE_INTERVAL = 2
 LAYOUTS = {"dp2": {"cp_size": 1}, "cp2": {"cp_size": 2}}  # the `distributed` section of each
 
 
-def tiny_config(path: Path, data_csv: Path, output_dir: Path, distributed: dict) -> Path:
+def tiny_config(path: Path, data_csv: Path, output_dir: Path, distributed: dict,
+                save_interval: int = SAVE_INTERVAL, workers: int = 0) -> Path:
     """The demo recipe shrunk to seconds: 1 joint block of width 32, 16x16 clips of 5 frames."""
     cfg = {
         "model": {"transformer_config_overrides": {
@@ -48,10 +50,10 @@ def tiny_config(path: Path, data_csv: Path, output_dir: Path, distributed: dict)
                      "max_steps": MAX_STEPS, "use_muon": True, "dtype": "fp32", "ema_decay": 0.9},
         "data": {"video_csv_paths": [str(data_csv)], "resolution_buckets": ["16x16"], "min_frames": 5,
                  "max_frames": 5, "max_tokens_per_batch": 240, "max_samples_per_batch": 4,
-                 "packed_dataloader_num_workers": 0},
+                 "packed_dataloader_num_workers": workers},
         "tasks": {"conditioning_schema": "none", "cfg_drop_prob": 0.1},
         "distributed": distributed,
-        "output": {"output_dir": str(output_dir), "save_interval": SAVE_INTERVAL, "save_total_limit": 2,
+        "output": {"output_dir": str(output_dir), "save_interval": save_interval, "save_total_limit": 2,
                    "log_interval": 1, "report_to": "none", "validation_interval": 0},
     }
     path.write_text(yaml.safe_dump(cfg))
@@ -60,7 +62,8 @@ def tiny_config(path: Path, data_csv: Path, output_dir: Path, distributed: dict)
 
 class Job:
     """The two ranks of one launch, started as torchrun would start them (RANK, WORLD_SIZE, ...);
-    without torchrun's agent in between, a SIGKILL reaches exactly the training processes."""
+    without torchrun's agent in between, a SIGKILL reaches exactly the training processes. Each rank
+    leads its own process group (it and its decoding workers), which `signal_rank` signals."""
 
     def __init__(self, config: Path, log: Path):
         port = str(free_port())
@@ -72,13 +75,16 @@ class Job:
             with open(log, "a") as out:
                 self.procs.append(subprocess.Popen(
                     [sys.executable, str(ROOT / "train.py"), "--config", str(config)],
-                    cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT))
+                    cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
 
     def running(self) -> bool:
         return all(p.poll() is None for p in self.procs)
 
     def wait(self, timeout: float) -> list[int]:
         return [p.wait(timeout=timeout) for p in self.procs]
+
+    def signal_rank(self, rank: int, sig: int) -> None:
+        os.killpg(self.procs[rank].pid, sig)
 
     def kill(self) -> None:
         for p in self.procs:
@@ -154,6 +160,16 @@ class Runs:
     dp_ranks: int
     killed_inside_save: bool  # the first kill left a checkpoint-N.tmp behind (it hit a save)
     save_step: int            # the step of that save
+    data_csv: Path
+    distributed: dict
+
+
+@dataclass
+class Stopped:
+    dir: Path
+    log: Path
+    exit_codes: list[int]     # of the launch that got the SIGTERM
+    checkpoints: list[str]    # complete checkpoints when it had exited
 
 
 def kill_inside_save(config: Path, output_dir: Path, log: Path, rng: random.Random) -> tuple[bool, int]:
@@ -204,7 +220,26 @@ def runs(request, data_csv, tmp_path_factory) -> Runs:
     job = Job(config, log)
     assert job.wait(timeout=300) == [0, 0], tail(log)
     assert log.read_text().count("resuming from checkpoint-") == 2, tail(log)
-    return Runs(straight_dir, killed_dir, log, 2 // distributed["cp_size"], landed, save_step)
+    return Runs(straight_dir, killed_dir, log, 2 // distributed["cp_size"], landed, save_step, data_csv,
+                distributed)
+
+
+@pytest.fixture(scope="module")
+def stopped(runs) -> Stopped:
+    """Rank 1 and its decoding worker (every process of it, as Slurm signals a job step) get SIGTERM
+    once step 3 is logged; then the same launch again, to the end. save_interval lies beyond the
+    run, so the checkpoint the stop leaves is the stop's own."""
+    root = runs.straight.parent
+    out, log = root / "stopped", root / "stopped.log"
+    config = tiny_config(root / "stopped.yaml", runs.data_csv, out, runs.distributed,
+                         save_interval=10 * MAX_STEPS, workers=1)
+    job = Job(config, log)
+    wait_until(lambda: last_logged_step(out) >= 3, job, log, poll=0.01)
+    job.signal_rank(1, signal.SIGTERM)
+    codes = job.wait(timeout=120)
+    complete = [p.name for p in sorted(out.glob("checkpoint-*")) if layout.verify_checkpoint(p) is None]
+    assert Job(config, log).wait(timeout=300) == [0, 0], tail(log)
+    return Stopped(out, log, codes, complete)
 
 
 def test_a_kill_landed_inside_a_save(runs):
@@ -237,3 +272,25 @@ def test_resumed_run_consumes_the_same_samples_in_the_same_order(runs):
     assert lines == MAX_STEPS * runs.dp_ranks  # the reference run trained each step once
     assert straight == resumed  # no sample lost, repeated or reordered by the kills
     assert all(len(ids) >= MAX_STEPS for ids in straight.values())
+
+
+def test_sigterm_saves_the_step_it_stopped_at_and_exits_143(stopped):
+    assert stopped.exit_codes == [143, 143], tail(stopped.log)  # 128 + SIGTERM, on both ranks
+    assert len(stopped.checkpoints) == 1, stopped.checkpoints
+    step = int(stopped.checkpoints[0].removeprefix("checkpoint-"))
+    assert 3 <= step < MAX_STEPS
+    text = stopped.log.read_text()
+    assert f"stopped by SIGTERM after step {step}" in text
+    assert f"resuming from checkpoint-{step}" in text
+
+
+def test_sigterm_stopped_run_trains_each_step_once_and_ends_bit_identical(runs, stopped):
+    for path in (stopped.dir / "consumed").glob("*.txt"):
+        steps = [int(line.split()[0]) for line in path.read_text().splitlines()]
+        assert steps == list(range(1, MAX_STEPS + 1)), path.name  # nothing lost, nothing trained twice
+    assert consumed_ids(stopped.dir) == consumed_ids(runs.straight)
+    straight, resumed = final_state(runs.straight), final_state(stopped.dir)
+    for part in ("weights", "ema"):
+        for name in straight[part]:
+            assert torch.equal(straight[part][name], resumed[part][name]), (part, name)
+    assert straight["cursors"] == resumed["cursors"]

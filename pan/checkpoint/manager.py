@@ -35,6 +35,10 @@ class CheckpointConfig:
                               ge=1)
     save_total_limit: int | None = knob(
         None, "keep at most this many complete checkpoints, deleting the oldest (null: keep all)", ge=1)
+    save_on_sigterm: bool = knob(
+        True, "on SIGTERM (Slurm preemption or time limit, scancel, torchrun stopping) finish the "
+              "step, write checkpoint-N and exit with 143 (128 + SIGTERM); false: SIGTERM ends the "
+              "run at once and it resumes from the last regular save")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -14,11 +14,14 @@ buffer's samples are saved as references and decoded again on resume.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import hashlib
 import logging
 import math
 import random
+import signal
+import weakref
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Literal
 
@@ -300,6 +303,19 @@ def _keep(item: Loaded) -> Loaded:
     return item  # the DataLoader's collate step: samples travel as they are
 
 
+def _ignore_sigterm(worker_id: int) -> None:
+    """Decoding workers outlive a SIGTERM sent to every process of a job step (Slurm does so on
+    preemption): the trainer still needs batches until its last save, then stops them itself; and
+    a worker gone mid-epoch would fail the trainer's next fetch before it can save."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _close_at_exit(loader_ref: weakref.ref) -> None:
+    loader = loader_ref()
+    if loader is not None:
+        loader.close()
+
+
 class RefSequence:
     """The DataLoader's sampler: buffered references to re-read first, then the plan onwards."""
 
@@ -334,6 +350,7 @@ class PackedLoader:
         self._skipped_since: collections.Counter[str] = collections.Counter()
         self._logged: set[str] = set()
         self._results = None
+        self._closes_at_exit = False
 
     # --- iteration -------------------------------------------------------------------------------
 
@@ -365,7 +382,7 @@ class PackedLoader:
     def _receive(self) -> bool:
         """Take the next decoded sample into the buffer; False if it was skipped."""
         if self._results is None:
-            self._results = iter(self._data_loader())
+            self._start_workers()
         got: Loaded = next(self._results)
         if self.replay:
             expected = self.replay.pop(0)
@@ -402,6 +419,14 @@ class PackedLoader:
             return self.reader.tars.sample_id(self.reader.tars.images[ref.index])
         return f"{self.reader.csvs[ref.stream].name}:{ref.index}"
 
+    def _start_workers(self) -> None:
+        self._results = iter(self._data_loader())
+        if self.cfg.packed_dataloader_num_workers and not self._closes_at_exit:
+            # The workers ignore SIGTERM, so multiprocessing's exit-time terminate() and join would
+            # wait for them forever: stop them first (atexit runs the newest handler first).
+            atexit.register(_close_at_exit, weakref.ref(self))
+            self._closes_at_exit = True
+
     def _data_loader(self) -> DataLoader:
         workers = self.cfg.packed_dataloader_num_workers
         sampler = RefSequence(list(self.replay), self.planner.copy())
@@ -409,7 +434,8 @@ class PackedLoader:
         # RNG, and a resumed run's global RNG would be one draw away from the uninterrupted run's.
         return DataLoader(self.reader, batch_size=None, sampler=sampler, collate_fn=_keep,
                           num_workers=workers, generator=torch.Generator().manual_seed(self.seed),
-                          prefetch_factor=self.samples_in_flight_per_worker() if workers else None)
+                          prefetch_factor=self.samples_in_flight_per_worker() if workers else None,
+                          worker_init_fn=_ignore_sigterm if workers else None)
 
     def samples_in_flight_per_worker(self) -> int:
         """DataLoader's prefetch factor counts samples here: keep `packed_dataloader_prefetch_factor`
