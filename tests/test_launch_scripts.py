@@ -16,6 +16,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -288,22 +289,26 @@ def logged_steps(job_log: str) -> list[int]:
     return [int(n) for n in re.findall(r"\bstep (\d+) \| loss", job_log)]
 
 
-def test_pretrain_script_trains_and_resumes_under_slurm(slurm_cluster, tmp_path):
-    """The real train.py on the tiny CPU config, 2 processes, submitted twice to the same output_dir."""
+def tiny_training_args(tmp_path: Path, out_dir: Path, *extra: str) -> list[str]:
+    """pretrain.sh's arguments for the real train.py on the tiny CPU config and a few synthetic clips."""
     data = tmp_path / "data"
     subprocess.run([sys.executable, "-m", "pan.cli", "data", "synth", "--out", str(data), "--num-train", "8",
                     "--num-heldout", "1", "--size", "32", "--num-frames", "9"],
                    cwd=REPO_ROOT, check=True, capture_output=True, timeout=120)
+    return [str(TINY_CPU_CONFIG.relative_to(REPO_ROOT)), "--output_dir", str(out_dir),
+            "--video_csv_paths", str(data / "train.csv"), "--warmup_steps", "0", "--log_interval", "1",
+            "--max_samples_per_batch", "2", *extra]  # small steps: this tests the launch, not the model
+
+
+def test_pretrain_script_trains_and_resumes_under_slurm(slurm_cluster, tmp_path):
+    """The real train.py on the tiny CPU config, 2 processes, submitted twice to the same output_dir."""
     out_dir = tmp_path / "run"
     env = launch_env(tmp_path, PAN_ROOT=str(REPO_ROOT), PAN_NPROC_PER_NODE="2")
-    overrides = ["--output_dir", str(out_dir), "--video_csv_paths", str(data / "train.csv"),
-                 "--warmup_steps", "0", "--save_interval", "1", "--log_interval", "1",
-                 "--max_samples_per_batch", "2"]  # small steps: this tests the launch, not the model
+    args = tiny_training_args(tmp_path, out_dir, "--save_interval", "1")
 
     def submit(max_steps: int, log: Path) -> tuple[int, str]:
         result = slurm_cluster.sbatch_wait(
-            REPO_ROOT / "scripts" / "pretrain.sh",
-            [str(TINY_CPU_CONFIG.relative_to(REPO_ROOT)), *overrides, "--max_steps", str(max_steps)],
+            REPO_ROOT / "scripts" / "pretrain.sh", [*args, "--max_steps", str(max_steps)],
             env=env, cwd=tmp_path, output=log, timeout=FIRST_JOB_TIMEOUT_S)
         return result.returncode, slurm_cluster.job_log(log)
 
@@ -316,3 +321,38 @@ def test_pretrain_script_trains_and_resumes_under_slurm(slurm_cluster, tmp_path)
     assert "resuming from checkpoint-1" in second
     assert logged_steps(second) == [2]  # resumed after step 1, not restarted
     assert (out_dir / "checkpoint-2").is_dir()
+
+
+def test_scancel_saves_the_step_the_job_stopped_at_and_the_next_job_resumes(slurm_cluster, tmp_path):
+    """scancel sends SIGTERM to the batch shell, srun, torchrun, both ranks and their decoding
+    workers, and SIGKILL after KillWait: the ranks finish their step, save it, and exit 143."""
+    out_dir = tmp_path / "run"
+    env = {**slurm_cluster.env, **launch_env(tmp_path, PAN_ROOT=str(REPO_ROOT), PAN_NPROC_PER_NODE="2")}
+    args = tiny_training_args(tmp_path, out_dir, "--save_interval", "1000",
+                              "--packed_dataloader_num_workers", "1")
+    log = tmp_path / "first.out"
+    script = REPO_ROOT / "scripts" / "pretrain.sh"
+    submitted = subprocess.run(["sbatch", "--parsable", f"--output={log}", str(script), *args, "--max_steps", "1000"],
+                               env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60, check=True)
+    job_id = submitted.stdout.strip().split(";")[0]
+    deadline = time.time() + FIRST_JOB_TIMEOUT_S
+    while max(logged_steps(slurm_cluster.job_log(log)), default=0) < 3:
+        assert time.time() < deadline, slurm_cluster.job_log(log)
+        time.sleep(0.2)
+    subprocess.run(["scancel", job_id], env=env, check=True, timeout=60)
+    while subprocess.run(["squeue", "-h", "-j", job_id], env=env, capture_output=True, text=True,
+                         timeout=60).stdout.strip():
+        assert time.time() < deadline + 120, slurm_cluster.job_log(log)
+        time.sleep(0.5)
+
+    first = slurm_cluster.job_log(log)
+    saved = sorted(out_dir.glob("checkpoint-*"))
+    assert len(saved) == 1 and (saved[0] / "COMPLETE.json").is_file(), (saved, first)
+    step = int(saved[0].name.removeprefix("checkpoint-"))
+    assert 3 <= step < 1000 and f"stopped by SIGTERM after step {step}" in first, first
+
+    result = slurm_cluster.sbatch_wait(script, [*args, "--max_steps", str(step + 1)], env=env, cwd=tmp_path,
+                                       output=tmp_path / "second.out", timeout=FIRST_JOB_TIMEOUT_S)
+    second = slurm_cluster.job_log(tmp_path / "second.out")
+    assert result.returncode == 0, second
+    assert f"resuming from checkpoint-{step}" in second and logged_steps(second) == [step + 1], second
