@@ -7,6 +7,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,9 +84,10 @@ class StoppedBySignal(RuntimeError):
 
 @contextlib.contextmanager
 def sigterm_recorded(enabled: bool):
-    """While active, SIGTERM only sets `received[0]` (the loop stops at the next step boundary)."""
+    """While active, SIGTERM only sets `received[0]` (the loop stops at the next step boundary).
+    Python takes signals in the main thread only: a loop run elsewhere keeps SIGTERM as it was."""
     received = [0]
-    if not enabled:
+    if not enabled or threading.current_thread() is not threading.main_thread():
         yield received
         return
 

@@ -4,6 +4,7 @@ import importlib.util
 import os
 import random
 import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,19 @@ def test_sigterm_is_recorded_only_while_the_loop_runs_and_only_if_enabled(enable
         else:
             assert signal.getsignal(signal.SIGTERM) is before and received == [0]
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_loop_outside_the_main_thread_leaves_sigterm_alone():
+    before, seen = signal.getsignal(signal.SIGTERM), []
+
+    def loop():
+        with sigterm_recorded(True) as received:
+            seen.append((signal.getsignal(signal.SIGTERM), received))
+
+    thread = threading.Thread(target=loop)
+    thread.start()
+    thread.join()
+    assert seen == [(before, [0])]
 
 
 def test_condition_frames_follow_the_task_probabilities():
