@@ -184,26 +184,9 @@ class Trainer:
         self.metrics.start(self.state.step, cfg.max_steps)
         with sigterm_recorded(ckpt_cfg.save_on_sigterm) as signalled:
             while self.state.step < cfg.max_steps:
-                t0 = time.perf_counter()
-                micro_batches, data_wait = self.next_micro_batches()
-                out = self.train_step(micro_batches)
-                self.state.step += 1
-                self.record_samples(micro_batches)
-                stats = self.task.batch_stats(micro_batches)  # this rank's share
-                # The signal rides on the step's sums, so every rank stops after the same step even
-                # when the signal reached them at different moments.
-                totals = global_sums([stats["samples"], stats["tokens"], stats["flops"],
-                                      stats["bad_samples"], signalled[0]])
-                self.state.samples_seen += int(totals[0])
-                self.state.tokens_seen += int(totals[1])
-                step_time = time.perf_counter() - t0
-                self.metrics.step(self.state.step, {
-                    **out, "samples": totals[0], "tokens": totals[1], "flops": totals[2],
-                    "bad_samples": int(totals[3]), "packing": stats["packing"],
-                    "lr": self.scheduler.get_last_lr()[0], "step_time": step_time,
-                    "data_wait": data_wait, "skipped_steps": self.state.skipped_steps})
+                stop_asked = self.step_and_log(signalled[0])
                 last = self.state.step == cfg.max_steps
-                stop = totals[4] > 0 and not last
+                stop = stop_asked and not last
                 # Validation is skipped when stopping: the grace period before SIGKILL is for the save.
                 if self.task.wants_validation(self.state.step) and not stop:
                     # Validation sees the EMA weights when there are any: they are what gets exported.
@@ -215,6 +198,27 @@ class Trainer:
                     self.metrics.close()
                     raise StoppedBySignal(signal.SIGTERM, self.state.step)
         self.metrics.close()
+
+    def step_and_log(self, signal_received: int) -> bool:
+        """Train one step and log it; returns whether a stop signal reached any rank by now."""
+        t0 = time.perf_counter()
+        micro_batches, data_wait = self.next_micro_batches()
+        out = self.train_step(micro_batches)
+        self.state.step += 1
+        self.record_samples(micro_batches)
+        stats = self.task.batch_stats(micro_batches)  # this rank's share
+        # The signal rides on the step's sums, so every rank stops after the same step even when
+        # the signal reached them at different moments.
+        totals = global_sums([stats["samples"], stats["tokens"], stats["flops"], stats["bad_samples"],
+                              signal_received])
+        self.state.samples_seen += int(totals[0])
+        self.state.tokens_seen += int(totals[1])
+        self.metrics.step(self.state.step, {
+            **out, "samples": totals[0], "tokens": totals[1], "flops": totals[2],
+            "bad_samples": int(totals[3]), "packing": stats["packing"],
+            "lr": self.scheduler.get_last_lr()[0], "step_time": time.perf_counter() - t0,
+            "data_wait": data_wait, "skipped_steps": self.state.skipped_steps})
+        return totals[4] > 0
 
     def record_samples(self, micro_batches: list) -> None:
         """Append this step's sample ids to output_dir/consumed/<dp rank>.txt (one line per step).
