@@ -160,9 +160,15 @@ def test_export_of_a_sharded_checkpoint_is_plain_safetensors_that_warm_start_rea
     ckpt3 = two_rank_run["root"] / "out" / "fsdp" / "checkpoint-3"
     at_3 = two_rank_run["results"][0]["at_3"]
     out = tmp_path / "model.safetensors"
-    assert main_export([str(ckpt3), str(out)]) == 0
+    assert main_export([str(ckpt3), "--out", str(out)]) == 0
     assert f"{len(at_3)} tensors" in capsys.readouterr().out
     assert_same(at_3, load_file(str(out)))
+    assert main_export([str(ckpt3), str(tmp_path / "positional.safetensors")]) == 0  # the short form
+    assert_same(at_3, load_file(str(tmp_path / "positional.safetensors")))
+    for twice_or_never in ([str(ckpt3)], [str(ckpt3), str(out), "--out", str(out)]):
+        with pytest.raises(SystemExit) as exited:
+            main_export(twice_or_never)
+        assert exited.value.code == 2 and "--out model.safetensors" in capsys.readouterr().err
     torch.manual_seed(12)
     model = Toy()
     report = load_state_dict_weights(model, out)

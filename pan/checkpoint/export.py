@@ -79,10 +79,15 @@ def main_export(argv: list[str]) -> int:
         prog="pan export", description="Write a checkpoint's transformer weights as one .safetensors "
                                        "file (usable as pretrained_transformer_path).")
     parser.add_argument("checkpoint", help="a checkpoint-N/ folder, or its transformer/ folder")
-    parser.add_argument("out", help="the .safetensors file to write")
+    parser.add_argument("--out", help="the .safetensors file to write (may also follow the checkpoint "
+                                      "without --out)")
+    parser.add_argument("out_file", nargs="?", help=argparse.SUPPRESS)
     parser.add_argument("--ema", action="store_true", help="export the EMA weights instead")
     parser.add_argument("--dtype", choices=list(DTYPES), help="cast floating tensors (default: as saved)")
     args = parser.parse_args(argv)
+    if (args.out is None) == (args.out_file is None):
+        parser.error("name the .safetensors file to write once: --out model.safetensors")
+    args.out = args.out or args.out_file
     try:
         weights = export_checkpoint(args.checkpoint, args.out, ema=args.ema,
                                     dtype=DTYPES[args.dtype] if args.dtype else None)
