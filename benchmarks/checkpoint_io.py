@@ -28,7 +28,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from benchmarks.common import write_json
+try:
+    from benchmarks.common import write_json
+except ModuleNotFoundError:  # run as `python benchmarks/checkpoint_io.py`: its folder is on the path
+    from common import write_json
 from pan.checkpoint.dcp import folder_size
 from pan.checkpoint.manager import CheckpointConfig, Checkpointer
 from pan.parallel.dims import ParallelConfig, ParallelDims

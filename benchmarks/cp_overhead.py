@@ -31,7 +31,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks.common import write_json
+try:
+    from benchmarks.common import write_json
+except ModuleNotFoundError:  # run as `python benchmarks/cp_overhead.py`: its folder is on the path
+    from common import write_json
 from pan.models.packing import PackInfo
 from pan.models.pan_dit import PanDiTConfig, PanVideoDiffusionTransformer
 from pan.parallel.context_parallel import ContextParallel

@@ -24,7 +24,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import print_table, write_json
+try:
+    from benchmarks.common import print_table, write_json
+except ModuleNotFoundError:  # run as `python benchmarks/data_throughput.py`: its folder is on the path
+    from common import print_table, write_json
 from pan.data import DataConfig, build_data_loader
 from pan.data.packing import LookaheadPacker
 

@@ -24,7 +24,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import median, print_table, time_call, write_json
+try:
+    from benchmarks.common import median, print_table, time_call, write_json
+except ModuleNotFoundError:  # run as `python benchmarks/gpu_step.py`: its folder is on the path
+    from common import median, print_table, time_call, write_json
 from pan.metrics import peak_flops
 from pan.models import PackInfo, PanDiTConfig, PanVideoDiffusionTransformer
 from pan.models.attention import InnerAttention

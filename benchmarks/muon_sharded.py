@@ -22,7 +22,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks.common import print_table, write_json
+try:
+    from benchmarks.common import print_table, write_json
+except ModuleNotFoundError:  # run as `python benchmarks/muon_sharded.py`: its folder is on the path
+    from common import print_table, write_json
 
 
 def _free_port() -> int:

@@ -26,7 +26,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks.common import interleaved_times, matmul_probe, median, print_table, write_json
+try:
+    from benchmarks.common import interleaved_times, matmul_probe, median, print_table, write_json
+except ModuleNotFoundError:  # run as `python benchmarks/step_time.py`: its folder is on the path
+    from common import interleaved_times, matmul_probe, median, print_table, write_json
 from pan.models import PackInfo, PanDiTConfig, PanVideoDiffusionTransformer, patchify
 from pan.parallel.fsdp import transformer_blocks
 
