@@ -227,14 +227,14 @@ def runs(request, data_csv, tmp_path_factory) -> Runs:
 @pytest.fixture(scope="module")
 def stopped(runs) -> Stopped:
     """Rank 1 and its decoding worker (every process of it, as Slurm signals a job step) get SIGTERM
-    once step 3 is logged; then the same launch again, to the end. save_interval lies beyond the
+    once step 2 is logged; then the same launch again, to the end. save_interval lies beyond the
     run, so the checkpoint the stop leaves is the stop's own."""
     root = runs.straight.parent
     out, log = root / "stopped", root / "stopped.log"
     config = tiny_config(root / "stopped.yaml", runs.data_csv, out, runs.distributed,
                          save_interval=10 * MAX_STEPS, workers=1)
     job = Job(config, log)
-    wait_until(lambda: last_logged_step(out) >= 3, job, log, poll=0.01)
+    wait_until(lambda: last_logged_step(out) >= 2, job, log, poll=0.01)
     job.signal_rank(1, signal.SIGTERM)
     codes = job.wait(timeout=120)
     complete = [p.name for p in sorted(out.glob("checkpoint-*")) if layout.verify_checkpoint(p) is None]
@@ -278,7 +278,7 @@ def test_sigterm_saves_the_step_it_stopped_at_and_exits_143(stopped):
     assert stopped.exit_codes == [143, 143], tail(stopped.log)  # 128 + SIGTERM, on both ranks
     assert len(stopped.checkpoints) == 1, stopped.checkpoints
     step = int(stopped.checkpoints[0].removeprefix("checkpoint-"))
-    assert 3 <= step < MAX_STEPS
+    assert 2 <= step < MAX_STEPS  # usually 4: the signal lands in a step, the sums of the next carry it
     text = stopped.log.read_text()
     assert f"stopped by SIGTERM after step {step}" in text
     assert f"resuming from checkpoint-{step}" in text
