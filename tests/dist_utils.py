@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 import tempfile
 import traceback
 from pathlib import Path
@@ -21,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
+
+from pan.parallel.world import exit_process, start_process_group
 
 
 def free_port() -> int:
@@ -37,8 +38,8 @@ def _worker(rank: int, fn, world_size: int, local_world_size: int, port: int, ar
     torch.set_num_threads(1)  # the test machine has 2 cores for all ranks
     # A file store, not a TCP store served by rank 0: a rank that finishes first and exits must not
     # take the store away from ranks still tearing their groups down.
-    dist.init_process_group("gloo", init_method=f"file://{Path(out_dir) / 'store'}", rank=rank,
-                            world_size=world_size)
+    start_process_group("gloo", init_method=f"file://{Path(out_dir) / 'store'}", rank=rank,
+                        world_size=world_size)
     code = 0
     try:
         result = fn(*args)
@@ -49,11 +50,7 @@ def _worker(rank: int, fn, world_size: int, local_world_size: int, port: int, ar
         code = 1
     finally:
         dist.destroy_process_group()
-    # Skip the interpreter's teardown, as pan's entry points do (pan.parallel.world.exit_process):
-    # a gloo worker thread still freeing a finished collective's tensors aborts the process there.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_process(code)  # as pan's entry points end: without the interpreter teardown that can abort
 
 
 def run_distributed(fn, world_size: int, args: tuple = (), local_world_size: int | None = None

@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from pan.data.loader import Loaded, Ref, SampleReader, rules_of
 from pan.data.sources import SourceError, VideoCsvSource, read_video_csv
-from pan.parallel.world import start_process_group
+from pan.parallel.world import close_world, start_process_group
 
 LATENT_COLUMN = "latent_path"
 FAILURE_COLUMNS = ("csv", "row", "reason", "detail")
@@ -317,8 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(job, args, share)
     finally:
-        if share.world > 1:
-            torch.distributed.destroy_process_group()
+        close_world()
 
 
 def _run(job, args, share: Share) -> int:

@@ -10,6 +10,7 @@ one. Training and inference must use the same `skip`.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,8 +93,10 @@ def text_feature_width(cfg: TextEncoderConfig) -> int:
     return load_text_config(resolve_text_encoder_path(cfg.text_encoder_path)).hidden_size
 
 
+@functools.lru_cache(maxsize=4)
 def load_text_config(model_dir: Path) -> PretrainedConfig:
-    """The text part of the model config (a vision-language checkpoint nests it)."""
+    """The text part of the model config (a vision-language checkpoint nests it). Read once per
+    folder: the config load's checks and preflight all ask for it; treat it as read-only."""
     return AutoConfig.from_pretrained(model_dir, local_files_only=True).get_text_config()
 
 
