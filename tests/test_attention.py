@@ -48,13 +48,14 @@ def test_auto_backend_on_cpu_is_sdpa_and_varlen_refuses_cpu():
         attention(q, k, v, seg, "flash")
 
 
-def test_per_segment_masks_are_applied():
+def test_block_causal_frames_are_applied_per_segment():
     seqlens = [6, 4]
     q, k, v = random_qkv(10, seed=1)
-    causal = [torch.ones(n, n, dtype=torch.bool).tril() for n in seqlens]
-    seg = dataclasses.replace(AttnSegments.from_lengths(seqlens), masks=(causal[0], None))
+    frames = torch.tensor([0, 0, 1, 1, 2, 0])             # 2 rows per frame, then a caption row
+    seg = dataclasses.replace(AttnSegments.from_lengths(seqlens), frames=(frames, None))
     out = attention(q, k, v, seg, "sdpa")
-    expected = naive_attention(q, k, v, seqlens, masks=[causal[0], torch.ones(4, 4, dtype=torch.bool)])
+    causal = frames[:, None] >= frames[None, :]
+    expected = naive_attention(q, k, v, seqlens, masks=[causal, torch.ones(4, 4, dtype=torch.bool)])
     torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
     assert not torch.allclose(out, attention(q, k, v, AttnSegments.from_lengths(seqlens), "sdpa"))
 

@@ -2,9 +2,9 @@
 
 Backends (all non-causal, scale 1/sqrt(head_dim), never crossing segments):
 - `sdpa`: a loop of `F.scaled_dot_product_attention` per segment. The reference, and the fast path
-  on CPU (2.3-3.3x faster there than one call with a block-diagonal mask). Honours per-segment masks.
-- `varlen`: `torch.nn.attention.varlen.varlen_attn` (flash varlen; CUDA only, no masks).
-- `auto`: varlen for fp16/bf16 CUDA tensors without masks, sdpa otherwise.
+  on CPU (2.3-3.3x faster there than one call with a block-diagonal mask). Honours the block-causal rule.
+- `varlen`: `torch.nn.attention.varlen.varlen_attn` (flash varlen; CUDA only, full attention only).
+- `auto`: varlen for fp16/bf16 CUDA tensors under the full rule, sdpa otherwise.
 
 Models call attention only through `InnerAttention` submodules, so context parallel can replace or
 wrap them from outside; `set_attention_backend` switches the backend of every one in a model.
@@ -32,7 +32,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, segments: AttnSegments,
                          "context-parallel inner attention (pan.parallel) before running a sharded pack.")
     if backend == "auto":
         # flash varlen has fp16/bf16 kernels only and no masks
-        fits_varlen = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and segments.masks is None
+        fits_varlen = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and not segments.is_causal
         backend = "varlen" if fits_varlen else "sdpa"
     if backend == "sdpa":
         return sdpa_attention(q, k, v, segments)
@@ -48,7 +48,10 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, segments: AttnSegments) -> T
     for i, n in enumerate(segments.seqlens):
         end = start + n
         if n:
-            mask = None if segments.masks is None else segments.masks[i]
+            mask = None
+            if segments.frames is not None and segments.frames[i] is not None:
+                frame = segments.frames[i].to(q.device)
+                mask = frame[:, None] >= frame[None, :]   # built per segment, never for the whole pack
             # [Ls, H, d] -> [1, H, Ls, d]; SDPA reads the strided view without a copy.
             qs, ks, vs = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
             outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)[0].transpose(0, 1))
@@ -60,8 +63,9 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, segments: AttnSegments) ->
     """Flash varlen attention over all segments in one kernel (CUDA only)."""
     if not q.is_cuda:
         raise ValueError("attention_backend 'varlen' needs CUDA tensors; use 'sdpa' or 'auto' on CPU.")
-    if segments.masks is not None:
-        raise ValueError("attention_backend 'varlen' cannot apply attention masks; use 'sdpa'.")
+    if segments.is_causal:
+        raise ValueError("attention_backend 'varlen' cannot apply the block_causal attention rule; "
+                         "use 'sdpa' (or 'auto').")
     from torch.nn.attention.varlen import varlen_attn
 
     cu = segments.cu_seqlens.to(q.device)

@@ -6,6 +6,12 @@ the joint sequences `[video_0; text_0][video_1; text_1]...`. `PackInfo` holds ev
 once per batch: sample index per token, RoPE grid positions, the rows of each stream inside the joint
 order, and the attention segments.
 
+Each sample is described by a `SampleLayout`: one or more clips (each a post-patch grid with its RoPE
+positions: integer grid positions, or h/w positions interpolated onto a reference grid as Pyramid-
+Flow does for low-resolution history), which clips are trained, and an attention rule: `full`, or
+`block_causal` over frames (a query in frame f sees keys in frames <= f of its own sample; caption
+tokens count as frame 0). The layout travels with the pack through sharding and context parallel.
+
 Context parallel (Ulysses) shards the joint order with a stride: cp rank r of N holds joint tokens
 j with j % N == r. `PackInfo.shard(r, N)` describes that subset; per-token work (linears, norms, RoPE,
 modulation by sample index) runs on it unchanged, and only `inner_attention` needs the other ranks.
@@ -16,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -33,8 +40,10 @@ class AttnSegments:
     cu_seqlens: Tensor              # [S + 1] int32 offsets of the full segments
     max_seqlen: int
     local_index: Tensor | None = None  # [L_local] int64 rows held here (strictly increasing)
-    # Seam for masked attention (e.g. block-causal): one bool [Ls, Ls] per segment, True = attend.
-    masks: tuple[Tensor | None, ...] | None = None
+    # The block-causal rule, per segment: the frame of each of its rows ([Ls] int64; a row attends to
+    # rows of frames <= its own), or None where the segment attends fully. O(L) memory: backends
+    # build whatever mask or block schedule they need from it, segment by segment.
+    frames: tuple[Tensor | None, ...] | None = None
 
     @classmethod
     def from_lengths(cls, seqlens: list[int] | tuple[int, ...], device=None) -> AttnSegments:
@@ -47,6 +56,11 @@ class AttnSegments:
         return sum(self.seqlens)
 
     @property
+    def is_causal(self) -> bool:
+        """Whether any segment follows the block-causal rule."""
+        return self.frames is not None and any(f is not None for f in self.frames)
+
+    @property
     def is_sharded(self) -> bool:
         return self.local_index is not None
 
@@ -56,9 +70,98 @@ class AttnSegments:
 
     def to(self, device) -> AttnSegments:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
-        masks = None if self.masks is None else tuple(move(m) for m in self.masks)
+        frames = None if self.frames is None else tuple(move(f) for f in self.frames)
         return dataclasses.replace(self, cu_seqlens=self.cu_seqlens.to(device),
-                                   local_index=move(self.local_index), masks=masks)
+                                   local_index=move(self.local_index), frames=frames)
+
+
+AttentionRule = Literal["full", "block_causal"]
+ATTENTION_RULES = ("full", "block_causal")
+
+
+@dataclass(frozen=True)
+class Clip:
+    """One clip of a sample's video tokens, in (t, h, w) order after the previous clip's.
+
+    RoPE positions of its token (i, j, k): t = frame_offset + i; h, w = j, k on its own grid, or,
+    with `ref_hw = (H, W)`, the centres of its cells mapped onto an H x W grid (a 1/2-resolution
+    clip's j becomes 2j + 0.5: linear interpolation with align_corners=False).
+    """
+    grid: tuple[int, int, int]             # post-patch (t, h, w)
+    frame_offset: int = 0                  # frame index of its first frame within the sample
+    ref_hw: tuple[int, int] | None = None  # reference grid of the h/w positions (None: integers)
+    trained: bool = True                   # whether its tokens are predicted and in the loss
+
+    @property
+    def tokens(self) -> int:
+        t, h, w = self.grid
+        return t * h * w
+
+    def positions(self) -> Tensor:
+        """[tokens, 3] (t, h, w) RoPE positions: int64, or float64 with a reference grid."""
+        t, h, w = self.grid
+        axes = [torch.arange(t) + self.frame_offset, torch.arange(h), torch.arange(w)]
+        if self.ref_hw is not None:
+            axes = [axes[0].double()] + [(torch.arange(n, dtype=torch.float64) + 0.5) * ref / n - 0.5
+                                         for n, ref in zip((h, w), self.ref_hw)]
+        return torch.stack(torch.meshgrid(*axes, indexing="ij"), -1).reshape(-1, 3)
+
+
+@dataclass(frozen=True)
+class SampleLayout:
+    """What one packed sample is: its clips (oldest first), caption length and attention rule."""
+    clips: tuple[Clip, ...]
+    text_len: int
+    attention: AttentionRule = "full"
+
+    def __post_init__(self):
+        if not self.clips or any(len(c.grid) != 3 or min(c.grid) < 1 for c in self.clips):
+            raise ValueError(f"a sample needs at least one clip with a positive (t, h, w) grid, got "
+                             f"{[c.grid for c in self.clips]}.")
+        if self.text_len < 0:
+            raise ValueError(f"caption length must be >= 0, got {self.text_len}.")
+        if self.attention not in ATTENTION_RULES:
+            raise ValueError(f"unknown attention rule {self.attention!r}; choose one of {ATTENTION_RULES}.")
+
+    @classmethod
+    def single(cls, grid, text_len: int, attention: AttentionRule = "full") -> SampleLayout:
+        """One clip on its own integer grid: a plain video (or image) sample."""
+        return cls((Clip(tuple(int(n) for n in grid)),), int(text_len), attention)
+
+    @classmethod
+    def stacked(cls, grids, text_len: int, *, ref_hw: tuple[int, int] | None = None,
+                trained: tuple[bool, ...] | None = None, attention: AttentionRule = "full"
+                ) -> SampleLayout:
+        """Clips that continue one another in time (each starts where the previous one stops),
+        all positioned on `ref_hw` when given (clips already on that grid keep integer values)."""
+        clips, offset = [], 0
+        for i, grid in enumerate(grids):
+            grid = tuple(int(n) for n in grid)
+            ref = None if ref_hw is None or tuple(grid[1:]) == tuple(ref_hw) else tuple(ref_hw)
+            clips.append(Clip(grid, offset, ref, True if trained is None else trained[i]))
+            offset += grid[0]
+        return cls(tuple(clips), int(text_len), attention)
+
+    @property
+    def video_len(self) -> int:
+        return sum(c.tokens for c in self.clips)
+
+    def positions(self) -> Tensor:
+        """[video_len, 3] RoPE positions of the sample's video tokens (float64 if any clip
+        is interpolated onto a reference grid)."""
+        parts = [c.positions() for c in self.clips]
+        if any(p.is_floating_point() for p in parts):
+            parts = [p.double() for p in parts]
+        return torch.cat(parts)
+
+    def frame_of_tokens(self) -> Tensor:
+        """[video_len] frame index of each video token (its RoPE t before any scaling)."""
+        return torch.cat([torch.arange(c.grid[0]).add(c.frame_offset).repeat_interleave(c.grid[1] * c.grid[2])
+                          for c in self.clips])
+
+    def trained_tokens(self) -> Tensor:
+        """[video_len] bool: tokens whose prediction is trained."""
+        return torch.cat([torch.full((c.tokens,), c.trained) for c in self.clips])
 
 
 @dataclass(frozen=True)
@@ -68,15 +171,16 @@ class PackInfo:
     Stream order is the order of the model's inputs: the video (resp. text) rows this process holds,
     sample after sample. All tensors index those local rows.
     """
-    grid_sizes: tuple[tuple[int, int, int], ...]  # post-patch (t, h, w) of each sample
-    text_lens: tuple[int, ...]                    # caption length of each sample
+    layouts: tuple[SampleLayout, ...]  # what each sample is (clips, caption, attention rule)
     cp_rank: int
     cp_size: int
     video_index: Tensor       # [nv] int64 rows of the full video stream held here
     text_index: Tensor        # [nt] int64 rows of the full text stream held here
     video_sample: Tensor      # [nv] int64 sample of each local video token
     text_sample: Tensor       # [nt] int64 sample of each local text token
-    video_pos: Tensor         # [nv, 3] int64 (t, h, w) grid position of each local video token
+    video_pos: Tensor         # [nv, 3] (t, h, w) RoPE position of each local video token (int64,
+                              # or float64 when a clip is interpolated onto a reference grid)
+    video_trained: Tensor     # [nv] bool: the local video tokens whose prediction is trained
     video_counts: tuple[int, ...]  # local video rows of each sample (contiguous in stream order)
     text_counts: tuple[int, ...]   # local text rows of each sample
     stream_to_joint: Tensor   # [nv + nt] int64 row in the local joint order of each stream row
@@ -86,14 +190,22 @@ class PackInfo:
 
     @classmethod
     def build(cls, grid_sizes, text_lens, device=None) -> PackInfo:
-        """Layout of a whole packed batch (one process, no context parallel)."""
-        return _derive(grid_sizes, text_lens, 0, 1, device)
+        """A whole packed batch of plain samples (one clip each, full attention), no context parallel."""
+        if len(grid_sizes) != len(text_lens) or not grid_sizes:
+            raise ValueError(f"need one grid size and one caption length per sample, got "
+                             f"{len(grid_sizes)} grids and {len(text_lens)} caption lengths.")
+        return cls.from_layouts([SampleLayout.single(g, n) for g, n in zip(grid_sizes, text_lens)], device)
+
+    @classmethod
+    def from_layouts(cls, layouts, device=None) -> PackInfo:
+        """A whole packed batch of samples described by their layouts, no context parallel."""
+        return _derive(tuple(layouts), 0, 1, device)
 
     def shard(self, cp_rank: int, cp_size: int) -> PackInfo:
         """The share of cp rank `cp_rank` of `cp_size`: joint tokens j with j % cp_size == cp_rank."""
         if not 0 <= cp_rank < cp_size:
             raise ValueError(f"cp_rank {cp_rank} is not in [0, {cp_size}).")
-        return _derive(self.grid_sizes, self.text_lens, cp_rank, cp_size, self.video_index.device)
+        return _derive(self.layouts, cp_rank, cp_size, self.video_index.device)
 
     def to(self, device) -> PackInfo:
         tensors = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
@@ -102,11 +214,22 @@ class PackInfo:
 
     @property
     def num_samples(self) -> int:
-        return len(self.grid_sizes)
+        return len(self.layouts)
+
+    @property
+    def text_lens(self) -> tuple[int, ...]:
+        return tuple(s.text_len for s in self.layouts)
 
     @property
     def video_lens(self) -> tuple[int, ...]:
-        return tuple(t * h * w for t, h, w in self.grid_sizes)
+        return tuple(s.video_len for s in self.layouts)
+
+    @property
+    def grid_sizes(self) -> tuple[tuple[int, int, int], ...]:
+        """The grid of each sample, for packs of one-clip samples."""
+        if any(len(s.clips) != 1 for s in self.layouts):
+            raise ValueError("this pack has samples of several clips: read `layouts`.")
+        return tuple(s.clips[0].grid for s in self.layouts)
 
     @property
     def video_joint_rows(self) -> Tensor:
@@ -135,18 +258,12 @@ class PackInfo:
         return x.index_select(0, self.video_index), text.index_select(0, self.text_index)
 
 
-def _derive(grid_sizes, text_lens, cp_rank: int, cp_size: int, device) -> PackInfo:
-    grid_sizes = tuple(tuple(int(n) for n in g) for g in grid_sizes)
-    text_lens = tuple(int(n) for n in text_lens)
-    if len(grid_sizes) != len(text_lens) or not grid_sizes:
-        raise ValueError(f"need one grid size and one caption length per sample, got "
-                         f"{len(grid_sizes)} grids and {len(text_lens)} caption lengths.")
-    if any(len(g) != 3 or min(g) < 1 for g in grid_sizes) or min(text_lens) < 0:
-        raise ValueError(f"grid sizes must be positive (t, h, w) and caption lengths >= 0, got "
-                         f"{grid_sizes} and {text_lens}.")
-    video_lens = torch.tensor([t * h * w for t, h, w in grid_sizes])
-    txt_lens = torch.tensor(text_lens)
-    samples = torch.arange(len(grid_sizes))
+def _derive(layouts: tuple[SampleLayout, ...], cp_rank: int, cp_size: int, device) -> PackInfo:
+    if not layouts:
+        raise ValueError("a pack needs at least one sample.")
+    video_lens = torch.tensor([s.video_len for s in layouts])
+    txt_lens = torch.tensor([s.text_len for s in layouts])
+    samples = torch.arange(len(layouts))
     joint_start = torch.cumsum(video_lens + txt_lens, 0) - (video_lens + txt_lens)
 
     def joint_position(lens: Tensor, offset_in_sample: Tensor) -> Tensor:
@@ -168,20 +285,26 @@ def _derive(grid_sizes, text_lens, cp_rank: int, cp_size: int, device) -> PackIn
     video_sample = torch.repeat_interleave(samples, video_lens)[video_index]
     text_sample = torch.repeat_interleave(samples, txt_lens)[text_index]
 
-    positions = torch.cat([
-        torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij"),
-                    -1).reshape(-1, 3)
-        for t, h, w in grid_sizes])
-    sharded = cp_size > 1
+    positions = [s.positions() for s in layouts]
+    if any(p.is_floating_point() for p in positions):
+        positions = [p.double() for p in positions]
+    positions = torch.cat(positions)
+    trained = torch.cat([s.trained_tokens() for s in layouts])
     joint = AttnSegments.from_lengths((video_lens + txt_lens).tolist())
-    text = AttnSegments.from_lengths(list(text_lens))
-    if sharded:
+    if any(s.attention == "block_causal" for s in layouts):
+        # joint order of a sample is [video; caption]: caption rows are frame 0
+        frames = tuple(torch.cat([s.frame_of_tokens(), torch.zeros(s.text_len, dtype=torch.int64)])
+                       if s.attention == "block_causal" else None for s in layouts)
+        joint = dataclasses.replace(joint, frames=frames)
+    text = AttnSegments.from_lengths(list(txt_lens.tolist()))
+    if cp_size > 1:
         joint = dataclasses.replace(joint, local_index=local_joint[joint_to_stream])
         text = dataclasses.replace(text, local_index=text_index)
     pack = PackInfo(
-        grid_sizes=grid_sizes, text_lens=text_lens, cp_rank=cp_rank, cp_size=cp_size,
+        layouts=layouts, cp_rank=cp_rank, cp_size=cp_size,
         video_index=video_index, text_index=text_index,
         video_sample=video_sample, text_sample=text_sample, video_pos=positions[video_index],
+        video_trained=trained[video_index],
         video_counts=tuple(torch.bincount(video_sample, minlength=len(samples)).tolist()),
         text_counts=tuple(torch.bincount(text_sample, minlength=len(samples)).tolist()),
         stream_to_joint=stream_to_joint, joint_to_stream=joint_to_stream, joint=joint, text=text)

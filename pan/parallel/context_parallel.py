@@ -188,7 +188,7 @@ class ContextParallel:
             meta = [{
                 "type": type(inputs),  # pickled by reference: the receivers import its module
                 "shapes": {k: (tuple(fields[k].shape), fields[k].dtype) for k in _BROADCAST_TENSORS},
-                "grid_sizes": inputs.pack.grid_sizes, "text_lens": inputs.pack.text_lens,
+                "layouts": inputs.pack.layouts,
                 **{k: v for k, v in fields.items() if k not in _BROADCAST_TENSORS and k != "pack"}}]
         dist.broadcast_object_list(meta, group=self.group, group_src=0, device=self.device)
         meta = meta[0]
@@ -199,10 +199,10 @@ class ContextParallel:
                  else torch.empty(shape, dtype=dtype, device=self.device))
             dist.broadcast(t, group=self.group, group_src=0)
             tensors[name] = t
-        pack = PackInfo.build(meta["grid_sizes"], meta["text_lens"], device=self.device)
+        pack = PackInfo.from_layouts(meta["layouts"], device=self.device)
         pack = pack.shard(self.rank, self.size)
         scalars = {k: v for k, v in meta.items()
-                   if k not in ("type", "shapes", "grid_sizes", "text_lens")}
+                   if k not in ("type", "shapes", "layouts")}
         if self.rank:
             scalars.update(samples=0, tokens=0, bad_samples=0)
         video, text = pack.video_index, pack.text_index
