@@ -36,6 +36,7 @@ from pan.checkpoint.dcp import folder_size
 from pan.checkpoint.manager import CheckpointConfig, Checkpointer
 from pan.parallel.dims import ParallelConfig, ParallelDims
 from pan.parallel.world import World
+from pan.recipes.contract import Part
 from pan.trainer import TrainState
 
 BLOCK = 8 << 20
@@ -50,8 +51,9 @@ def build_parts(size_mb: int, seed: int = 0) -> dict:
         p.grad = torch.randn_like(p)
     optimizer.step()  # creates exp_avg and exp_avg_sq
     optimizer.zero_grad(set_to_none=True)
-    return {"model": model, "optimizer": optimizer, "train_state": TrainState(step=1), "task": None,
-            "loader": None, "scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)}
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    return {"parts": {"transformer": Part("transformer", model, optimizer, scheduler)},
+            "train_state": TrainState(step=1), "task": None, "loader": None}
 
 
 def disk_write(path: Path, size: int) -> float:

@@ -31,9 +31,10 @@ except ModuleNotFoundError:  # run as `python benchmarks/gpu_step.py`: its folde
 from pan.metrics import peak_flops
 from pan.models import PackInfo, PanDiTConfig, PanVideoDiffusionTransformer
 from pan.models.attention import InnerAttention
-from pan.optim.builder import OptimConfig, build_optimizer
+from pan.optim.builder import build_optimizer
+from pan.optim.config import OptimConfig
 from pan.parallel.checkpointing import apply_activation_checkpointing
-from pan.parallel.fsdp import clip_grad_norm, transformer_blocks
+from pan.parallel.fsdp import clip_grad_norm
 from pan.trainer import autocast_context
 
 # (post-patch grid (t, h, w), caption rows) per sample: 3 clips and one image, 31,456 video tokens
@@ -142,7 +143,7 @@ def measure(cfg: PanDiTConfig, samples: list, mode: Mode, args: argparse.Namespa
     model.init_weights()
     record_attention_dtypes(model, qkv_dtypes)
     if mode.checkpointing != "none":
-        apply_activation_checkpointing(transformer_blocks(model), selective=mode.checkpointing == "selective")
+        apply_activation_checkpointing(model.fsdp_blocks(), selective=mode.checkpointing == "selective")
     optimizer, _ = build_optimizer(model, OptimConfig(use_muon=mode.optimizer == "muon",
                                                       learning_rate=1e-4))
     batch = packed_batch(cfg, samples, device)

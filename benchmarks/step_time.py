@@ -31,7 +31,6 @@ try:
 except ModuleNotFoundError:  # run as `python benchmarks/step_time.py`: its folder is on the path
     from common import interleaved_times, matmul_probe, median, print_table, write_json
 from pan.models import PackInfo, PanDiTConfig, PanVideoDiffusionTransformer, patchify
-from pan.parallel.fsdp import transformer_blocks
 
 LATENT = (16, 7, 24, 32)        # [C, T, H, W] per sample -> (7, 12, 16) = 1344 tokens at patch (1, 2, 2)
 CAPTION, HEAD_DIM = 32, 64
@@ -59,7 +58,7 @@ def build_pan(hidden: int, layers: int, refiner: int, compiled: bool = False
     # auto: one SDPA per sample on CPU, the varlen kernel for bf16 on CUDA (what training uses)
     model = PanVideoDiffusionTransformer(cfg, attention_backend="auto").to(Setup.device)
     if compiled:  # what `compile_transformer: true` does
-        for block in transformer_blocks(model):
+        for block in model.fsdp_blocks():
             block.compile()
     n = Setup.samples
     latents = torch.randn(n, *LATENT)

@@ -7,8 +7,9 @@ for world = nodes x gpus-per-node (cp_size divides the processes per node and th
 hybrid shard needs whole nodes). An invalid combination is refused with the reason and exit code 2.
 Nothing is run: the commands are printed to be copied.
 
-Workflows live in `WORKFLOWS` (name -> Workflow); a later recipe registers its own with
-`register_workflow`.
+Workflows live in `WORKFLOWS` (name -> Workflow). Each recipe module registers its own with
+`register_workflow` when it is imported; `all_workflows()` imports every recipe first, so the CLI
+lists them all. A config whose recipe is not the workflow's is refused.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ TRAIN_SCRIPT = "train.py"
 @dataclass(frozen=True)
 class Workflow:
     name: str
+    recipe: str                      # the recipe its configs must name
     default_config: str              # repository-relative YAML
     script: str                      # the Slurm launch script (scripts/<name>.sh)
     description: str
@@ -44,17 +46,12 @@ def register_workflow(workflow: Workflow) -> Workflow:
     return workflow
 
 
-def _sft_warm_starts(job) -> None:
-    require(job.warm_start.load_transformer_weights, "load_transformer_weights",
-            "is false, but the sft workflow continues a pretrain run: set "
-            "pretrained_transformer_path to the pretrain run's checkpoint-N/ directory and "
-            "load_transformer_weights: true (or use --workflow pretrain).")
-
-
-register_workflow(Workflow("pretrain", "config/pretrain_29B_720p.yaml", "scripts/pretrain.sh",
-                           "Pan pretraining (from scratch or a plain state-dict warm start)"))
-register_workflow(Workflow("sft", "config/sft_29B_720p.yaml", "scripts/sft.sh",
-                           "Pan SFT, warm-started from a pretrain checkpoint", check=_sft_warm_starts))
+def all_workflows() -> dict[str, Workflow]:
+    """Every registered workflow, after importing every recipe module (each registers its own)."""
+    from pan.recipes import get_recipe, recipe_names
+    for name in recipe_names():
+        get_recipe(name)
+    return WORKFLOWS
 
 
 @dataclass
@@ -78,6 +75,10 @@ def validate(workflow: Workflow, config: str, overrides: list[str], nodes: int, 
     require(gpus_per_node % cp == 0, "cp_size",
             f"({cp}) does not divide --gpus-per-node {gpus_per_node}: a cp group must sit inside one "
             "node. Pick a cp_size that divides the processes per node.")
+    require(job.recipe == workflow.recipe, "recipe",
+            f"is {job.recipe} in {config}, but workflow {workflow.name} trains the {workflow.recipe} "
+            f"recipe. Use a {workflow.recipe} config, or the workflow of the {job.recipe} recipe "
+            f"({', '.join(w.name for w in all_workflows().values() if w.recipe == job.recipe) or 'none'}).")
     dims = ParallelDims.from_config(job.parallel, nodes * gpus_per_node, gpus_per_node)
     if workflow.check is not None:
         workflow.check(job)
@@ -135,19 +136,23 @@ def render(commands: LaunchCommands) -> str:
 
 def main_launch_command(argv: list[str]) -> int:
     """`pan launch-command`: print the commands, or the reason they are refused (exit 2)."""
+    workflows = all_workflows()
     parser = argparse.ArgumentParser(
         prog="pan launch-command", allow_abbrev=False,
         description="Print a validated torchrun command (and the srun and sbatch lines) for a "
                     "workflow; never runs it. Other arguments are train.py overrides (--key value).",
-        usage=f"pan launch-command --workflow {{{','.join(WORKFLOWS)}}} --nodes N --gpus-per-node G "
-              "[--config X.yaml] [--key value ...]")
-    parser.add_argument("--workflow", required=True, choices=list(WORKFLOWS))
+        usage=f"pan launch-command --workflow {{{','.join(workflows)}}} --nodes N --gpus-per-node G "
+              "[--config X.yaml] [--key value ...]",
+        epilog="workflows:\n" + "\n".join(f"  {w.name:<22} {w.description} (recipe {w.recipe})"
+                                           for w in workflows.values()),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workflow", required=True, choices=list(workflows))
     parser.add_argument("--nodes", type=int, required=True)
     parser.add_argument("--gpus-per-node", type=int, required=True, help="processes per node")
     parser.add_argument("--config", default=None, help="run YAML (default: the workflow's)")
     parser.add_argument("--master-port", type=int, default=DEFAULT_MASTER_PORT)
     args, overrides = parser.parse_known_args(argv)
-    workflow = WORKFLOWS[args.workflow]
+    workflow = workflows[args.workflow]
     config = args.config or workflow.default_config
     try:
         commands = build_commands(workflow, config, overrides, args.nodes, args.gpus_per_node,

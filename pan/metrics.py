@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,8 @@ class MetricsConfig:
     report_to: Literal["none", "wandb", "tensorboard"] = knob(
         "none", "where metrics also go: wandb (WANDB_PROJECT / WANDB_RUN_ID / WANDB_API_KEY from the "
                 "environment) or tensorboard (output_dir/tensorboard)")
-    progress_bar: bool = knob(True, "show a progress bar on the console (rank 0)")
+    progress_bar: bool = knob(True, "show a progress bar on the console (rank 0, when it is a terminal; "
+                                        "piped or redirected output gets the log lines only)")
 
     def check(self, job) -> None:
         package = {"wandb": "wandb", "tensorboard": "tensorboard"}.get(self.report_to)
@@ -64,6 +66,25 @@ def peak_flops(device: torch.device, dtype: str) -> tuple[float, str]:
     return measured_matmul_peak(device), "measured fp32 matmul"
 
 
+# The trainer's own numbers in each step's values; every other key is a recipe metric.
+TRAINER_KEYS = {"loss", "grad_norm", "finite", "samples", "tokens", "flops", "bad_samples", "packing",
+                "lr", "step_time", "data_wait", "skipped_steps"}
+
+
+def recipe_metrics(finite_steps: list[dict], last: dict) -> dict[str, float]:
+    """The recipe's extra metrics of a log window: means over its finite steps; the latest value of
+    per-part learning rates (`lr/<part>`)."""
+    keys = [k for k in last if k not in TRAINER_KEYS]
+    out = {}
+    for k in keys:
+        if k.startswith("lr/"):
+            out[k] = float(last[k])
+            continue
+        values = [float(v[k]) for v in finite_steps if k in v]
+        out[k] = sum(values) / len(values) if values else float("nan")
+    return out
+
+
 class Metrics:
     """Console log every `log_interval` steps, a progress bar, and the `report_to` backend (rank 0).
 
@@ -97,11 +118,15 @@ class Metrics:
 
     def start(self, step: int, max_steps: int) -> None:
         self.log.info("MFU is measured against %.1f GFLOP/s in all (%s)", self.peak / 1e9, self.peak_source)
-        if self.world.is_main and self.cfg.progress_bar:
+        # The bar is for terminals: piped into a file (CI, Slurm's output file, tee) its carriage
+        # returns would run into the log lines.
+        if self.world.is_main and self.cfg.progress_bar and sys.stderr.isatty():
             from tqdm import tqdm
             self.bar = tqdm(total=max_steps, initial=step, desc="train", unit="step", dynamic_ncols=True)
 
     def step(self, step: int, values: dict) -> None:
+        """One step's numbers: the recipe's scalar metrics (`loss`, `grad_norm`, any others such as
+        `loss/kl`) and the trainer's (samples, tokens, flops, lr..., step_time, data_wait...)."""
         self.window.append(values)
         if self.bar is not None:
             self.bar.update(1)
@@ -112,10 +137,10 @@ class Metrics:
     def _flush(self, step: int) -> None:
         w, self.window = self.window, []
         seconds = sum(v["step_time"] for v in w)
-        finite = [v["loss"] for v in w if v["finite"]]
+        finite = [v for v in w if v["finite"]]
         row = {
             "step": step,
-            "loss": sum(finite) / len(finite) if finite else float("nan"),
+            "loss": sum(v["loss"] for v in finite) / len(finite) if finite else float("nan"),
             "grad_norm": w[-1]["grad_norm"],
             "lr": w[-1]["lr"],
             "step_time": seconds / len(w),
@@ -127,6 +152,8 @@ class Metrics:
             "skipped_steps": w[-1]["skipped_steps"],
             "bad_samples": w[-1].get("bad_samples", 0),
         }
+        extra = recipe_metrics(finite, w[-1])
+        row.update(extra)
         if not self.world.is_main:
             return
         message = (f"step {step} | loss {row['loss']:.4f} | grad {row['grad_norm']:.3f} | "
@@ -134,18 +161,33 @@ class Metrics:
                    f"{row['samples_per_s']:.1f} samples/s | {row['tokens_per_s']:.0f} tok/s | "
                    f"MFU {100 * row['mfu']:.1f}% | data wait {100 * row['data_wait']:.1f}% | "
                    f"packing {100 * row['packing']:.1f}% | bad samples {row['bad_samples']}")
+        message += "".join(f" | {k} {v:.4g}" for k, v in extra.items())
+        self._write(message)
+        self.jsonl.write(json.dumps(row) + "\n")
+        self.jsonl.flush()
+        self._report("train", {k: v for k, v in row.items() if k != "step"}, step)
+
+    def record(self, step: int, values: dict[str, float]) -> None:
+        """Metrics outside the step rhythm (validation): console, validation.jsonl, the backend."""
+        if not self.world.is_main or not values:
+            return
+        self._write(f"validation at step {step}: " + " | ".join(f"{k} {v:.4f}" for k, v in values.items()))
+        with open(self.output_dir / "validation.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, **values}) + "\n")
+        self._report("val", values, step)
+
+    def _write(self, message: str) -> None:
         if self.bar is not None:
             self.bar.write(message)
         else:
             self.log.info(message)
-        self.jsonl.write(json.dumps(row) + "\n")
-        self.jsonl.flush()
+
+    def _report(self, prefix: str, values: dict[str, float], step: int) -> None:
         if self.cfg.report_to == "tensorboard":
-            for k, v in row.items():
-                if k != "step":
-                    self.backend.add_scalar(f"train/{k}", v, step)
+            for k, v in values.items():
+                self.backend.add_scalar(f"{prefix}/{k}", v, step)
         elif self.cfg.report_to == "wandb":
-            self.backend.log({f"train/{k}": v for k, v in row.items() if k != "step"}, step=step)
+            self.backend.log({f"{prefix}/{k}": v for k, v in values.items()}, step=step)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -71,13 +71,20 @@ class Preflight:
         return ParallelDims.from_config(self.job.parallel, self.world_size, self.gpus_per_node)
 
     @functools.cached_property
-    def model(self) -> torch.nn.Module:
-        """The recipe's model on the meta device (shapes only, no memory), as the trainer builds it."""
+    def models(self) -> dict[str, torch.nn.Module]:
+        """The recipe's parts on the meta device (shapes only, no memory), as the trainer builds them."""
         from pan.parallel.world import World
         from pan.recipes import get_recipe
         world = World(rank=0, size=self.world_size, local_rank=0, local_size=self.gpus_per_node,
                       device=torch.device("cpu"))
-        return get_recipe(self.job.recipe).task(self.job, world, self.dims, None).build_model()
+        task = get_recipe(self.job.recipe).task(self.job, world, self.dims, None)
+        with torch.device("meta"):
+            return {spec.name: spec.build() for spec in task.part_specs()}
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The main part's model on the meta device."""
+        return next(iter(self.models.values()))
 
     @functools.cached_property
     def model_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -378,30 +385,23 @@ def check_vae(ctx: Preflight) -> list[Row]:
                 f"{geometry.temporal_factor}x temporal, {geometry.spatial_factor}x spatial.")]
 
 
-def _stripped(name: str) -> str:
-    from pan.checkpoint.warm_start import WRAPPER_PREFIXES
-    for prefix in WRAPPER_PREFIXES:
-        while name.startswith(prefix):
-            name = name[len(prefix):]
-    return name
-
-
 def stored_shapes(kind: str, path: Path) -> dict[str, tuple[int, ...]]:
     """name -> shape of a warm-start source, read from headers/metadata (no tensor data is read)."""
     from pan.checkpoint import dcp as layout
+    from pan.parallel.names import unwrapped_name
     if kind == "checkpoint":
         return {k: tuple(size) for k, (size, _) in layout.dcp_tensor_shapes(path).items()}
     if path.suffix == ".safetensors":
         from safetensors import safe_open
         with safe_open(str(path), framework="pt") as f:
-            return {_stripped(k): tuple(f.get_slice(k).get_shape())
+            return {unwrapped_name(k): tuple(f.get_slice(k).get_shape())
                     for k in f.keys()}  # noqa: SIM118 - safe_open is not iterable
     # mmap: tensors stay on disk; only their headers are read.
     state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ConfigError("pretrained_transformer_path", f"{path} is not a flat state dict of tensors; "
                           "save model.state_dict() itself, or export a checkpoint with `pan export`.")
-    return {_stripped(k): tuple(v.shape) for k, v in state.items()}
+    return {unwrapped_name(k): tuple(v.shape) for k, v in state.items()}
 
 
 @register_check("pan")

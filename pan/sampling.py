@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from pan.diffusion.conditioning import model_input_latent
 from pan.diffusion.sampler import euler_sample, known_frames
 from pan.models.packing import PackInfo, patchify, unpatchify
 
@@ -27,8 +29,6 @@ def latent_velocity(model, schema: str, patch, texts: list[Tensor], given: int,
                     known: Tensor | None):
     """velocity_fn(x [C, T, H, W], sigma) for each caption in `texts` (one packed forward for all)."""
     def velocity(x: Tensor, sigma: float) -> list[Tensor]:
-        from pan.recipes.pan import model_input_latent
-
         cond = known if known is not None else torch.zeros_like(x)
         tokens = patchify(model_input_latent(x, cond, given, schema), patch)
         grid = (x.shape[1] // patch[0], x.shape[2] // patch[1], x.shape[3] // patch[2])
@@ -105,7 +105,43 @@ def load_condition(path: str, given_frames: int, settings: SampleSettings, vae, 
     return vae.encode(frames.to(device).float().div(127.5).sub(1.0))
 
 
+def run_config_of(checkpoint: Path) -> Path | None:
+    """The config.yaml of the run a checkpoint path belongs to (a run dir, checkpoint-N/, or one of
+    its DCP folders); None for an exported file."""
+    for folder in (checkpoint, checkpoint.parent, checkpoint.parent.parent):
+        if (folder / "config.yaml").is_file():
+            return folder / "config.yaml"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    """`pan sample`: find the run's recipe from its config and hand the command to its sampler."""
+    import argparse
+    import importlib
+
+    from pan.cli import EXIT_CONFIG_ERROR, load_config_or_exit
+    from pan.recipes import get_recipe
+
+    argv = list(argv or [])
+    probe = argparse.ArgumentParser(add_help=False)
+    probe.add_argument("--checkpoint", type=Path)
+    probe.add_argument("--config")
+    known, _ = probe.parse_known_args(argv)
+    config = known.config or (run_config_of(known.checkpoint) if known.checkpoint else None)
+    if config is None:  # no run to read the recipe from: Pan's sampler explains what it needs
+        return sample_pan(None, argv)
+    job = load_config_or_exit(["--config", str(config)])
+    recipe = get_recipe(job.recipe)
+    if recipe.sample is None:
+        print(f"pan sample: the {job.recipe} recipe has no sampler ({recipe.description}).",
+              file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    module, function = recipe.sample.split(":")
+    return getattr(importlib.import_module(module), function)(job, argv)
+
+
+def sample_pan(job, argv: list[str]) -> int:
+    """`pan sample` for the Pan recipe (`job`: the run's config when `main` found it)."""
     import argparse
 
     from pan.cli import load_config_or_exit
@@ -138,10 +174,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give --image or --video, not both")
 
     weights, run_dir = resolve_weights(args.checkpoint, args.ema)
-    config = args.config or (run_dir / "config.yaml" if run_dir else None)
-    if config is None:
-        parser.error("--config is needed with an exported .safetensors")
-    job = load_config_or_exit(["--config", str(config)])
+    if job is None:
+        config = args.config or (run_dir / "config.yaml" if run_dir else None)
+        if config is None:
+            parser.error("--config is needed with an exported .safetensors")
+        job = load_config_or_exit(["--config", str(config)])
     v = job.validation
     settings = SampleSettings(
         num_frames=args.num_frames or v.sample_num_frames, height=args.height or v.sample_height,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import signal
 import sys
@@ -14,11 +13,10 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 import torch
-import torch.distributed as dist
 
 from pan.config.core import knob, require
 from pan.logging import get_logger
-from pan.parallel.fsdp import clip_grad_norm, set_gradient_sync
+from pan.recipes.contract import Part, PartSpec, StepContext, global_sums
 
 
 @dataclass(kw_only=True)
@@ -101,41 +99,37 @@ def sigterm_recorded(enabled: bool):
         signal.signal(signal.SIGTERM, previous)
 
 
-def global_sums(values: list[float], group=None) -> list[float]:
-    """Sum host numbers over all ranks (every rank calls this), in one collective."""
-    if not dist.is_initialized():
-        return [float(v) for v in values]
-    t = torch.tensor([float(v) for v in values], dtype=torch.float64)
-    if dist.get_backend(group) == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t, group=group)
-    return t.tolist()
-
-
-def global_sum(value: float, group=None) -> float:
-    return global_sums([value], group)[0]
-
-
-def autocast_context(dtype: str, device: torch.device):
-    if dtype == "fp32":
-        return contextlib.nullcontext()
-    # Autocast's weight-cast cache is off in the validated eager mode: FSDP frees the unsharded
-    # weights after each block, so a cached cast would keep a stale copy alive.
-    return torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False)
-
-
 class Trainer:
-    """Runs one recipe's job: everything recipe-specific lives in `task` (see pan/recipes)."""
+    """Runs one recipe's job: everything recipe-specific lives in `task` (pan/recipes/contract.py)."""
 
-    def __init__(self, job, task, world, dims, model, optimizer, scheduler, loader, checkpointer,
-                 metrics, ema=None):
+    def __init__(self, job, task, world, dims, parts: dict[str, Part], loader, checkpointer, metrics):
         self.job, self.task, self.world, self.dims = job, task, world, dims
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.parts = parts
         self.loader, self.checkpointer, self.metrics = loader, checkpointer, metrics
-        self.ema = ema
         self.state = TrainState()
         self._consumed = None  # the file of sample ids seen (record_samples)
         self.log = get_logger()
+
+    # The main part (the first declared): what `loss`, `grad_norm`, export and samples refer to.
+    @property
+    def main(self) -> Part:
+        return next(iter(self.parts.values()))
+
+    @property
+    def model(self):
+        return self.main.model
+
+    @property
+    def optimizer(self):
+        return self.main.optimizer
+
+    @property
+    def scheduler(self):
+        return self.main.scheduler
+
+    @property
+    def ema(self):
+        return self.main.ema
 
     # -- one optimizer step --------------------------------------------------------------------
     def next_micro_batches(self) -> tuple[list, float]:
@@ -145,37 +139,22 @@ class Trainer:
         return [batch for batch, _ in got], sum(waited for _, waited in got)
 
     def train_step(self, micro_batches: list) -> dict:
+        """The recipe's step (forward, backward, update of every part), then the non-finite guard."""
         cfg = self.job.trainer
-        # Normalise by the number of loss elements of the whole global batch (all micro-batches,
-        # all ranks), so the loss and gradients are the same for any dp x cp x accumulation layout.
-        global_count = global_sum(sum(self.task.loss_count(mb) for mb in micro_batches))
-        sse_total = 0.0
-        for i, mb in enumerate(micro_batches):
-            last = i == len(micro_batches) - 1
-            set_gradient_sync(self.model, last)
-            with autocast_context(cfg.dtype, self.world.device):
-                sse = self.task.loss_sum(self.model, mb)
-            (sse / global_count).backward()
-            sse_total += sse.detach().float().item()
-        loss = global_sum(sse_total) / global_count
-        grad_norm = clip_grad_norm(self.model, self.job.optim.max_grad_norm)
-        finite = math.isfinite(loss) and math.isfinite(grad_norm)
-        if finite:
-            self.optimizer.step()
-            if self.ema is not None:
-                self.ema.update()
+        ctx = StepContext(self.parts, self.state.step, cfg.dtype, self.world.device)
+        out = dict(self.task.train_step(ctx, micro_batches))
+        if ctx.finite:
             self.state.nonfinite_streak = 0
         else:
             self.state.nonfinite_streak += 1
             self.state.skipped_steps += 1
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
         if self.state.nonfinite_streak >= cfg.max_nonfinite_steps:
             raise NonFiniteLossError(
                 f"{self.state.nonfinite_streak} steps in a row had a non-finite loss or gradient "
-                f"(last loss {loss}, grad norm {grad_norm}); each was skipped. Lower learning_rate, "
-                "check the data, or resume from an earlier checkpoint.")
-        return {"loss": loss, "grad_norm": grad_norm, "finite": finite}
+                f"(last loss {out.get('loss')}, grad norm {out.get('grad_norm')}); each was skipped. "
+                "Lower learning_rate, check the data, or resume from an earlier checkpoint.")
+        out["finite"] = ctx.finite
+        return out
 
     # -- the loop ----------------------------------------------------------------------------
     def fit(self) -> None:
@@ -189,15 +168,25 @@ class Trainer:
                 stop = stop_asked and not last
                 # Validation is skipped when stopping: the grace period before SIGKILL is for the save.
                 if self.task.wants_validation(self.state.step) and not stop:
-                    # Validation sees the EMA weights when there are any: they are what gets exported.
-                    with self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext():
-                        self.task.validate(self.model, self.state.step, self.checkpointer.output_dir)
+                    self.validate()
                 if self.state.step % ckpt_cfg.save_interval == 0 or last or stop:
                     self.checkpointer.save(self.state.step, self.checkpoint_parts())
                 if stop:
                     self.metrics.close()
                     raise StoppedBySignal(signal.SIGTERM, self.state.step)
         self.metrics.close()
+
+    def validate(self) -> dict:
+        """The recipe's validation, with every part's EMA weights swapped in (they are what gets
+        exported); its metrics go to the log."""
+        with contextlib.ExitStack() as stack:
+            for part in self.parts.values():
+                if part.ema is not None:
+                    stack.enter_context(part.ema.swapped_in())
+            results = self.task.validate(self.parts, self.state.step, self.checkpointer.output_dir)
+        if results:
+            self.metrics.record(self.state.step, results)
+        return results
 
     def step_and_log(self, signal_received: int) -> bool:
         """Train one step and log it; returns whether a stop signal reached any rank by now."""
@@ -213,11 +202,13 @@ class Trainer:
                               signal_received])
         self.state.samples_seen += int(totals[0])
         self.state.tokens_seen += int(totals[1])
+        lrs = {f"lr/{name}": part.scheduler.get_last_lr()[0] for name, part in self.parts.items()}
+        lrs = {"lr": lrs.pop(f"lr/{self.main.name}"), **lrs}
         self.metrics.step(self.state.step, {
             **out, "samples": totals[0], "tokens": totals[1], "flops": totals[2],
-            "bad_samples": int(totals[3]), "packing": stats["packing"],
-            "lr": self.scheduler.get_last_lr()[0], "step_time": time.perf_counter() - t0,
-            "data_wait": data_wait, "skipped_steps": self.state.skipped_steps})
+            "bad_samples": int(totals[3]), "packing": stats["packing"], **lrs,
+            "step_time": time.perf_counter() - t0, "data_wait": data_wait,
+            "skipped_steps": self.state.skipped_steps})
         return totals[4] > 0
 
     def record_samples(self, micro_batches: list) -> None:
@@ -238,21 +229,42 @@ class Trainer:
 
     def checkpoint_parts(self) -> dict:
         """Everything a resume restores, by name (the checkpointer decides how each is stored)."""
-        return {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler,
-                "loader": self.loader, "train_state": self.state, "task": self.task, "ema": self.ema}
+        return {"parts": self.parts, "loader": self.loader, "train_state": self.state, "task": self.task}
+
+
+def build_part(spec: PartSpec, world, dims, mesh, job, warm_start) -> Part:
+    """One part: model materialised and initialised, warm-started, parallelised; its optimizer,
+    LR schedule and EMA."""
+    from pan.optim.builder import build_optimizer, build_scheduler
+    from pan.optim.ema import EMA
+    from pan.parallel.fsdp import materialize_and_init, parallelize_model
+
+    log = get_logger()
+    cfg = job.trainer
+    model = materialize_and_init(spec.build(), world.device, cfg.seed, mesh)
+    if warm_start is not None and spec.warm_start:
+        warm_start.before_sharding(model)
+    model = parallelize_model(model, mesh, dims, job.parallel, cfg)
+    if warm_start is not None and spec.warm_start:
+        warm_start.after_sharding(model)
+    log.info("%s: %.1fM parameters", spec.name, sum(p.numel() for p in model.parameters()) / 1e6)
+    optim = spec.optim.optim()
+    optimizer, report = build_optimizer(model, optim)
+    log.info("%s optimizer split:\n%s", spec.name, report)
+    scheduler = build_scheduler(optimizer, optim, cfg.max_steps)
+    ema = EMA(model, optim.ema_decay) if optim.ema_decay > 0 else None
+    return Part(spec.name, model, optimizer, scheduler, ema, optim)
 
 
 def build_trainer(job) -> Trainer:
-    """World, model (parallelised and initialised), optimizer, data, checkpoints: ready to fit()."""
+    """World, parts (parallelised and initialised), optimizers, data, checkpoints: ready to fit()."""
     from pan.checkpoint.manager import Checkpointer
     from pan.checkpoint.warm_start import plan_warm_start
     from pan.config import dump_job
+    from pan.config.job import job_to_sections
     from pan.metrics import Metrics
-    from pan.optim.builder import build_optimizer, build_scheduler
-    from pan.optim.ema import EMA
     from pan.parallel.context_parallel import ContextParallel
     from pan.parallel.dims import ParallelDims
-    from pan.parallel.fsdp import materialize_and_init, parallelize_model
     from pan.parallel.mesh import build_mesh, cp_group, cp_rank
     from pan.parallel.world import init_world
     from pan.recipes import get_recipe
@@ -278,25 +290,19 @@ def build_trainer(job) -> Trainer:
     log.info("world: %d processes (dp_replicate %d x dp_shard %d x cp %d) on %s",
              world.size, dims.dp_replicate, dims.dp_shard, dims.cp, world.device)
 
+    data_cfg = getattr(job, "data", None)
     checkpointer = Checkpointer(job.checkpoint, world, dims,
-                                restart_data_on_dp_change=job.data.restart_data_on_dp_change)
-    warm_start = plan_warm_start(job.warm_start, checkpointer.latest_step())
-    model = materialize_and_init(task.build_model(), world.device, cfg.seed, mesh)
-    if warm_start is not None:
-        warm_start.before_sharding(model)
-    model = parallelize_model(model, mesh, dims, job.parallel, cfg)
-    if warm_start is not None:
-        warm_start.after_sharding(model)
-    log.info("model: %.1fM parameters", sum(p.numel() for p in model.parameters()) / 1e6)
-    optimizer, report = build_optimizer(model, job.optim)
-    log.info("optimizer split:\n%s", report)
-    scheduler = build_scheduler(optimizer, job.optim, cfg.max_steps)
-    ema = EMA(model, job.optim.ema_decay) if job.optim.ema_decay > 0 else None
+                                restart_data_on_dp_change=getattr(data_cfg, "restart_data_on_dp_change", False))
+    specs = task.part_specs()
+    # Before any model is built: a run of other parts (or another dp size) in output_dir is refused.
+    latest = checkpointer.latest_step([spec.name for spec in specs])
+    warm_cfg = getattr(job, "warm_start", None)  # recipes without warm-start keys have none
+    warm_start = None if warm_cfg is None else plan_warm_start(warm_cfg, latest)
+    parts = {spec.name: build_part(spec, world, dims, mesh, job, warm_start) for spec in specs}
     task.load_encoders()
     loader = task.build_loader(dims) if task.reads_data else None
-    metrics = Metrics(job.logging, output_dir, world, world.device, cfg.dtype)
-    trainer = Trainer(job, task, world, dims, model, optimizer, scheduler, loader, checkpointer,
-                      metrics, ema)
+    metrics = Metrics(job.logging, output_dir, world, world.device, cfg.dtype, job_to_sections(job))
+    trainer = Trainer(job, task, world, dims, parts, loader, checkpointer, metrics)
     resumed = checkpointer.resume(trainer.checkpoint_parts())
     if resumed is not None:
         log.info("resuming from checkpoint-%d", resumed)

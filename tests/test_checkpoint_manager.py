@@ -20,11 +20,13 @@ from torch import nn
 from pan.checkpoint import dcp as layout
 from pan.checkpoint.export import format_inspection, inspect_run, main_inspect
 from pan.checkpoint.manager import CheckpointConfig, Checkpointer, UnreadableRunError
-from pan.optim.builder import OptimConfig, build_optimizer
+from pan.optim.builder import build_optimizer
+from pan.optim.config import OptimConfig
 from pan.optim.ema import EMA
 from pan.optim.schedule import LRSchedulers
 from pan.parallel.dims import ParallelConfig, ParallelDims
 from pan.parallel.world import World
+from pan.recipes.contract import Part
 from pan.trainer import TrainState
 
 # --------------------------------------------------------------------------------------------------
@@ -94,9 +96,15 @@ def make_parts(seed: int, shard=None, loader=None, ema: bool = True, width: int 
     if shard is not None:
         shard(model)
     optimizer, _ = build_optimizer(model, OPTIM)
-    return {"model": model, "optimizer": optimizer, "scheduler": LRSchedulers(optimizer, OPTIM, 20),
-            "loader": loader if loader is not None else ToyLoader(), "train_state": TrainState(),
-            "task": ToyTask(seed), "ema": EMA(model, OPTIM.ema_decay) if ema else None}
+    return with_part({"model": model, "optimizer": optimizer, "scheduler": LRSchedulers(optimizer, OPTIM, 20),
+                      "loader": loader if loader is not None else ToyLoader(), "train_state": TrainState(),
+                      "task": ToyTask(seed), "ema": EMA(model, OPTIM.ema_decay) if ema else None})
+
+
+def with_part(flat: dict) -> dict:
+    """The checkpointer's view of a one-part run (`parts`), beside the flat names the tests use."""
+    part = Part("transformer", flat["model"], flat["optimizer"], flat["scheduler"], flat.get("ema"))
+    return {**flat, "parts": {"transformer": part}}
 
 
 def train(parts: dict, steps: int) -> None:
@@ -258,6 +266,7 @@ import torch
 from pan.checkpoint.manager import CheckpointConfig, Checkpointer
 from pan.parallel.dims import ParallelConfig, ParallelDims
 from pan.parallel.world import World
+from pan.recipes.contract import Part
 from pan.trainer import TrainState
 warnings.filterwarnings("ignore")
 model = torch.nn.Linear(1024, 256)
@@ -265,8 +274,9 @@ optimizer = torch.optim.AdamW(model.parameters())
 model(torch.ones(1, 1024)).sum().backward()
 optimizer.step()
 state = TrainState(step=int(sys.argv[2]))
-parts = {"model": model, "optimizer": optimizer, "train_state": state, "task": None, "loader": None,
-         "scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)}
+parts = {"parts": {"transformer": Part("transformer", model, optimizer,
+                                        torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0))},
+         "train_state": state, "task": None, "loader": None}
 world = World(rank=0, size=1, local_rank=0, local_size=1, device=torch.device("cpu"))
 dims = ParallelDims.from_config(ParallelConfig(), world_size=1, local_world_size=1)
 ckpt = Checkpointer(CheckpointConfig(output_dir=sys.argv[1]), world, dims)
@@ -297,8 +307,8 @@ def test_sigkill_during_saves_never_leaves_a_complete_looking_broken_checkpoint(
         model = torch.nn.Linear(1024, 256)
         optimizer = torch.optim.AdamW(model.parameters())
         state = TrainState()
-        parts = {"model": model, "optimizer": optimizer, "train_state": state, "task": None,
-                 "loader": None, "scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)}
+        parts = with_part({"model": model, "optimizer": optimizer, "train_state": state, "task": None,
+                           "loader": None, "scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)})
         step = single_process(tmp_path).resume(parts)
         assert step is not None and step > last and step == state.step
         assert all(torch.all(p == step) for p in model.parameters())

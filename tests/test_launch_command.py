@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from pan import launch_command
 from pan.checkpoint import dcp as layout
 from pan.data.synth import synth_dataset
 from pan.launch_command import main_launch_command
@@ -103,15 +102,6 @@ def test_default_yaml_is_the_workflows(capsys):
     exist on a test machine, so it is refused, naming the file)."""
     code, _, err = printed(capsys, "--workflow", "sft", "--nodes", "2", "--gpus-per-node", "8")
     assert code == 2 and "config/sft_29B_720p.yaml" in err
-
-
-def test_workflow_registry_is_open():
-    extra = launch_command.Workflow("toy", DEMO, "scripts/toy.sh", "a test workflow")
-    try:
-        launch_command.register_workflow(extra)
-        assert launch_command.WORKFLOWS["toy"] is extra
-    finally:
-        launch_command.WORKFLOWS.pop("toy", None)
 
 
 def test_printed_torchrun_command_trains(tmp_path, data, capsys):

@@ -268,13 +268,11 @@ def test_compiled_blocks_do_not_recompile_for_each_new_batch_layout():
     eager ones."""
     from torch._dynamo.testing import CompileCounter
 
-    from pan.parallel.fsdp import transformer_blocks
-
     torch._dynamo.reset()
     eager = tiny_model().float()
     compiled = tiny_model().float()
     counter = CompileCounter()  # dynamo's guards and recompiles, without inductor's codegen time
-    for block in transformer_blocks(compiled):
+    for block in compiled.fsdp_blocks():
         block.compile(backend=counter)
     frames = []
     for step in range(12):

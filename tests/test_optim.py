@@ -360,13 +360,36 @@ def job_for(cfg: OptimConfig, explicit: set[str], max_steps: int = 1000):
     (dict(lr_decay_steps=100), "lr_decay_steps"),
     (dict(lr_decay_floor_ratio=0.1), "lr_decay_floor_ratio"),
     (dict(use_muon=False, muon_momentum=0.9), "muon_momentum"),
-    (dict(warmup_steps=2000), "warmup_steps"),
 ])
 def test_bad_optim_keys_are_rejected(kwargs, key):
     cfg = OptimConfig(**kwargs)
     with pytest.raises(ConfigError) as err:
         cfg.check(job_for(cfg, set(kwargs)))
     assert err.value.key == key
+
+
+def test_warmup_longer_than_the_run_warns_but_is_accepted(caplog):
+    """`--max_steps 2` on a production config is a legitimate smoke test: warned, not refused."""
+    cfg = OptimConfig(warmup_steps=2000)
+    with caplog.at_level("WARNING", logger="pan"):
+        cfg.check(job_for(cfg, {"warmup_steps"}))
+    assert "warmup_steps is 2000 but the run has only max_steps 1000" in caplog.text
+
+
+def test_a_prefixed_part_has_its_own_keys_and_checks():
+    """A second part's optimizer keys (a discriminator's) are its own, refused under its own names."""
+    from pan.optim import prefixed_optim_config
+
+    Disc = prefixed_optim_config("disc_", "discriminator", "the discriminator's optimizer",
+                                 learning_rate=2e-4, adam_beta1=0.5)
+    cfg = Disc(disc_adam_beta2=0.9, disc_use_muon=False)
+    assert cfg.optim() == OptimConfig(learning_rate=2e-4, adam_beta1=0.5, adam_beta2=0.9, use_muon=False)
+    bad = Disc(disc_use_muon=False, disc_muon_momentum=0.5)
+    with pytest.raises(ConfigError) as err:
+        bad.check(job_for(bad, {"disc_muon_momentum"}))
+    assert err.value.key == "disc_muon_momentum"
+    with pytest.raises(TypeError):
+        prefixed_optim_config("d_", "x", "", not_a_key=1)
 
 
 @pytest.mark.parametrize("kwargs", [

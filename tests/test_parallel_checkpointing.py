@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from pan.models.packing import PackInfo
 from pan.models.pan_dit import PanDiTConfig, PanVideoDiffusionTransformer
 from pan.parallel.checkpointing import apply_activation_checkpointing
-from pan.parallel.fsdp import transformer_blocks
+
 
 aten = torch.ops.aten
 ARCH = PanDiTConfig(in_channels=4, out_channels=4, hidden_size=32, num_attention_heads=4, num_layers=2,
@@ -33,7 +33,7 @@ def backward_ops(checkpointing: str) -> tuple[Counter, list[str], torch.Tensor]:
     torch.manual_seed(0)
     model = PanVideoDiffusionTransformer(ARCH, zero_init_modulation=False, attention_backend="sdpa")
     if checkpointing != "none":
-        apply_activation_checkpointing(transformer_blocks(model), selective=checkpointing == "selective")
+        apply_activation_checkpointing(model.fsdp_blocks(), selective=checkpointing == "selective")
     pack = PackInfo.build([(1, 3, 4), (2, 2, 2)], [5, 3])
     x = torch.randn(pack.num_video_tokens, 16, requires_grad=True)
     out = model(x, torch.rand(2), torch.randn(8, 16), pack)

@@ -17,7 +17,8 @@ import torch.distributed as dist
 from dist_utils import run_distributed
 from pan.models.packing import PackInfo
 from pan.models.pan_dit import PanDiTConfig, PanVideoDiffusionTransformer
-from pan.optim.builder import OptimConfig, build_optimizer
+from pan.optim.builder import build_optimizer
+from pan.optim.config import OptimConfig
 from pan.parallel.context_parallel import ContextParallel
 from pan.parallel.dims import ParallelConfig, ParallelDims
 from pan.parallel.fsdp import clip_grad_norm, materialize_and_init, parallelize_model, set_gradient_sync

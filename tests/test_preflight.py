@@ -308,17 +308,6 @@ def test_warm_start_is_skipped_when_the_run_resumes(tmp_path, data):
 
 # ---- registry -----------------------------------------------------------------------------------
 
-def test_a_recipe_registers_its_own_checks(monkeypatch):
-    monkeypatch.setattr(preflight, "CHECKS", {})
-
-    @preflight.register_check("other_recipe")
-    def check_something(ctx):
-        return [Row("something", "pass", "fine")]
-
-    assert preflight.CHECKS == {"other_recipe": [check_something]}
-    assert preflight.check_name(check_something) == "something"
-
-
 def test_cpu_check_warns_when_workers_and_threads_oversubscribe_the_cores(tmp_path, data, monkeypatch):
     import os
     cores = len(os.sched_getaffinity(0))

@@ -4,9 +4,11 @@
         transformer/            DCP shards of the model state (`__<rank>_<i>.distcp` + `.metadata`)
         optimizer/              DCP shards of the optimizer state (keyed by parameter name)
         ema/                    DCP shards of the EMA weights (only when the run keeps an EMA)
+        <part>/, <part>_optimizer/, <part>_ema/   the same for every further part of the recipe
+                                (e.g. discriminator/); the main part of a DiT recipe is `transformer`
         dataloader/<dp>.json    one data cursor per data-parallel rank
-        training_state.pt       step, LR schedulers, train state, every rank's RNG states
-        meta.json               world_size, cp_size, dp_size, step, pan/torch versions
+        training_state.pt       step, LR schedulers of every part, train state, every rank's RNG states
+        meta.json               parts, world_size, cp_size, dp_size, step, pan/torch versions
         COMPLETE.json           written last: the size of every file above
 
 A checkpoint is written under `checkpoint-N.tmp/` and renamed to `checkpoint-N/` only after every file
@@ -44,6 +46,23 @@ META = "meta.json"
 MARKER = "COMPLETE.json"
 DCP_METADATA = ".metadata"
 FORMAT_VERSION = 1
+
+# The parts of checkpoints written before parts had names: one transformer.
+DEFAULT_PARTS = (TRANSFORMER,)
+
+
+def part_dirs(part: str) -> tuple[str, str, str]:
+    """(model, optimizer, EMA) folder names of a part. The transformer keeps the names of Pan's
+    layout (`transformer/`, `optimizer/`, `ema/`); any other part is prefixed by its name."""
+    if part == TRANSFORMER:
+        return TRANSFORMER, OPTIMIZER, EMA
+    return part, f"{part}_{OPTIMIZER}", f"{part}_{EMA}"
+
+
+def saved_parts(path: Path) -> list[str]:
+    """The parts a checkpoint holds, from its meta.json (older checkpoints: the transformer)."""
+    return list(read_json(path / META).get("parts", DEFAULT_PARTS))
+
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 _PARTIAL = re.compile(r"^checkpoint-(\d+)\.(tmp|old)$")
@@ -327,16 +346,17 @@ def verify_checkpoint(path: Path) -> str | None:
                 return f"{rel} is missing"
             if f.stat().st_size != size:
                 return f"{rel} has {f.stat().st_size} bytes, {size} when it was saved (truncated?)"
-        read_json(path / META)
         for cursor in sorted((path / DATALOADER).glob("*.json")):
             read_json(cursor)
-        for part in (TRANSFORMER, OPTIMIZER, EMA):
-            if part == EMA and not (path / EMA).exists():
-                continue
-            dcp_dir = path / part
-            if not (dcp_dir / DCP_METADATA).is_file():
-                return f"{part}/{DCP_METADATA} is missing"
-            _check_dcp_files(dcp_dir, dcp_metadata(dcp_dir))
+        for part in saved_parts(path):
+            model, optimizer, ema = part_dirs(part)
+            for name in (model, optimizer, ema):
+                if name == ema and not (path / ema).exists():
+                    continue
+                dcp_dir = path / name
+                if not (dcp_dir / DCP_METADATA).is_file():
+                    return f"{name}/{DCP_METADATA} is missing"
+                _check_dcp_files(dcp_dir, dcp_metadata(dcp_dir))
         if not (path / TRAINING_STATE).is_file():
             return f"{TRAINING_STATE} is missing"
     except Exception as e:  # any parse error means "unreadable"; say which file and why
@@ -353,6 +373,7 @@ class CheckpointInfo:
     complete: bool
     size_bytes: int
     problem: str | None     # None when readable
+    parts: list[str] | None = None   # the trained parts it holds (None: unreadable meta.json)
 
 
 def folder_size(path: Path) -> int:
@@ -365,5 +386,9 @@ def describe(path: Path) -> CheckpointInfo:
     if step is None:
         m = _PARTIAL.match(path.name)
         step = int(m.group(1)) if m else -1
+    try:
+        parts = saved_parts(path)
+    except Exception:
+        parts = None
     return CheckpointInfo(path, step, has_marker(path) and _NAME.match(path.name) is not None,
-                          folder_size(path), problem)
+                          folder_size(path), problem, parts)

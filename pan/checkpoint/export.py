@@ -25,30 +25,44 @@ def consolidated_weights(dcp_dir: Path, dtype: torch.dtype | None = None) -> dic
     return state
 
 
-def export_checkpoint(ckpt_dir: str | Path, out_path: str | Path, *, ema: bool = False,
-                      dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Write the transformer weights of `ckpt_dir` (a checkpoint-N/ or its transformer/ folder) as
-    one .safetensors file that `safetensors.torch.load_file` and the warm start read.
+def part_source(ckpt_dir: Path, part: str | None, ema: bool) -> tuple[str, Path]:
+    """(part name, DCP folder) of a part's weights (or EMA) in a checkpoint-N/ folder; the main
+    (first) part when `part` is None."""
+    problem = layout.verify_checkpoint(ckpt_dir)
+    if problem is not None:
+        raise ValueError(f"{ckpt_dir} is not a readable checkpoint: {problem}")
+    parts = layout.saved_parts(ckpt_dir)
+    part = part or parts[0]
+    if part not in parts:
+        raise ValueError(f"{ckpt_dir} holds the parts {parts}, not {part!r}: choose one with --part.")
+    model_dir, _, ema_dir = layout.part_dirs(part)
+    source = ckpt_dir / (ema_dir if ema else model_dir)
+    if not source.is_dir():
+        raise ValueError(f"{ckpt_dir} holds no EMA weights of {part} (its ema_decay was 0)")
+    return part, source
 
-    `ema=True` exports the EMA weights instead (the checkpoint must hold them). Returns the tensors.
+
+def export_checkpoint(ckpt_dir: str | Path, out_path: str | Path, *, ema: bool = False,
+                      dtype: torch.dtype | None = None, part: str | None = None) -> dict[str, torch.Tensor]:
+    """Write one part's weights of `ckpt_dir` (a checkpoint-N/, or one DCP folder of it) as one
+    .safetensors file that `safetensors.torch.load_file` and the warm start read.
+
+    `part` names the part (default: the main one, e.g. the transformer); `ema=True` exports its EMA
+    weights instead (the checkpoint must hold them). Returns the tensors.
     """
     ckpt_dir, out_path = Path(ckpt_dir), Path(out_path)
     if (ckpt_dir / layout.DCP_METADATA).is_file():
-        if ema:
-            raise ValueError(f"{ckpt_dir} is a single DCP folder; pass its checkpoint-N/ for --ema")
-        source = ckpt_dir
+        if ema or part:
+            raise ValueError(f"{ckpt_dir} is a single DCP folder; pass its checkpoint-N/ for --ema "
+                             "or --part")
+        part, source = ckpt_dir.name, ckpt_dir
     else:
-        problem = layout.verify_checkpoint(ckpt_dir)
-        if problem is not None:
-            raise ValueError(f"{ckpt_dir} is not a readable checkpoint: {problem}")
-        source = ckpt_dir / (layout.EMA if ema else layout.TRANSFORMER)
-        if not source.is_dir():
-            raise ValueError(f"{ckpt_dir} holds no EMA weights (the run had ema_decay: 0)")
+        part, source = part_source(ckpt_dir, part, ema)
     weights = consolidated_weights(source, dtype)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(out_path.name + ".tmp")
     save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp),
-              metadata={"source": str(source), "format": "pan-transformer"})
+              metadata={"source": str(source), "part": part, "format": "pan-weights"})
     tmp.replace(out_path)  # a killed export never leaves a half-written file under the real name
     return weights
 
@@ -61,11 +75,12 @@ def inspect_run(output_dir: str | Path) -> list[layout.CheckpointInfo]:
 
 
 def format_inspection(infos: list[layout.CheckpointInfo]) -> str:
-    lines = [f"{'checkpoint':<28}{'step':>10}{'complete':>10}{'size':>12}  status"]
+    lines = [f"{'checkpoint':<28}{'step':>10}{'complete':>10}{'size':>12}  {'parts':<28}status"]
     for i in infos:
         status = "ok" if i.problem is None else i.problem
+        parts = ",".join(i.parts) if i.parts else "?"
         lines.append(f"{i.path.name:<28}{i.step:>10}{'yes' if i.complete else 'no':>10}"
-                     f"{i.size_bytes / 2**20:>10.1f}MB  {status}")
+                     f"{i.size_bytes / 2**20:>10.1f}MB  {parts:<28}{status}")
     readable = [i for i in infos if i.complete and i.problem is None]
     lines.append(f"resume would start from: {readable[-1].path.name if readable else 'nothing (fresh run)'}")
     return "\n".join(lines)
@@ -76,12 +91,15 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def main_export(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="pan export", description="Write a checkpoint's transformer weights as one .safetensors "
-                                       "file (usable as pretrained_transformer_path).")
+        prog="pan export", description="Write one trained part's weights of a checkpoint (the main "
+                                       "part by default: the transformer) as one .safetensors file "
+                                       "(usable as pretrained_transformer_path).")
     parser.add_argument("checkpoint", help="a checkpoint-N/ folder, or its transformer/ folder")
     parser.add_argument("--out", help="the .safetensors file to write (may also follow the checkpoint "
                                       "without --out)")
     parser.add_argument("out_file", nargs="?", help=argparse.SUPPRESS)
+    parser.add_argument("--part", help="which trained part to export (default: the main one, e.g. "
+                                       "transformer; `pan inspect` lists a checkpoint's parts)")
     parser.add_argument("--ema", action="store_true", help="export the EMA weights instead")
     parser.add_argument("--dtype", choices=list(DTYPES), help="cast floating tensors (default: as saved)")
     args = parser.parse_args(argv)
@@ -89,13 +107,17 @@ def main_export(argv: list[str]) -> int:
         parser.error("name the .safetensors file to write once: --out model.safetensors")
     args.out = args.out or args.out_file
     try:
-        weights = export_checkpoint(args.checkpoint, args.out, ema=args.ema,
+        weights = export_checkpoint(args.checkpoint, args.out, ema=args.ema, part=args.part,
                                     dtype=DTYPES[args.dtype] if args.dtype else None)
     except (ValueError, FileNotFoundError) as e:
         print(f"pan export: {e}", file=sys.stderr)
         return 2
     count = sum(v.numel() for v in weights.values())
-    print(f"wrote {args.out}: {len(weights)} tensors, {count:,} parameters")
+    source = Path(args.checkpoint)
+    part = args.part or (source.name if (source / layout.DCP_METADATA).is_file()
+                         else layout.saved_parts(source)[0])
+    print(f"wrote {args.out}: part {part}{' (EMA)' if args.ema else ''}, {len(weights)} tensors, "
+          f"{count:,} parameters")
     return 0
 
 

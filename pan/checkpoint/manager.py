@@ -154,8 +154,9 @@ class Checkpointer:
     def cp_rank(self) -> int:
         return self.world.rank % self.dims.cp
 
-    def _meta(self, step: int) -> dict:
-        return {"format": layout.FORMAT_VERSION, "step": step, "world_size": self.world.size,
+    def _meta(self, step: int, parts: dict) -> dict:
+        return {"format": layout.FORMAT_VERSION, "step": step, "parts": list(parts),
+                "world_size": self.world.size,
                 "cp_size": self.dims.cp, "dp_size": self.dims.dp,
                 "dp_replicate": self.dims.dp_replicate, "dp_shard": self.dims.dp_shard,
                 "torch": torch.__version__, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
@@ -171,12 +172,13 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         _barrier()
 
-        model, optimizers = parts["model"], _optimizers(parts["optimizer"])
-        # Optimizer state is keyed by parameter name, so it reloads under any sharding.
-        _dcp_save(get_model_state_dict(model), tmp / layout.TRANSFORMER)
-        _dcp_save(get_optimizer_state_dict(model, optimizers), tmp / layout.OPTIMIZER)
-        if parts.get("ema") is not None:
-            _dcp_save(parts["ema"].state_dict(), tmp / layout.EMA)
+        for name, part in parts["parts"].items():
+            model_dir, optimizer_dir, ema_dir = layout.part_dirs(name)
+            # Optimizer state is keyed by parameter name, so it reloads under any sharding.
+            _dcp_save(get_model_state_dict(part.model), tmp / model_dir)
+            _dcp_save(get_optimizer_state_dict(part.model, _optimizers(part.optimizer)), tmp / optimizer_dir)
+            if part.ema is not None:
+                _dcp_save(part.ema.state_dict(), tmp / ema_dir)
 
         loader = parts.get("loader")
         if _has_cursor(loader) and self.cp_rank == 0:
@@ -189,11 +191,12 @@ class Checkpointer:
             rng = [rank_rng_state(parts.get("task"))]
         if self.world.is_main:
             buffer = io.BytesIO()
-            torch.save({"step": step, "scheduler": parts["scheduler"].state_dict(),
+            torch.save({"step": step,
+                        "schedulers": {n: p.scheduler.state_dict() for n, p in parts["parts"].items()},
                         "train_state": parts["train_state"].state_dict(), "rng": rng,
                         "world_size": self.world.size, "cp_size": self.dims.cp}, buffer)
             layout.write_bytes_durably(tmp / layout.TRAINING_STATE, buffer.getvalue())
-            layout.write_json_durably(tmp / layout.META, self._meta(step))
+            layout.write_json_durably(tmp / layout.META, self._meta(step, parts["parts"]))
         _barrier()  # every rank's files are written and fsynced
 
         if self.world.is_main:
@@ -233,7 +236,7 @@ class Checkpointer:
             self.log.info("save_total_limit %d: deleted %s", self.cfg.save_total_limit, path.name)
 
     # -- resume -----------------------------------------------------------------------------------
-    def latest_step(self) -> int | None:
+    def latest_step(self, part_names: list[str] | None = None) -> int | None:
         """The step of the newest complete checkpoint in output_dir (None: the run starts fresh).
 
         Call it before building the model: it decides whether the warm start applies, and it
@@ -245,6 +248,8 @@ class Checkpointer:
         meta = _broadcast_from_main(self._read_meta(self.output_dir / layout.checkpoint_name(complete[-1])))
         if meta is not None:
             self._check_layout(meta)
+            if part_names is not None:
+                self._check_parts(meta, part_names)
         return complete[-1]
 
     def _read_meta(self, path: Path) -> dict | None:
@@ -264,6 +269,21 @@ class Checkpointer:
             f"data cursor covers its own share of the data, so they cannot be carried over. Relaunch "
             f"with {meta['dp_size']} data-parallel ranks, or set restart_data_on_dp_change: true to "
             f"load the model and optimizer and restart every data stream.")
+
+    def _check_parts(self, meta: dict, names: list[str]) -> None:
+        """Refuse a checkpoint of other parts: nothing may be dropped or left untrained silently."""
+        saved = list(meta.get("parts", layout.DEFAULT_PARTS))
+        if saved == list(names):
+            return
+        missing, extra = [n for n in saved if n not in names], [n for n in names if n not in saved]
+        raise ConfigError(
+            "output_dir",
+            f"{self.output_dir} holds checkpoint-{meta['step']} of a run that trained the parts "
+            f"{saved}; this run trains {list(names)} ("
+            + "; ".join(filter(None, [f"not in this run: {missing}" if missing else "",
+                                      f"not in the checkpoint: {extra}" if extra else ""]))
+            + "). A resume restores every part by name. Use another output_dir, or the recipe and "
+              "settings that wrote it (to start new parts from its weights, warm-start instead).")
 
     def resume(self, parts: dict) -> int | None:
         """Load the newest readable checkpoint of output_dir into `parts`; its step, or None if none.
@@ -304,49 +324,65 @@ class Checkpointer:
             return verdict
         meta = _broadcast_from_main(self._read_meta(path))
         self._check_layout(meta)
+        self._check_parts(meta, list(parts["parts"]))
         same_dp = meta["dp_size"] == self.dims.dp
 
         # Small files first, each rank its own; all ranks agree before any collective load.
         local, problem = None, None
         try:
-            local = self._read_local_state(path, meta, same_dp, parts.get("loader"))
+            local = self._read_local_state(path, meta, same_dp, parts.get("loader"), list(parts["parts"]))
         except Exception as e:
             problem = f"{type(e).__name__}: {e}"
         ok, problem = _all_ok(problem is None, problem)
         if not ok:
             return problem
 
-        model, optimizers = parts["model"], _optimizers(parts["optimizer"])
-        # The optimizer's state dict is built first: on a fresh optimizer that runs one zero-lr
-        # step to create the state, which must not touch the weights loaded next.
-        optim_state = _saved_entries_only(get_optimizer_state_dict(model, optimizers), local["optim_keys"])
-        model_state = get_model_state_dict(model)
-        # An EMA turned on since the checkpoint was written starts from the loaded weights.
-        ema = parts.get("ema")
-        ema_saved = ema is not None and (path / layout.EMA).is_dir()
+        states = {}
         try:
-            layout.load_dcp(model_state, path / layout.TRANSFORMER)
-            layout.load_dcp(optim_state, path / layout.OPTIMIZER)
-            if ema_saved:
-                ema_state = ema.state_dict()
-                layout.load_dcp(ema_state, path / layout.EMA)
+            for name, part in parts["parts"].items():
+                states[name] = self._load_part(path, name, part, local["optim_keys"][name])
         except (Exception, CheckpointException) as e:
             # DCP gathers every rank's read errors (as a CheckpointException, a BaseException),
             # so all ranks land here together.
             return f"{type(e).__name__}: {_first_line(e)}"
-        set_model_state_dict(model, model_state)
-        set_optimizer_state_dict(model, optimizers, optim_state)
-        if ema_saved:
-            ema.load_state_dict(ema_state)
-        elif ema is not None:
-            self.log.warning("%s holds no EMA: the EMA starts from the loaded weights", path.name)
-            ema.load_state_dict({n: p.detach() for n, p in model.named_parameters() if p.requires_grad})
+        for name, part in parts["parts"].items():
+            self._apply_part(path, part, *states[name])
         self._apply_local_state(local, parts, same_dp)
         return None
 
-    def _read_local_state(self, path: Path, meta: dict, same_dp: bool, loader) -> dict:
+    def _load_part(self, path: Path, name: str, part, optim_keys: set[str]) -> tuple:
+        """Read one part's model, optimizer and EMA state from `path` (collective); nothing is
+        applied to the part until every part has been read."""
+        model_dir, optimizer_dir, ema_dir = layout.part_dirs(name)
+        optimizers = _optimizers(part.optimizer)
+        # The optimizer's state dict is built first: on a fresh optimizer that runs one zero-lr
+        # step to create the state, which must not touch the weights loaded next.
+        optim_state = _saved_entries_only(get_optimizer_state_dict(part.model, optimizers), optim_keys)
+        model_state = get_model_state_dict(part.model)
+        layout.load_dcp(model_state, path / model_dir)
+        layout.load_dcp(optim_state, path / optimizer_dir)
+        ema_state = None
+        if part.ema is not None and (path / ema_dir).is_dir():
+            ema_state = part.ema.state_dict()
+            layout.load_dcp(ema_state, path / ema_dir)
+        return model_state, optim_state, ema_state
+
+    def _apply_part(self, path: Path, part, model_state: dict, optim_state: dict, ema_state) -> None:
+        set_model_state_dict(part.model, model_state)
+        set_optimizer_state_dict(part.model, _optimizers(part.optimizer), optim_state)
+        if ema_state is not None:
+            part.ema.load_state_dict(ema_state)
+        elif part.ema is not None:
+            # An EMA turned on since the checkpoint was written starts from the loaded weights.
+            self.log.warning("%s holds no EMA of %s: the EMA starts from the loaded weights", path.name,
+                             part.name)
+            part.ema.load_state_dict({n: p.detach() for n, p in part.model.named_parameters()
+                                      if p.requires_grad})
+
+    def _read_local_state(self, path: Path, meta: dict, same_dp: bool, loader, part_names) -> dict:
         state = torch.load(path / layout.TRAINING_STATE, map_location="cpu", weights_only=True)
-        optim_keys = set(layout.dcp_metadata(path / layout.OPTIMIZER).state_dict_metadata)
+        optim_keys = {name: set(layout.dcp_metadata(path / layout.part_dirs(name)[1]).state_dict_metadata)
+                      for name in part_names}
         local = {"state": state, "cursor": None, "optim_keys": optim_keys}
         if _has_cursor(loader):
             # After an allowed dp change, hand the loader any cursor: it sees the other dp size
@@ -367,7 +403,9 @@ class Checkpointer:
 
     def _apply_local_state(self, local: dict, parts: dict, same_dp: bool) -> None:
         state = local["state"]
-        parts["scheduler"].load_state_dict(state["scheduler"])
+        schedulers = state.get("schedulers") or {layout.TRANSFORMER: state["scheduler"]}
+        for name, part in parts["parts"].items():
+            part.scheduler.load_state_dict(schedulers[name])
         parts["train_state"].load_state_dict(state["train_state"])
         source = self._rng_source(state)
         if source is None:

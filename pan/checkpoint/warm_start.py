@@ -28,11 +28,11 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from pan.checkpoint import dcp as layout
 from pan.config.core import ConfigError, knob, require
 from pan.logging import get_logger
+from pan.parallel.names import unwrapped_name
 
 PLAIN_STATE_FILE = "model_state.pt"
 # Prefixes that wrappers add to parameter names (torch.compile, DDP); a plain state dict saved
 # from such a wrapper still matches the bare model.
-WRAPPER_PREFIXES = ("_orig_mod.", "module.")
 
 
 @dataclass(kw_only=True)
@@ -105,13 +105,6 @@ class WarmStartReport:
         return "\n".join(lines)
 
 
-def _strip_wrappers(name: str) -> str:
-    for prefix in WRAPPER_PREFIXES:
-        while name.startswith(prefix):
-            name = name[len(prefix):]
-    return name
-
-
 def read_plain_state_dict(path: Path) -> dict[str, Tensor]:
     """A flat name -> tensor mapping from a .safetensors or torch-saved file (names unwrapped)."""
     if path.suffix == ".safetensors":
@@ -124,7 +117,7 @@ def read_plain_state_dict(path: Path) -> dict[str, Tensor]:
         keys = list(state)[:5] if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"{path} is not a flat state dict of tensors (top level: {keys}); save "
                          f"model.state_dict() itself, or export a checkpoint with `pan export`.")
-    return {_strip_wrappers(k): v for k, v in state.items()}
+    return {unwrapped_name(k): v for k, v in state.items()}
 
 
 def _compare(report: WarmStartReport, source: dict[str, tuple], model: dict[str, tuple]) -> list[str]:

@@ -14,5 +14,10 @@ class JobConfig:
     # as "this key has no effect in this mode".
     explicit_keys: set[str] = field(default_factory=set, repr=False, compare=False)
 
+    def attention_heads(self) -> int | None:
+        """The attention heads Ulysses context parallel splits over cp_size; None: the recipe's
+        model has no attention to split (cp_size must stay 1)."""
+        return None
+
 
 __all__ = ["ConfigError", "JobConfig", "knob", "require", "load_job_config", "dump_job"]

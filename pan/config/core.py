@@ -114,3 +114,15 @@ def require(condition: bool, key: str, message: str) -> None:
     """Shorthand for cross-key rules in `check`: raise ConfigError(key, message) unless condition."""
     if not condition:
         raise ConfigError(key, message)
+
+
+def reject_unused(cfg, job, key: str, in_use: bool, when: str, *, name: str | None = None) -> None:
+    """Refuse a key the user set to a non-default value where it would change nothing.
+
+    `name` is the key as the user spells it when it differs from the field (a prefixed copy of a
+    component, e.g. a discriminator's optimizer keys)."""
+    name = name or key
+    default = next(f.default for f in dataclasses.fields(cfg) if f.name == key)
+    if not in_use and name in job.explicit_keys and getattr(cfg, key) != default:
+        raise ConfigError(name, f"is set to {getattr(cfg, key)!r} but {when}, so it would be "
+                                f"ignored. Remove it, or choose the mode it belongs to.")

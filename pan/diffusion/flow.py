@@ -23,13 +23,13 @@ state reproduces the same timesteps.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
 from torch import Tensor
 
-from pan.config.core import ConfigError, knob
+from pan.config.core import knob, reject_unused
 
 # `flow_snr_type: mix` draws logit-normal timesteps with this probability, uniform ones otherwise
 # (the uniform share keeps the extremes t -> 0 and t -> 1 trained).
@@ -65,23 +65,15 @@ class FlowConfig:
 
     def check(self, job) -> None:
         uses_lognorm = self.flow_snr_type in ("lognorm", "mix")
-        _reject_unused(self, job, "flow_lognorm_loc", uses_lognorm,
+        reject_unused(self, job, "flow_lognorm_loc", uses_lognorm,
                        "applies only with flow_snr_type lognorm or mix")
-        _reject_unused(self, job, "flow_lognorm_scale", uses_lognorm,
+        reject_unused(self, job, "flow_lognorm_scale", uses_lognorm,
                        "applies only with flow_snr_type lognorm or mix")
-        _reject_unused(self, job, "flow_mode_scale", self.flow_snr_type == "mode",
+        reject_unused(self, job, "flow_mode_scale", self.flow_snr_type == "mode",
                        "applies only with flow_snr_type mode")
-        _reject_unused(self, job, "train_timestep_shift_ref_tokens",
+        reject_unused(self, job, "train_timestep_shift_ref_tokens",
                        self.train_timestep_shift_mode == "dynamic",
                        "applies only with train_timestep_shift_mode dynamic")
-
-
-def _reject_unused(cfg, job, key: str, in_use: bool, when: str) -> None:
-    """Refuse a key the user set to a non-default value where it would change nothing."""
-    default = next(f.default for f in fields(cfg) if f.name == key)
-    if not in_use and key in job.explicit_keys and getattr(cfg, key) != default:
-        raise ConfigError(key, f"is set to {getattr(cfg, key)!r} but {when}, so it would be "
-                               f"ignored. Remove it, or choose the mode it belongs to.")
 
 
 def shift_timesteps(t: Tensor, shift: float | Tensor) -> Tensor:

@@ -171,6 +171,11 @@ class PanVideoDiffusionTransformer(nn.Module):
             vid = h[:pack.num_video_tokens]
         return self.final(vid, temb_act, pack)                                # [Nv, out * p]
 
+    def fsdp_blocks(self) -> list[nn.Module]:
+        """The refiner, double-stream and single-stream blocks, in forward order (the units of
+        FSDP, activation checkpointing and compile)."""
+        return [*self.refiner, *self.blocks, *self.single_blocks]
+
     # ------------------------------------------------------------------------------------------
     # Optimizer split and FLOPs
     # ------------------------------------------------------------------------------------------

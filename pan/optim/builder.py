@@ -13,65 +13,13 @@ biases or other vectors. With `use_muon: false` AdamW takes everything.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import ClassVar, Literal
-
 import torch
 from torch import nn
 
-from pan.config.core import ConfigError, knob
+from pan.optim.config import OptimConfig
+from pan.parallel.names import unwrapped_name
 from pan.optim.muon import Muon
 from pan.optim.schedule import LRSchedulers
-
-
-@dataclass(kw_only=True)
-class OptimConfig:
-    """Optimiser, learning-rate schedule, clipping and EMA (formulas in pan/optim/schedule.py)."""
-
-    SECTION: ClassVar[str] = "training"
-
-    learning_rate: float = knob(1e-4, "peak learning rate, shared by AdamW and Muon (Muon scales it "
-                                "per matrix by 0.2 sqrt(max(rows, cols)) to match AdamW's update RMS)",
-                                gt=0)
-    weight_decay: float = knob(0.01, "decoupled weight decay of matrices (never of norms and biases)",
-                               ge=0)
-    warmup_steps: int = knob(0, "steps of linear warmup from 0 to learning_rate", ge=0)
-    lr_scheduler_type: Literal["constant", "cosine", "linear"] = knob(
-        "constant", "learning-rate shape after warmup")
-    lr_decay_steps: int | None = knob(None, "length of the decay after warmup; null = until max_steps "
-                                      "(cosine/linear only)", gt=0)
-    lr_decay_floor_ratio: float = knob(0.0, "final learning rate as a fraction of learning_rate "
-                                       "(cosine/linear only)", ge=0, le=1)
-    max_grad_norm: float = knob(1.0, "clip the global gradient L2 norm to this; 0 = no clipping (the "
-                                "norm is still logged)", ge=0)
-    use_muon: bool = knob(True, "Muon for hidden 2-D matrices, AdamW for the rest; false = AdamW for all")
-    adam_beta1: float = knob(0.9, "AdamW beta1", ge=0, lt=1)
-    adam_beta2: float = knob(0.95, "AdamW beta2", ge=0, lt=1)
-    adam_eps: float = knob(1e-8, "AdamW epsilon", gt=0)
-    muon_momentum: float = knob(0.95, "Muon momentum (Nesterov)", ge=0, lt=1)
-    ema_decay: float = knob(0.0, "decay of the EMA of the weights, updated each step; 0 = no EMA", ge=0,
-                            lt=1)
-
-    def check(self, job) -> None:
-        decays = self.lr_scheduler_type != "constant"
-        _reject_unused(self, job, "lr_decay_steps", decays, "applies only to lr_scheduler_type cosine "
-                       "or linear")
-        _reject_unused(self, job, "lr_decay_floor_ratio", decays, "applies only to lr_scheduler_type "
-                       "cosine or linear")
-        _reject_unused(self, job, "muon_momentum", self.use_muon, "applies only with use_muon: true")
-        max_steps = job.trainer.max_steps
-        if self.warmup_steps > max_steps:
-            raise ConfigError("warmup_steps", f"is {self.warmup_steps} but the run has only max_steps "
-                              f"{max_steps}, so the learning rate never reaches learning_rate. Lower "
-                              f"warmup_steps or raise max_steps.")
-
-
-def _reject_unused(cfg, job, key: str, in_use: bool, when: str) -> None:
-    """Refuse a key the user set to a non-default value where it would change nothing."""
-    default = next(f.default for f in fields(cfg) if f.name == key)
-    if not in_use and key in job.explicit_keys and getattr(cfg, key) != default:
-        raise ConfigError(key, f"is set to {getattr(cfg, key)!r} but {when}, so it would be "
-                               f"ignored. Remove it, or choose the mode it belongs to.")
 
 
 class OptimizerSet:
@@ -104,18 +52,6 @@ class OptimizerSet:
             opt.load_state_dict(state[name])
 
 
-# Wrappers applied from outside (activation checkpointing, torch.compile) insert these into parameter
-# names; the model's own names (from muon_param_names) do not have them.
-WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def model_name(name: str) -> str:
-    """A parameter's name as the unwrapped model spells it."""
-    for prefix in WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
-
-
 def declared_hidden_matrices(model: nn.Module) -> dict[str, tuple[int, ...] | None] | None:
     """The model's own list of hidden matrices, {name: row splits or None}, if it declares one.
 
@@ -136,8 +72,8 @@ def muon_matrices(model: nn.Module) -> tuple[dict[str, tuple[int, ...] | None], 
     if declared is None:
         return {n: None for n, p in params.items() if p.ndim == 2}, "every 2-D parameter (the model " \
             "declares no hidden_matrices())"
-    chosen = {n: declared[model_name(n)] for n in params if model_name(n) in declared}
-    unknown = sorted(set(declared) - {model_name(n) for n in chosen})
+    chosen = {n: declared[unwrapped_name(n)] for n in params if unwrapped_name(n) in declared}
+    unknown = sorted(set(declared) - {unwrapped_name(n) for n in chosen})
     if unknown:
         raise ValueError(f"the model declares hidden matrices it does not have: {unknown[:5]}")
     not_matrices = sorted(n for n in chosen if params[n].ndim != 2)

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from pan.optim.builder import model_name
+from pan.parallel.names import unwrapped_name
 
 
 def _local(t: Tensor) -> Tensor:
@@ -32,7 +32,7 @@ class EMA:
         if not 0.0 < decay < 1.0:
             raise ValueError(f"EMA decay must be in (0, 1), got {decay}")
         self.decay = decay
-        self.params = {model_name(n): p for n, p in model.named_parameters() if p.requires_grad}
+        self.params = {unwrapped_name(n): p for n, p in model.named_parameters() if p.requires_grad}
         self.shadow = {n: p.detach().clone() for n, p in self.params.items()}
 
     @torch.no_grad()

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from torch.optim.lr_scheduler import LambdaLR
 
 if TYPE_CHECKING:
-    from pan.optim.builder import OptimConfig, OptimizerSet
+    from pan.optim.config import OptimConfig
 
 
 def decay_steps(cfg: "OptimConfig", max_steps: int) -> int:
@@ -52,7 +52,7 @@ class LRSchedulers:
     factor and any per-group lr stay proportional. `state_dict()` holds the step count for checkpoints.
     """
 
-    def __init__(self, optimizers: "OptimizerSet", cfg: "OptimConfig", max_steps: int):
+    def __init__(self, optimizers, cfg: "OptimConfig", max_steps: int):
         def multiplier(step: int) -> float:
             return lr_at(step, cfg, max_steps) / cfg.learning_rate
 

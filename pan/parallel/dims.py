@@ -28,8 +28,11 @@ class ParallelConfig:
                "enable_gradient_checkpointing")
 
     def check(self, job) -> None:
-        heads = job.model.transformer_config_overrides.num_attention_heads
-        require(heads % self.cp_size == 0, "cp_size",
+        heads = job.attention_heads()
+        require(heads is not None or self.cp_size == 1, "cp_size",
+                f"is {self.cp_size}, but the {job.recipe} recipe's model has no attention heads for "
+                "Ulysses context parallel to split: set cp_size: 1.")
+        require(heads is None or heads % self.cp_size == 0, "cp_size",
                 f"num_attention_heads ({heads}) must be divisible by cp_size ({self.cp_size}): Ulysses "
                 f"gives each cp rank num_attention_heads / cp_size heads. Pick a cp_size that divides "
                 f"{heads}.")

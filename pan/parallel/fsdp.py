@@ -35,17 +35,14 @@ from pan.parallel.mesh import cp_group, fsdp_mesh
 # values depend on the layout; runs of that size start from a seed checkpoint to compare layouts).
 FULL_INIT_MAX_PARAMS = 2_000_000_000
 
-# ModuleLists of the transformer blocks: each block is one FSDP unit (one all-gather, one
-# reduce-scatter) and one checkpointing / compile unit.
-BLOCK_LISTS = ("refiner", "blocks", "single_blocks")
-
-
-def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The refiner, double-stream and single-stream blocks, in forward order."""
-    blocks = [b for name in BLOCK_LISTS for b in getattr(model, name, ())]
-    if not blocks:
-        raise ValueError(f"{type(model).__name__} has none of the block lists {BLOCK_LISTS}.")
-    return blocks
+def declared_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks the model declares with `fsdp_blocks()`, in forward order: each is one FSDP unit
+    (one all-gather, one reduce-scatter) and one activation-checkpointing / compile unit. A model
+    without blocks (a small discriminator) is sharded as a whole."""
+    if not hasattr(model, "fsdp_blocks"):
+        raise TypeError(f"{type(model).__name__} does not declare fsdp_blocks(): the recipe contract "
+                        "(pan/recipes/contract.py) asks every trained model for its list of blocks.")
+    return list(model.fsdp_blocks())
 
 
 def _is_meta(model: nn.Module) -> bool:
@@ -97,7 +94,7 @@ def parallelize_model(model: nn.Module, mesh: DeviceMesh | None, dims: ParallelD
     and sums gradients over all ranks. A world of one gets only checkpointing and compile.
     `trainer_cfg` supplies `dtype`, `compile_transformer` and `seed` (for shard-wise init).
     """
-    blocks = transformer_blocks(model)
+    blocks = declared_blocks(model)
     if parallel_cfg.enable_gradient_checkpointing:
         apply_activation_checkpointing(blocks, parallel_cfg.use_dedicated_gradient_checkpointing)
     if trainer_cfg.compile_transformer:

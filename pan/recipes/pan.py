@@ -17,15 +17,18 @@ from pan.checkpoint.warm_start import WarmStartConfig
 from pan.config import JobConfig
 from pan.config.core import ConfigError, knob, require
 from pan.data.config import DataConfig
+from pan.diffusion.conditioning import condition_frames, model_input_latent
 from pan.diffusion.flow import FlowConfig, add_noise, sample_timesteps, velocity_target
 from pan.encoders.text import TextEncoderConfig, text_feature_width
 from pan.encoders.vae import VAEConfig
 from pan.metrics import MetricsConfig
 from pan.models.packing import PackInfo, patchify
 from pan.models.pan_dit import PanDiTConfig, PanVideoDiffusionTransformer
-from pan.optim.builder import OptimConfig
+from pan.optim.config import OptimConfig
 from pan.parallel.dims import ParallelConfig
+from pan.launch_command import Workflow, register_workflow
 from pan.recipes import Recipe
+from pan.recipes.contract import PartSpec, Task, global_sums
 from pan.trainer import TrainerConfig
 from pan.validation import ValidationConfig
 
@@ -110,6 +113,9 @@ class PanJobConfig(JobConfig):
     logging: MetricsConfig = knob(MetricsConfig(), "")
     validation: ValidationConfig = knob(ValidationConfig(), "")
 
+    def attention_heads(self) -> int:
+        return self.model.transformer_config_overrides.num_attention_heads
+
 
 
 
@@ -138,38 +144,7 @@ class ModelInputs:
         return dataclasses.replace(self, pack=self.pack.to(device), **moved)
 
 
-def condition_frames(tasks: TaskConfig, latent_frames: int, rng: random.Random) -> int:
-    """How many leading latent frames a sample is given as condition (0: plain text-to-video).
-
-    Images (one latent frame) are never conditioned: nothing would be left to predict.
-    """
-    r = rng.random()  # drawn for every sample, so the draws stay in step whatever the sample is
-    if latent_frames == 1:
-        return 0
-    if r < tasks.image_cond_prob:
-        return 1
-    if r < tasks.image_cond_prob + tasks.video_cond_prob and latent_frames > 1:
-        return rng.randint(1, latent_frames - 1)
-    return 0
-
-
-def model_input_latent(x_t: Tensor, x0: Tensor, given: int, schema: str) -> Tensor:
-    """Channels the model reads for one sample: [x_t ; condition latents ; mask], or x_t alone.
-
-    Condition latents are the clean latents on the first `given` frames and zeros elsewhere; the
-    mask channel is 1 on those frames (the released model's image-to-video layout).
-    """
-    if schema == "none":
-        return x_t
-    cond = torch.zeros_like(x0)
-    mask = torch.zeros_like(x0[:1])
-    if given:
-        cond[:, :given] = x0[:, :given]
-        mask[:, :given] = 1.0
-    return torch.cat([x_t, cond, mask], dim=0)
-
-
-class PanTask:
+class PanTask(Task):
     """Everything the Pan recipe adds to the generic loop: its model, encoders, data and loss.
 
     Only cp rank 0 of each context-parallel group reads data and runs the frozen encoders; the
@@ -194,6 +169,10 @@ class PanTask:
         self.bad_samples = 0  # skipped by this rank's data loader since the run started
 
     # -- what gets built -------------------------------------------------------------------------
+    def part_specs(self) -> list[PartSpec]:
+        """One part, the transformer, trained by the default step with the run's optimizer keys."""
+        return [PartSpec("transformer", self.build_model, self.job.optim, warm_start=True)]
+
     def build_model(self) -> PanVideoDiffusionTransformer:
         """The transformer on the meta device (the trainer parallelises and initialises it)."""
         with torch.device("meta"):
@@ -319,29 +298,24 @@ class PanTask:
         return bool(interval) and step % interval == 0
 
     @torch.no_grad()
-    def validate(self, model, step: int, output_dir) -> dict:
+    def validate(self, parts, step: int, output_dir) -> dict:
         """Held-out loss at fixed timesteps and samples of the validation prompts.
 
         Every rank takes part (sharded models need all ranks in each forward); only the main
         process writes files.
         """
-        from pan.logging import get_logger
-
+        model = parts["transformer"].model
         results = {}
         if self.job.validation.validation_csv:
             results.update(self.heldout_loss(model))
         if self.job.validation.validation_prompts:
             self.write_samples(model, step, Path(output_dir) / "samples" / f"step-{step:08d}")
-        if self.world.is_main and results:
-            get_logger().info("validation at step %d: %s", step,
-                              " | ".join(f"{k} {v:.4f}" for k, v in results.items()))
         return results
 
     def heldout_loss(self, model) -> dict:
         """Loss on the first held-out batch of this rank at each of validation_timesteps, with the
         same clips and noise every time, so values are comparable across a run."""
         from pan.data.loader import build_data_loader
-        from pan.trainer import global_sums
 
         cfg = dataclasses.replace(self.job.data, video_csv_paths=[self.job.validation.validation_csv],
                                   video_csv_weights=None, image_tar_paths=[], image_sample_prob=0.0,
@@ -416,4 +390,20 @@ class PanTask:
 
 
 RECIPE = Recipe(name="pan", job_config=PanJobConfig, task=PanTask,
-                description="Pan: flow-matching MMDiT on packed video + image sequences")
+                description="Pan: flow-matching MMDiT on packed video + image sequences",
+                sample="pan.sampling:sample_pan")
+
+
+# -- launch workflows ----------------------------------------------------------------------------
+
+def _sft_warm_starts(job) -> None:
+    require(job.warm_start.load_transformer_weights, "load_transformer_weights",
+            "is false, but the sft workflow continues a pretrain run: set "
+            "pretrained_transformer_path to the pretrain run's checkpoint-N/ directory and "
+            "load_transformer_weights: true (or use --workflow pretrain).")
+
+
+register_workflow(Workflow("pretrain", "pan", "config/pretrain_29B_720p.yaml", "scripts/pretrain.sh",
+                           "Pan pretraining (from scratch or a plain state-dict warm start)"))
+register_workflow(Workflow("sft", "pan", "config/sft_29B_720p.yaml", "scripts/sft.sh",
+                           "Pan SFT, warm-started from a pretrain checkpoint", check=_sft_warm_starts))
