@@ -89,3 +89,12 @@ def write_json(path: str | Path, payload: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"machine": machine_info(), **payload}, indent=2) + "\n")
     return path
+
+
+def free_port() -> int:
+    """A free TCP port on this machine, for a benchmark's own process group."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -32,9 +31,9 @@ import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 try:
-    from benchmarks.common import write_json
+    from benchmarks.common import free_port, write_json
 except ModuleNotFoundError:  # run as `python benchmarks/cp_overhead.py`: its folder is on the path
-    from common import write_json
+    from common import free_port, write_json
 from pan.models.packing import PackInfo
 from pan.models.pan_dit import PanDiTConfig, PanVideoDiffusionTransformer
 from pan.parallel.context_parallel import ContextParallel
@@ -125,12 +124,6 @@ def run_rank(rank: int, cp: int, threads: int, steps: int, port: int, out_dir: s
                Path(out_dir) / f"rank{rank}.pt")
     if cp > 1:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def measure(cp: int, threads: int, steps: int) -> dict:

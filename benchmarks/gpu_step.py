@@ -35,7 +35,7 @@ from pan.optim.builder import build_optimizer
 from pan.optim.config import OptimConfig
 from pan.parallel.checkpointing import apply_activation_checkpointing
 from pan.parallel.fsdp import clip_grad_norm
-from pan.trainer import autocast_context
+from pan.recipes.contract import autocast_context
 
 # (post-patch grid (t, h, w), caption rows) per sample: 3 clips and one image, 31,456 video tokens
 # + 469 caption rows = 31,925 tokens.

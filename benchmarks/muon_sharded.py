@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -23,15 +22,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 try:
-    from benchmarks.common import print_table, write_json
+    from benchmarks.common import free_port, print_table, write_json
 except ModuleNotFoundError:  # run as `python benchmarks/muon_sharded.py`: its folder is on the path
-    from common import print_table, write_json
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from common import free_port, print_table, write_json
 
 
 def _worker(rank: int, world: int, port: int, args, out: str) -> None:
@@ -79,7 +72,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_worker, args=(args.world, _free_port(), args, out), nprocs=args.world,
+        mp.start_processes(_worker, args=(args.world, free_port(), args, out), nprocs=args.world,
                            start_method="spawn")
         times = torch.load(Path(out) / "times.pt")
     shared, every = statistics.median(times["shared"]), statistics.median(times["every_rank"])

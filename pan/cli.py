@@ -3,26 +3,22 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 EXIT_CONFIG_ERROR = 2
-
-
-def _is_main_rank() -> bool:
-    return os.environ.get("RANK", "0") == "0"
 
 
 def load_config_or_exit(argv: list[str]):
     """Load a job config; on a ConfigError print one paragraph (rank 0 only) and exit with code 2."""
     from pan.config import ConfigError, load_job_config
     from pan.logging import get_logger
+    from pan.parallel.world import is_main_process
 
     log = get_logger()
     try:
-        return load_job_config(argv, warn=log.warning if _is_main_rank() else (lambda msg: None))
+        return load_job_config(argv, warn=log.warning if is_main_process() else (lambda msg: None))
     except ConfigError as e:
-        if _is_main_rank():
+        if is_main_process():
             print(f"pan: config error: {e}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)
 

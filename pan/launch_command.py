@@ -71,10 +71,6 @@ def validate(workflow: Workflow, config: str, overrides: list[str], nodes: int, 
         raise ConfigError(None, f"--nodes ({nodes}) and --gpus-per-node ({gpus_per_node}) must be >= 1.")
     job = load_job_config(["--config", config, *overrides], warn=lambda msg: print(
         f"pan launch-command: {msg}", file=sys.stderr))
-    cp = job.parallel.cp_size
-    require(gpus_per_node % cp == 0, "cp_size",
-            f"({cp}) does not divide --gpus-per-node {gpus_per_node}: a cp group must sit inside one "
-            "node. Pick a cp_size that divides the processes per node.")
     require(job.recipe == workflow.recipe, "recipe",
             f"is {job.recipe} in {config}, but workflow {workflow.name} trains the {workflow.recipe} "
             f"recipe. Use a {workflow.recipe} config, or the workflow of the {job.recipe} recipe "

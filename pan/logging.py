@@ -21,12 +21,3 @@ def get_logger() -> logging.Logger:
         logger.setLevel(logging.WARNING if quiet else logging.INFO)
         logger.propagate = False
     return logger
-
-
-_warned: set[str] = set()
-
-
-def warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        get_logger().warning(message)

@@ -198,11 +198,6 @@ def check_backend(ctx: Preflight) -> list[Row]:
 @register_check("pan")
 def check_layout(ctx: Preflight) -> list[Row]:
     """cp and data-parallel degrees for the planned world (the trainer's own ParallelDims)."""
-    cp = ctx.job.parallel.cp_size
-    if ctx.gpus_per_node % cp:
-        raise ConfigError("cp_size", f"({cp}) does not divide the {ctx.gpus_per_node} processes per "
-                                     "node: a cp group must sit inside one node (its all-to-alls run "
-                                     "every layer). Use a cp_size dividing --gpus-per-node.")
     d = ctx.dims
     return [Row("layout", "pass", f"world {ctx.world_size} = dp_replicate {d.dp_replicate} x dp_shard "
                 f"{d.dp_shard} x cp {d.cp}; {d.dp} data-parallel ranks.")]

@@ -32,8 +32,10 @@ class TrainerConfig:
         "bf16", "compute dtype: bf16 autocast with fp32 master weights, or fp32 throughout (use fp32 "
                 "on CPU: bf16 matmuls there are ~90x slower)")
     legacy_eager_mode: bool = knob(
-        True, "the validated eager execution (no CUDA graphs, autocast without its weight cache, "
-              "FSDP resharding after forward, NCCL async error handling); must stay true")
+        True, "the validated eager execution, pan's only mode, so this switch must stay true (false is "
+              "refused; the key exists so that Pan's configs load): autocast without its weight cache "
+              "(pan/recipes/contract.py), FSDP resharding after forward (pan/parallel/fsdp.py), NCCL "
+              "async error handling (pan/parallel/world.py), no CUDA graphs")
     compile_transformer: bool = knob(False, "torch.compile each transformer block")
     max_nonfinite_steps: int = knob(
         5, "stop the run after this many consecutive steps with a NaN/inf loss or gradient (each "
@@ -300,7 +302,7 @@ def build_trainer(job) -> Trainer:
     warm_start = None if warm_cfg is None else plan_warm_start(warm_cfg, latest)
     parts = {spec.name: build_part(spec, world, dims, mesh, job, warm_start) for spec in specs}
     task.load_encoders()
-    loader = task.build_loader(dims) if task.reads_data else None
+    loader = build_loader_everywhere(task, dims)
     metrics = Metrics(job.logging, output_dir, world, world.device, cfg.dtype, job_to_sections(job))
     trainer = Trainer(job, task, world, dims, parts, loader, checkpointer, metrics)
     resumed = checkpointer.resume(trainer.checkpoint_parts())
@@ -309,16 +311,34 @@ def build_trainer(job) -> Trainer:
     return trainer
 
 
-def world_is_main() -> bool:
-    return os.environ.get("RANK", "0") == "0"
+def build_loader_everywhere(task, dims):
+    """The task's data loader on the ranks that read data. A data source that cannot be used (a CSV
+    without a caption column, fewer rows than ranks) is raised on every rank together, so the run
+    stops with one message instead of some ranks waiting for the others forever."""
+    from pan.checkpoint.manager import first_problem
+    from pan.data.sources import SourceError
+
+    loader, problem = None, None
+    if task.reads_data:
+        try:
+            loader = task.build_loader(dims)
+        except SourceError as e:
+            problem = str(e)
+    problem = first_problem(problem)
+    if problem is not None:
+        raise SourceError(problem)
+    return loader
 
 
 def train(job) -> int:
     """Entry point of `train.py` / `pan train`: build everything from the job config and train."""
+    import torch.distributed as dist
+
     from pan.checkpoint.manager import UnreadableRunError
     from pan.config import ConfigError
     from pan.data.loader import DataResumeError
-    from pan.parallel.world import close_world
+    from pan.data.sources import SourceError
+    from pan.parallel.world import close_world, is_main_process
 
     log = get_logger()
     trainer = None
@@ -333,12 +353,20 @@ def train(job) -> int:
     except StoppedBySignal as e:
         log.warning("%s", e)
         return e.exit_code
-    except (DataResumeError, UnreadableRunError, ConfigError) as e:
-        # Refusals found while resuming: another number of data-parallel ranks than the
-        # checkpoints', or checkpoints none of which can be read (never silently start over them).
-        if world_is_main():
-            print(f"pan: cannot start: {e}", file=sys.stderr)
+    except (DataResumeError, UnreadableRunError, ConfigError, SourceError) as e:
+        # Refusals found while starting (every rank raises them together, rank 0 says why): another
+        # number of data-parallel ranks than the checkpoints', checkpoints none of which can be read
+        # (never silently start over them), other parts, unusable data sources. A data source that
+        # fails later (no usable sample in a whole pass) fails on the rank that reads it: it says so.
+        if is_main_process() or trainer is not None:
+            print(f"pan: {'cannot start' if trainer is None else 'stopped'}: {e}", file=sys.stderr)
         return 2
+    except dist.DistBackendError as e:
+        # A peer process died (its own error is above): one line here, not a traceback per rank.
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"pan: rank {os.environ.get('RANK', '0')} lost a peer process ({first[:200]}); the "
+              "first error above says why.", file=sys.stderr)
+        return 1
     finally:
         if trainer is not None and hasattr(trainer.loader, "close"):
             trainer.loader.close()

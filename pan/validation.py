@@ -20,6 +20,8 @@ class ValidationConfig:
                                             "fixed timesteps")
     validation_timesteps: list[float] = knob([0.25, 0.5, 0.75], "sigmas at which the held-out loss is "
                                              "measured (same noise every time)", ge=0.0, le=1.0)
+    validation_noise_seed: int = knob(12345, "seed of the held-out loss's noise and draws (the same at "
+                                             "every validation, so values compare across a run)", ge=0)
     sample_steps: int = knob(30, "Euler steps when sampling", ge=1)
     sample_guidance_scale: float = knob(2.5, "classifier-free guidance scale when sampling (1: off)",
                                         ge=0.0)
@@ -28,6 +30,7 @@ class ValidationConfig:
     sample_num_frames: int = knob(121, "frames of validation samples (pixel frames)", ge=1)
     sample_height: int = knob(704, "height of validation samples in pixels", ge=1)
     sample_width: int = knob(1248, "width of validation samples in pixels", ge=1)
+    sample_fps: float = knob(8.0, "frame rate of the validation videos written (MP4 and GIF)", gt=0.0)
 
     def check(self, job) -> None:
         if self.validation_interval:

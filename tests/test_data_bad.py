@@ -11,6 +11,7 @@ import os
 import pytest
 
 from pan.data import build_data_loader
+from pan.data.sources import SourceError
 from test_data_loader import fingerprint
 from test_data_sources import (BIKES, CARPHONE, image_bytes, make_tar, real_video, small_config,
                                tokens_of, write_csv)
@@ -115,5 +116,34 @@ def test_data_with_nothing_usable_stops_with_a_clear_error(tmp_path):
     csv_path = write_csv(tmp_path / "void.csv", ["path", "caption"], [["a.mp4", "x"], ["b.mp4", "y"]])
     loader = build_data_loader(small_config(video_csv_paths=[str(csv_path)]), tokens_of=tokens_of,
                                dp_rank=0, dp_size=1, seed=0)
-    with pytest.raises(RuntimeError, match="no usable sample"):
+    with pytest.raises(SourceError, match="no usable sample"):
         next(loader)
+
+
+def test_an_unusable_source_stops_every_rank_with_one_message(tmp_path):
+    """2 ranks of train.py and a CSV with one row: each rank needs its own share, so the run is
+    refused with exit 2 on both, the reason printed once, no traceback."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from dist_utils import free_port
+
+    root = Path(__file__).resolve().parents[1]
+    csv = tmp_path / "one.csv"
+    csv.write_text(f"path,caption\n{BIKES},bikes\n")
+    port = str(free_port())
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root), "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        procs.append(subprocess.Popen(
+            [sys.executable, str(root / "train.py"), "--config", str(root / "config/tiny_cpu.yaml"),
+             "--video_csv_paths", str(csv), "--output_dir", str(tmp_path / "run")],
+            env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outputs = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], outputs
+    errors = "".join(err for _, err in outputs)
+    assert errors.count("fewer than the 2 data-parallel ranks") == 1, errors
+    assert "Traceback" not in errors

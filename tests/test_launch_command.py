@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 import shlex
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from dist_utils import free_port
 from pan.checkpoint import dcp as layout
 from pan.data.synth import synth_dataset
 from pan.launch_command import main_launch_command
@@ -40,12 +40,6 @@ def printed(capsys, *argv: str) -> tuple[int, list[str], str]:
     code = main_launch_command(list(argv))
     out, err = capsys.readouterr()
     return code, [line for line in out.splitlines() if line and not line.startswith("#")], err
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_single_node_prints_torchrun_and_sbatch(tmp_path, data, capsys):
@@ -79,7 +73,7 @@ def test_multi_node_prints_srun_with_per_node_rank(tmp_path, data, capsys):
 
 
 @pytest.mark.parametrize("extra, gpus, reason", [
-    (["--cp_size", "4"], 2, "does not divide --gpus-per-node 2"),
+    (["--cp_size", "4"], 2, "does not divide the 2 processes per node"),
     (["--cp_size", "3"], 3, "num_attention_heads (4) must be divisible by cp_size (3)"),
     (["--hybrid_shard", "true", "--data_parallel_mode", "ddp"], 2, "hybrid_shard"),
     (["--no_such_key", "1"], 2, "unknown key"),

@@ -13,13 +13,13 @@ import os
 import pwd
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from dist_utils import free_port
 from slurm_cluster import (LOCAL_SLURM, REPO_ROOT, environ_outside_slurm, local_slurm,  # noqa: F401
                            slurm_cluster, slurm_installed)
 
@@ -36,12 +36,6 @@ with open(os.path.join(os.environ["STANDIN_OUT"], "rank%s.json" % os.environ["RA
 sys.exit(int(os.environ.get("STANDIN_EXIT", "0")))
 '''
 FIRST_JOB_TIMEOUT_S = 180  # a cold page cache makes the first `import torch` slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_repo(root: Path) -> Path:

@@ -22,7 +22,7 @@ from pan.optim.config import OptimConfig
 from pan.parallel.context_parallel import ContextParallel
 from pan.parallel.dims import ParallelConfig, ParallelDims
 from pan.parallel.fsdp import clip_grad_norm, materialize_and_init, parallelize_model, set_gradient_sync
-from pan.parallel.mesh import build_mesh, cp_group, cp_rank, dp_rank
+from pan.parallel.mesh import build_mesh, cp_group, cp_rank
 from pan.parallel.world import init_world
 from pan.trainer import TrainerConfig
 
@@ -113,7 +113,8 @@ def train_two_steps(layout: Layout, world_size: int, local_world_size: int) -> d
     for step in range(len(STEPS)):
         samples = make_samples(step)
         per_rank = len(samples) // dims.dp
-        mine = samples[dp_rank(mesh) * per_rank:(dp_rank(mesh) + 1) * per_rank]
+        dp = dims.dp_rank_of(world.rank)
+        mine = samples[dp * per_rank:(dp + 1) * per_rank]
         per_mb = len(mine) // layout.accumulation
         micro = [mine[i * per_mb:(i + 1) * per_mb] for i in range(layout.accumulation)]
         # As Trainer.train_step: normalise by the global count of loss elements, sum gradients.

@@ -63,6 +63,15 @@ def _broadcast_from_main(obj: Any) -> Any:
     return box[0]
 
 
+def first_problem(problem: str | None) -> str | None:
+    """The first rank's problem (by rank) when any rank has one, on every rank; None when none has."""
+    if not dist.is_initialized():
+        return problem
+    problems: list = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    return next((p for p in problems if p is not None), None)
+
+
 def _all_ok(ok: bool, reason: str | None) -> tuple[bool, str | None]:
     """True on every rank when `ok` holds on every rank; else the first failing rank's reason."""
     if not dist.is_initialized():
@@ -148,11 +157,11 @@ class Checkpointer:
     # -- ranks ------------------------------------------------------------------------------------
     @property
     def dp_rank(self) -> int:
-        return self.world.rank // self.dims.cp  # cp is the innermost mesh dimension
+        return self.dims.dp_rank_of(self.world.rank)
 
     @property
     def cp_rank(self) -> int:
-        return self.world.rank % self.dims.cp
+        return self.dims.cp_rank_of(self.world.rank)
 
     def _meta(self, step: int, parts: dict) -> dict:
         return {"format": layout.FORMAT_VERSION, "step": step, "parts": list(parts),

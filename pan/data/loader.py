@@ -363,8 +363,9 @@ class PackedLoader:
             if self._receive():
                 last_good = dict(self.planner.cursor)
             elif self._passed_everything_since(last_good):
-                raise RuntimeError(f"no usable sample in a whole pass over the data; skipped so "
-                                   f"far: {dict(self.skipped_total)}. See the warnings above.")
+                raise SourceError(f"no usable sample in a whole pass over the data of data-parallel "
+                                  f"rank {self.dp_rank}; skipped so far: {dict(self.skipped_total)}. "
+                                  "See the warnings above for why each was skipped.")
         chosen = self.packer.take()
         skipped, self._skipped_since = dict(self._skipped_since), collections.Counter()
         return RawBatch(samples=[p.item[1] for p in chosen], tokens=sum(p.tokens for p in chosen),

@@ -59,9 +59,21 @@ class ParallelDims:
         """Data-parallel ranks: each reads its own share of the data."""
         return self.dp_replicate * self.dp_shard
 
+    # cp is the innermost mesh dimension (pan/parallel/mesh.py): a cp group is cp consecutive ranks.
+    def dp_rank_of(self, rank: int) -> int:
+        """Which share of the data global rank `rank` reads (the same for all ranks of a cp group)."""
+        return rank // self.cp
+
+    def cp_rank_of(self, rank: int) -> int:
+        return rank % self.cp
+
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int, local_world_size: int) -> "ParallelDims":
         cp = cfg.cp_size
+        if local_world_size % cp:
+            raise ConfigError("cp_size", f"({cp}) does not divide the {local_world_size} processes per "
+                              "node: a cp group must sit inside one node (its all-to-alls run in "
+                              "every layer). Use a cp_size that divides the processes per node.")
         if world_size % cp:
             raise ConfigError("cp_size", f"the world size ({world_size} processes) is not divisible "
                                          f"by cp_size ({cp}). Launch a multiple of {cp} processes.")
@@ -70,10 +82,9 @@ class ParallelDims:
             return cls(world_size, local_world_size, cp, dp_replicate=dp, dp_shard=1)
         if not cfg.hybrid_shard:
             return cls(world_size, local_world_size, cp, dp_replicate=1, dp_shard=dp)
-        if local_world_size % cp or world_size % local_world_size:
-            raise ConfigError("hybrid_shard", f"hybrid shard needs whole nodes of "
-                              f"{local_world_size} processes each holding whole cp groups of {cp}; "
-                              f"world size {world_size} does not fit. Use cp_size dividing the "
-                              "processes per node, or turn hybrid_shard off.")
+        if world_size % local_world_size:
+            raise ConfigError("hybrid_shard", f"hybrid shard needs whole nodes of {local_world_size} "
+                              f"processes; world size {world_size} does not fit. Launch whole nodes, "
+                              "or turn hybrid_shard off.")
         return cls(world_size, local_world_size, cp, dp_replicate=world_size // local_world_size,
                    dp_shard=local_world_size // cp)

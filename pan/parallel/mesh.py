@@ -48,20 +48,6 @@ def fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims, data_parallel_mode: str) -> 
     return hsdp if dims.dp_replicate > 1 else hsdp["dp_shard_cp"]
 
 
-def dp_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
-    """1-D mesh over the data-parallel ranks (dp_replicate x dp_shard) of this process's cp rank."""
-    return None if mesh is None else mesh["dp_replicate", "dp_shard"]._flatten("dp")
-
-
-def dp_group(mesh: DeviceMesh | None) -> dist.ProcessGroup | None:
-    return None if mesh is None else dp_mesh(mesh).get_group()
-
-
-def dp_rank(mesh: DeviceMesh | None) -> int:
-    """Which share of the data this process reads (the same on all cp ranks of a cp group)."""
-    return 0 if mesh is None else dp_mesh(mesh).get_local_rank()
-
-
 def cp_group(mesh: DeviceMesh | None) -> dist.ProcessGroup | None:
     return None if mesh is None else mesh["cp"].get_group()
 

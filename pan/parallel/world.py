@@ -29,6 +29,12 @@ class World:
         return self.size > 1
 
 
+def is_main_process() -> bool:
+    """Whether this is rank 0 of the launch, read from torchrun's environment (usable before any
+    process group exists, e.g. to print a config error once)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def init_world() -> World:
     """Start the default process group when torchrun launched several processes (NCCL on GPUs, gloo on
     CPU); a plain `python train.py` is a world of one and starts none."""

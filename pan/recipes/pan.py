@@ -159,7 +159,7 @@ class PanTask(Task):
         self.geometry = vae_geometry(job.vae)
         self.cp_rank = cp.rank if cp is not None else 0
         self.reads_data = self.cp_rank == 0
-        self.dp_rank = world.rank // dims.cp
+        self.dp_rank = dims.dp_rank_of(world.rank)
         # Noise, timesteps and task draws: one stream per data-parallel rank, saved in checkpoints so
         # that a resumed run draws exactly what the uninterrupted run would have drawn.
         self.generator = torch.Generator().manual_seed(job.trainer.seed * 100003 + self.dp_rank)
@@ -332,8 +332,8 @@ class PanTask(Task):
             inputs = None
             if self.reads_data:
                 saved = (self.generator.get_state(), self.rng.getstate())
-                self.generator.manual_seed(12345)
-                self.rng.seed(12345)
+                self.generator.manual_seed(self.job.validation.validation_noise_seed)
+                self.rng.seed(self.job.validation.validation_noise_seed)
                 inputs = self.prepare(batch, fixed_sigma=sigma, training=False)
                 self.generator.set_state(saved[0])
                 self.rng.setstate(saved[1])
@@ -372,8 +372,8 @@ class PanTask(Task):
                 out_dir.mkdir(parents=True, exist_ok=True)
                 frames = to_uint8_frames(self.vae.decode(latent))
                 stem = out_dir / f"{i:02d}"
-                write_mp4(stem.with_suffix(".mp4"), frames, fps=8)
-                write_gif(stem.with_suffix(".gif"), frames, fps=8)
+                write_mp4(stem.with_suffix(".mp4"), frames, fps=v.sample_fps)
+                write_gif(stem.with_suffix(".gif"), frames, fps=v.sample_fps)
                 (out_dir / f"{i:02d}.txt").write_text(prompt + "\n")
                 written.append(stem.with_suffix(".mp4"))
         return written
