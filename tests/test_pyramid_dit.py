@@ -1,0 +1,419 @@
+"""The released Pyramid-Flow DiTs (miniFLUX, SD3-MMDiT) as pan models, against the original's fixtures.
+
+Tolerances: outputs, losses and gradients against the fixtures use atol=1e-5, rtol=1e-4 (the fixture
+README's suggestion for fp32 DiT numbers: the fixtures were made on another CPU, whose fp32 rounding
+differs by up to ~1e-5 here; the original's own time embedding run on this machine is bit-identical
+to pan's and 4e-6 off the fixture's `built.temb`). Loading, saving, positions and masks are exact.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from dist_utils import run_distributed
+from pan.config.core import ConfigError
+from pan.models.attention import ATTENTION_BACKENDS, set_attention_backend
+from pan.models.packing import PackInfo, SampleLayout
+from pan.models.pyramid_flux import PyramidFluxTransformer
+from pan.models.pyramid_io import load_config, load_pretrained, save_pretrained
+from pan.models.pyramid_mmdit import PyramidMMDiT
+from pyramid_reference import REFERENCE, load_fixture, needs_reference, read_json
+
+pytestmark = needs_reference
+
+MODELS = {"flux_dit": PyramidFluxTransformer, "mmdit_dit": PyramidMMDiT}
+CASES = ("case_a_full_sequence", "case_b_temporal_pyramid")
+TOL = dict(atol=1e-5, rtol=1e-4)   # fp32 DiT outputs / gradients vs the fixtures (see module doc)
+# attention backends that train on CPU: the masked reference, and the block-sparse one where it exists
+CPU_BACKENDS = [b for b in ("sdpa", "blockwise") if b in ATTENTION_BACKENDS]
+
+
+def folder(name: str):
+    return REFERENCE / name / "diffusion_transformer_384p"
+
+
+def released(name: str) -> torch.nn.Module:
+    return load_pretrained(folder(name), MODELS[name])
+
+
+class Batch:
+    """A fixture call as one pan pack: sample (column c, row i) is batch row r = i * columns + c."""
+
+    def __init__(self, model, t: dict):
+        columns = sorted({int(k.split(".col")[1].split(".")[0]) for k in t if k.startswith("in.sample.")})
+        mask = t["in.encoder_attention_mask"]
+        xs, texts, layouts, rows, self.targets, self.where = [], [], [], [], [], []
+        for c in columns:
+            clips = sorted((k for k in t if k.startswith(f"in.sample.col{c}.")),
+                           key=lambda k: int(k.rsplit("clip", 1)[1]))
+            for i in range(t[clips[0]].shape[0]):
+                r = i * len(columns) + c
+                text = t["in.encoder_hidden_states"][r][mask[r] == 1]     # valid caption rows only
+                xs.append(torch.cat([model.patchify(t[k][i]) for k in clips]))
+                texts.append(text)
+                layouts.append(model.sample_layout([model.patch_grid(t[k][i].shape) for k in clips],
+                                                   text.shape[0]))
+                rows.append(r)
+                self.targets.append(t[f"in.target.col{c}"][i])
+                self.where.append((c, i))
+        self.rows = torch.tensor(rows)
+        self.x, self.text = torch.cat(xs), torch.cat(texts)
+        self.timesteps = t["in.timestep_ratio"][self.rows]
+        self.pooled = t["in.pooled_projections"][self.rows]
+        self.pack = PackInfo.from_layouts(layouts)
+
+    def inputs(self, pack=None):
+        pack = pack or self.pack
+        x, text = pack.shard_inputs(self.x, self.text)
+        return x, self.timesteps, text, self.pooled, pack
+
+    def predictions(self, model, out):
+        """The trained (last) clip of every sample, as latents [C, t, H, W]."""
+        preds, start = [], 0
+        for layout in self.pack.layouts:
+            last = layout.clips[-1]
+            end = start + layout.video_len
+            preds.append(model.unpatchify(out[end - last.tokens:end], last.grid))
+            start = end
+        return preds
+
+    def token_targets(self, model):
+        """[Nv, out] target tokens (0 on history rows) and [Nv] per-row loss weights: the loss is the
+        mean over samples of each sample's MSE over its trained clip, as the original's."""
+        target = torch.zeros(self.x.shape[0], model.proj_out.out_features)
+        weight = torch.zeros(self.x.shape[0])
+        start, b = 0, self.pack.num_samples
+        for layout, latent in zip(self.pack.layouts, self.targets):
+            end = start + layout.video_len
+            n = layout.clips[-1].tokens
+            target[end - n:end] = model.target_tokens(latent)
+            weight[end - n:end] = 1.0 / (b * latent.numel())
+            start = end
+        return target, weight
+
+
+def loss_of(out, target, weight):
+    return (weight[:, None] * (out - target).square()).sum()
+
+
+# ------------------------------------------------------------------------------------------------
+# Loading and saving the released layout
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", MODELS)
+def test_released_folder_loads_bit_identically(name):
+    from safetensors.torch import load_file
+    model = released(name)
+    stored = load_file(str(folder(name) / "diffusion_pytorch_model.safetensors"))
+    state = model.state_dict()
+    assert state.keys() == stored.keys()
+    for key, tensor in stored.items():
+        assert state[key].dtype == tensor.dtype and torch.equal(state[key], tensor), key
+    config = json.loads((folder(name) / "config.json").read_text())
+    assert {k: v for k, v in config.items() if not k.startswith("_")} == vars(model.config)
+    assert sum(p.numel() for p in model.parameters()) == read_json(f"{name}/model_info.json")["n_params"]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_save_then_load_is_bit_identical_with_the_released_keys(name, tmp_path):
+    model = released(name)
+    save_pretrained(model, tmp_path / "out")
+    again = load_pretrained(tmp_path / "out", MODELS[name])
+    for (key, a), (key_b, b) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert key == key_b and a.dtype == b.dtype and torch.equal(a, b), key
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    original = json.loads((folder(name) / "config.json").read_text())
+    assert written.keys() == original.keys()
+    assert {k: v for k, v in written.items() if k != "_diffusers_version"} == \
+           {k: v for k, v in original.items() if k != "_diffusers_version"}
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(p.name for p in folder(name).iterdir())
+
+
+def _folder_with_config(tmp_path, name, **changes):
+    out = tmp_path / "dit"
+    shutil.copytree(folder(name), out)
+    (out / "config.json").chmod(0o644)
+    config = json.loads((out / "config.json").read_text())
+    config.update(changes)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.mark.parametrize("name, changes, key", [
+    ("flux_dit", {"axes_dims_rope": [16, 24, 24]}, "axes_dims_rope"),   # the original forces these (F2)
+    ("flux_dit", {"patch_size": 2}, "patch_size"),
+    ("flux_dit", {"in_channels": 66}, "in_channels"),
+    ("flux_dit", {"num_layerz": 2}, "num_layerz"),
+    ("flux_dit", {"use_temporal_causal": "maybe"}, "use_temporal_causal"),
+    ("flux_dit", {"gradient_checkpointing_ratio": 1.5}, "gradient_checkpointing_ratio"),
+    ("flux_dit", {"_class_name": "PyramidDiffusionMMDiT"}, "_class_name"),
+    ("mmdit_dit", {"pos_embed_type": "rope"}, "pos_embed_type"),      # M1
+    ("mmdit_dit", {"temp_pos_embed_type": "sincos"}, "temp_pos_embed_type"),
+    ("mmdit_dit", {"use_t5_mask": False}, "use_t5_mask"),
+    ("mmdit_dit", {"caption_projection_dim": 24}, "caption_projection_dim"),
+])
+def test_unsupported_config_values_are_refused_with_the_key(tmp_path, name, changes, key):
+    path = _folder_with_config(tmp_path, name, **changes)
+    with pytest.raises(ConfigError) as err:
+        load_config(path, MODELS[name])
+    problems = getattr(err.value, "errors", [err.value])
+    assert [e.key for e in problems] == [key]
+    assert str(path / "config.json") in str(err.value)
+
+
+def test_weights_load_strictly_and_every_problem_is_listed(tmp_path):
+    from safetensors.torch import load_file, save_file
+    path = _folder_with_config(tmp_path, "flux_dit")
+    weights = path / "diffusion_pytorch_model.safetensors"
+    weights.chmod(0o644)
+    state = load_file(str(weights))
+    del state["proj_out.bias"]
+    state["extra.weight"] = torch.zeros(1)
+    state["x_embedder.weight"] = torch.zeros(32, 60)
+    save_file(state, str(weights))
+    with pytest.raises(ValueError) as err:
+        load_pretrained(path, PyramidFluxTransformer)
+    message = str(err.value)
+    assert "missing (1): proj_out.bias" in message and "unexpected (1): extra.weight" in message
+    assert "x_embedder.weight: file (32, 60), model (32, 64)" in message
+
+
+# ------------------------------------------------------------------------------------------------
+# The fixtures: outputs, loss, gradients, positions, masks
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("name", MODELS)
+def test_forward_loss_and_gradients_match_the_original(name, case, backend):
+    model = released(name)
+    set_attention_backend(model, backend)
+    t, _ = load_fixture(f"{name}/{case}")
+    grads, _ = load_fixture(f"{name}/{case}_grads")
+    batch = Batch(model, t)
+    out = model(*batch.inputs())
+    for (c, i), pred in zip(batch.where, batch.predictions(model, out)):
+        torch.testing.assert_close(pred, t[f"out.col{c}"][i], **TOL, msg=f"column {c} sample {i}")
+    per_sample = torch.stack([F.mse_loss(p, y) for p, y in zip(batch.predictions(model, out), batch.targets)])
+    loss = per_sample.mean()
+    torch.testing.assert_close(loss, t["out.loss"], **TOL)
+    torch.testing.assert_close(loss_of(out, *batch.token_targets(model)), loss, rtol=1e-6, atol=0)
+    loss.backward()
+    params = dict(model.named_parameters())
+    assert {f"grad.{k}" for k in params} == set(grads)
+    for key, param in params.items():
+        got = param.grad if param.grad is not None else torch.zeros_like(param)
+        torch.testing.assert_close(got, grads[f"grad.{key}"], **TOL, msg=key)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("name", MODELS)
+def test_pack_positions_and_embedded_tokens_are_the_originals(name, case):
+    model = released(name)
+    t, _ = load_fixture(f"{name}/{case}")
+    batch = Batch(model, t)
+    with torch.no_grad():
+        embedded = model.x_embedder(batch.x) if name == "flux_dit" else model.pos_embed(batch.x, batch.pack)
+    start = 0
+    for (c, i), layout in zip(batch.where, batch.pack.layouts):
+        end = start + layout.video_len
+        ids = t[f"built.pos_ids.col{c}"][i]                          # [L_pad + N, 3 or 1], text first
+        text_len = ids.shape[0] - layout.video_len
+        pos = batch.pack.video_pos[start:end, :ids.shape[1]].to(torch.float32)
+        assert torch.equal(pos, ids[text_len:]), (c, i)              # exact
+        assert not ids[:text_len].any()                              # caption rows are not rotated
+        torch.testing.assert_close(embedded[start:end], t[f"built.embedded_tokens.col{c}"][i], **TOL)
+        start = end
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_padded_caption_rows_are_never_attended_and_the_rule_is_the_originals_mask(case):
+    # The original masks padded caption rows away from every valid query, so pan drops them; on the
+    # valid rows its mask is pan's block-causal rule with captions as frame 0.
+    model = released("flux_dit")
+    t, _ = load_fixture(f"flux_dit/{case}")
+    batch = Batch(model, t)
+    mask = t["in.encoder_attention_mask"].bool()
+    for s, ((c, i), layout) in enumerate(zip(batch.where, batch.pack.layouts)):
+        original = t[f"built.attn_mask.col{c}"][i, 0]               # [L_pad + N]^2, [text; video]
+        valid = torch.cat([mask[batch.rows[s]], torch.ones(layout.video_len, dtype=torch.bool)])
+        assert not original[valid][:, ~valid].any()
+        frames = batch.pack.joint.frames[s]                          # pan joint order: [video; text]
+        frames = torch.cat([frames[layout.video_len:], frames[:layout.video_len]])
+        assert torch.equal(original[valid][:, valid], frames[:, None] >= frames[None, :]), (c, i)
+
+
+# ------------------------------------------------------------------------------------------------
+# Packing, causality, the config's rules
+# ------------------------------------------------------------------------------------------------
+
+def _float64_batch(name):
+    model = released(name).double()
+    t, _ = load_fixture(f"{name}/case_b_temporal_pyramid")
+    return model, Batch(model, {k: v.double() if v.is_floating_point() else v for k, v in t.items()})
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_packed_batch_equals_per_sample_forwards(name):
+    model, batch = _float64_batch(name)
+    with torch.no_grad():
+        packed = model(*batch.inputs())
+        v0 = t0 = 0
+        for s, layout in enumerate(batch.pack.layouts):
+            v1, t1 = v0 + layout.video_len, t0 + layout.text_len
+            alone = model(batch.x[v0:v1], batch.timesteps[s:s + 1], batch.text[t0:t1], batch.pooled[s:s + 1],
+                          PackInfo.from_layouts([layout]))
+            torch.testing.assert_close(packed[v0:v1], alone, rtol=1e-10, atol=1e-10)
+            v0, t0 = v1, t1
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_later_frames_never_change_earlier_frames(name):
+    model, batch = _float64_batch(name)
+    s = len(batch.pack.layouts) - 1                       # stage-2 column: frames 0-4 over 4 clips
+    start = sum(batch.pack.video_lens[:s])
+    frames = batch.pack.layouts[s].frame_of_tokens()
+    rows = torch.arange(start, start + len(frames))
+    with torch.no_grad():
+        base = model(*batch.inputs())
+        for frame in (2, 4):
+            x = batch.x.clone()
+            x[rows[frames == frame]] += torch.randn_like(x[rows[frames == frame]])
+            out = model(x, *batch.inputs()[1:])
+            changed = (out - base).abs().amax(dim=1)
+            assert changed[rows[frames < frame]].max() <= 1e-12, frame
+            assert changed[rows[frames >= frame]].min() > 1e-6, frame     # the perturbation reaches them
+            assert changed[:start].max() <= 1e-12                         # other samples untouched
+
+
+def test_a_pack_must_follow_the_models_attention_rule_and_positions():
+    model = released("flux_dit")
+    t, _ = load_fixture("flux_dit/case_b_temporal_pyramid")
+    batch = Batch(model, t)
+    layouts = list(batch.pack.layouts)
+    grids = [c.grid for c in layouts[-1].clips]
+    for wrong, key in ((SampleLayout.stacked(grids, layouts[-1].text_len, ref_hw=grids[-1][1:],
+                                             trained=(False,) * 3 + (True,)), "use_temporal_causal"),
+                       (SampleLayout.stacked(grids, layouts[-1].text_len, trained=(False,) * 3 + (True,),
+                                             attention="block_causal"), "interp_condition_pos")):
+        pack = PackInfo.from_layouts(layouts[:-1] + [wrong])
+        with pytest.raises(ValueError, match=key):
+            model(*batch.inputs(pack))
+
+
+# ------------------------------------------------------------------------------------------------
+# Init, optimizer split, parallel units, FLOPs
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", MODELS)
+def test_meta_build_then_init_weights_starts_at_zero_output(name):
+    config = load_config(folder(name), MODELS[name])
+    with torch.device("meta"):
+        model = MODELS[name](config)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    for key, tensor in model.state_dict().items():
+        assert torch.isfinite(tensor).all(), key
+    if name == "mmdit_dit":   # the sin-cos table is built as the original builds (and saves) it
+        stored = released(name).pos_embed.pos_embed
+        assert torch.equal(model.pos_embed.pos_embed, stored)
+    t, _ = load_fixture(f"{name}/case_b_temporal_pyramid")
+    batch = Batch(model, t)
+    with torch.no_grad():
+        assert model(*batch.inputs()).abs().max() == 0      # zeroed output layer (AdaLN-Zero init)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_hidden_matrices_and_parallel_units(name):
+    model = released(name)
+    params = dict(model.named_parameters())
+    hidden = model.hidden_matrices()
+    for key, splits in hidden.items():
+        assert params[key].ndim == 2 and sum(splits) == params[key].shape[0], key
+        assert key.startswith(("transformer_blocks.", "single_transformer_blocks.")) and ".norm" not in key
+    assert "transformer_blocks.0.attn.to_q.weight" in hidden and "transformer_blocks.0.ff.net.2.weight" in hidden
+    assert not any("norm1" in k or k.startswith(("proj_out", "x_embedder", "context_embedder")) for k in hidden)
+    blocks = model.fsdp_blocks()
+    assert blocks[0] is model.transformer_blocks[0] and len(blocks) == len(model.transformer_blocks) + len(
+        getattr(model, "single_transformer_blocks", []))
+    assert all(hasattr(b.attn, "inner_attention") for b in blocks)
+    assert model.num_attention_heads == model.config.num_attention_heads
+    assert model.checkpointed_blocks() == []                # use_gradient_checkpointing: false
+    model.config.use_gradient_checkpointing = True
+    assert model.checkpointed_blocks()[0] is blocks[0]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("name", MODELS)
+def test_forward_flops_match_flop_counter(name, backend):
+    # sdpa evaluates the masked pairs too; the block-sparse backends only the allowed ones
+    model = released(name)
+    set_attention_backend(model, backend)
+    t, _ = load_fixture(f"{name}/case_b_temporal_pyramid")
+    batch = Batch(model, t)
+    # the math SDPA kernel runs attention as matmuls, which FlopCounterMode counts
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(*batch.inputs())
+    assert counter.get_total_flops() == model.forward_flops(batch.pack)
+    if backend != "sdpa":
+        set_attention_backend(model, "sdpa")
+        assert model.forward_flops(batch.pack) > counter.get_total_flops()
+
+
+# ------------------------------------------------------------------------------------------------
+# FSDP2 + Ulysses context parallel (2 gloo processes)
+# ------------------------------------------------------------------------------------------------
+
+def _fsdp_ulysses_worker(names: tuple[str, ...]) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from pan.parallel.context_parallel import attach_ulysses
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (size,))
+    results = {}
+    for name in names:
+        model = released(name)
+        t, _ = load_fixture(f"{name}/case_b_temporal_pyramid")
+        batch = Batch(model, t)
+        target, weight = batch.token_targets(model)
+        attach_ulysses(model, dist.group.WORLD)
+        for block in model.fsdp_blocks():
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
+        shard = batch.pack.shard(rank, size)
+        out = model(*batch.inputs(shard))
+        rows = shard.video_index
+        loss_of(out, target[rows], weight[rows]).backward()   # this rank's share; grads summed by FSDP
+        results[name] = {"rows": rows, "out": out.detach(),
+                         "grads": {k: p.grad.full_tensor() for k, p in model.named_parameters()}}
+    return results
+
+
+def test_fsdp2_and_ulysses_reproduce_the_fixture_outputs_and_gradients():
+    ranks = run_distributed(_fsdp_ulysses_worker, world_size=2, args=(tuple(MODELS),))
+    for name in MODELS:
+        model = released(name)
+        t, _ = load_fixture(f"{name}/case_b_temporal_pyramid")
+        grads, _ = load_fixture(f"{name}/case_b_temporal_pyramid_grads")
+        batch = Batch(model, t)
+        out = torch.empty(batch.x.shape[0], model.proj_out.out_features)
+        for result in ranks:
+            out[result[name]["rows"]] = result[name]["out"]
+        for (c, i), pred in zip(batch.where, batch.predictions(model, out)):
+            torch.testing.assert_close(pred, t[f"out.col{c}"][i], **TOL)
+        for key, grad in ranks[0][name]["grads"].items():
+            torch.testing.assert_close(grad, grads[f"grad.{key}"], **TOL, msg=f"{name} {key}")
