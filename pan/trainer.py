@@ -234,9 +234,9 @@ class Trainer:
         return {"parts": self.parts, "loader": self.loader, "train_state": self.state, "task": self.task}
 
 
-def build_part(spec: PartSpec, world, dims, mesh, job, warm_start) -> Part:
-    """One part: model materialised and initialised, warm-started, parallelised; its optimizer,
-    LR schedule and EMA."""
+def build_part(spec: PartSpec, world, dims, mesh, job, warm_start, fresh: bool) -> Part:
+    """One part: model materialised and initialised (or loaded from its pretrained weights when the
+    run starts `fresh`), warm-started, parallelised; its optimizer, LR schedule and EMA."""
     from pan.optim.builder import build_optimizer, build_scheduler
     from pan.optim.ema import EMA
     from pan.parallel.fsdp import materialize_and_init, parallelize_model
@@ -249,6 +249,9 @@ def build_part(spec: PartSpec, world, dims, mesh, job, warm_start) -> Part:
     model = parallelize_model(model, mesh, dims, job.parallel, cfg)
     if warm_start is not None and spec.warm_start:
         warm_start.after_sharding(model)
+    if fresh and spec.pretrained is not None:
+        load_full_state_dict(model, spec.pretrained())
+        log.info("%s: started from its pretrained weights", spec.name)
     log.info("%s: %.1fM parameters", spec.name, sum(p.numel() for p in model.parameters()) / 1e6)
     optim = spec.optim.optim()
     optimizer, report = build_optimizer(model, optim)
@@ -256,6 +259,14 @@ def build_part(spec: PartSpec, world, dims, mesh, job, warm_start) -> Part:
     scheduler = build_scheduler(optimizer, optim, cfg.max_steps)
     ema = EMA(model, optim.ema_decay) if optim.ema_decay > 0 else None
     return Part(spec.name, model, optimizer, scheduler, ema, optim)
+
+
+def load_full_state_dict(model, state: dict) -> None:
+    """Load whole (unsharded) tensors into a model, sharded or not, strictly: every rank passes the
+    same full state dict and keeps its shard."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=True))
 
 
 def build_trainer(job) -> Trainer:
@@ -300,7 +311,8 @@ def build_trainer(job) -> Trainer:
     latest = checkpointer.latest_step([spec.name for spec in specs])
     warm_cfg = getattr(job, "warm_start", None)  # recipes without warm-start keys have none
     warm_start = None if warm_cfg is None else plan_warm_start(warm_cfg, latest)
-    parts = {spec.name: build_part(spec, world, dims, mesh, job, warm_start) for spec in specs}
+    parts = {spec.name: build_part(spec, world, dims, mesh, job, warm_start, fresh=latest is None)
+             for spec in specs}
     task.load_encoders()
     loader = build_loader_everywhere(task, dims)
     metrics = Metrics(job.logging, output_dir, world, world.device, cfg.dtype, job_to_sections(job))

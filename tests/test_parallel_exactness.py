@@ -113,7 +113,7 @@ def train_two_steps(layout: Layout, world_size: int, local_world_size: int) -> d
     for step in range(len(STEPS)):
         samples = make_samples(step)
         per_rank = len(samples) // dims.dp
-        dp = dims.dp_rank_of(world.rank)
+        dp = dims.dp_rank_of(world.rank) if mesh is not None else 0  # the reference: all samples
         mine = samples[dp * per_rank:(dp + 1) * per_rank]
         per_mb = len(mine) // layout.accumulation
         micro = [mine[i * per_mb:(i + 1) * per_mb] for i in range(layout.accumulation)]

@@ -453,6 +453,21 @@ def noise_full_sequence(latents: Sequence[Tensor], schedule: PyramidSchedule, dr
     return columns
 
 
+def noise_sample(latents: Sequence[Tensor], stage: int, schedule: PyramidSchedule, draws: Draws,
+                 *, flow: FlowConfig | None = None) -> NoisedColumn:
+    """One sample trained at `stage` (packed batches mix shapes, so each sample is noised on its
+    own): `latents` are its normalised pyramid levels [1, C, T, h_k, w_k], lowest first. The same
+    arithmetic as `noise_full_sequence`; the noise, then the table index, are drawn per sample."""
+    _check_position_source(schedule, draws, flow)
+    noises = noise_pyramid(draws.randn(latents[-1].shape).to(latents[-1]), schedule.stages)
+    start, end = _stage_points(latents, noises, schedule, stage, slice(None))
+    idx = _draw_table_indices(schedule, 1, draws, flow)
+    r = schedule.sigmas_per_stage[stage][idx].to(start.device)
+    return NoisedColumn(column=0, stage=stage, rows=slice(None), clips=[_noised_point(start, end, r)],
+                        ratios=r.to(start.dtype), target=start - end,
+                        timesteps=schedule.timesteps_per_stage[stage][idx].to(start.device, start.dtype))
+
+
 def stage_unit_counts(*, step: int, rank: int, video_sync_group: int, frame_per_unit: int,
                       max_frames: int, clip_units: int, stages: int = 3) -> list[int]:
     """Units (groups of `frame_per_unit` latent frames; the first unit is frame 0 alone) each stage's

@@ -194,6 +194,15 @@ class FrozenVAE(ABC):
     def decode(self, latent: torch.Tensor) -> torch.Tensor:
         """normalised latent [C, T', H', W'] -> frames [T, 3, H, W] in [-1, 1], fp32."""
 
+    def unnormalize(self, latent: torch.Tensor) -> torch.Tensor:
+        """A normalised latent as the VAE itself gives it (recipes with their own latent statistics,
+        such as Pyramid-Flow's per-frame ones, normalise raw latents themselves)."""
+        return latent
+
+    def normalize(self, raw: torch.Tensor) -> torch.Tensor:
+        """Inverse of `unnormalize`."""
+        return raw
+
 
 class IdentityVAE(FrozenVAE):
     """Pixels as latents: [T, 3, H, W] <-> [3, T, H, W]."""
@@ -232,9 +241,15 @@ class DiffusersVAE(FrozenVAE):
                              f"{', '.join(_FACTOR_KEYS)} for this VAE.")
         return (latent - self.mean) / self.std
 
+    def unnormalize(self, latent: torch.Tensor) -> torch.Tensor:
+        return latent.to(self.device, torch.float32) * self.std + self.mean
+
+    def normalize(self, raw: torch.Tensor) -> torch.Tensor:
+        return (raw.to(self.device, torch.float32) - self.mean) / self.std
+
     @torch.no_grad()
     def decode(self, latent: torch.Tensor) -> torch.Tensor:
-        raw = latent.to(self.device, torch.float32) * self.std + self.mean
+        raw = self.unnormalize(latent)
         video = self.model.decode(raw.to(self.dtype).unsqueeze(0)).sample[0]  # [3, T, H, W]
         return video.float().clamp(-1, 1).permute(1, 0, 2, 3).contiguous()
 

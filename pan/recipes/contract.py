@@ -45,6 +45,9 @@ class PartSpec:
     build: Callable[[], nn.Module]     # the model on the meta device (or real weights to start from)
     optim: OptimConfig                 # its optimizer, LR schedule, clipping and EMA keys
     warm_start: bool = False           # whether the run's warm-start keys load into this part
+    # The full state dict the part starts from when the run starts fresh (a released checkpoint),
+    # loaded strictly after sharding; None: the model's own init_weights().
+    pretrained: Callable[[], dict[str, Tensor]] | None = None
 
 
 @dataclass
