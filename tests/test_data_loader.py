@@ -81,7 +81,7 @@ def test_ranks_read_disjoint_shares_in_a_new_order_each_epoch(data):
         planner = loader_of(cfg, rank=rank, size=2).planner.copy()
         refs = [planner.next_ref() for _ in range(60)]
         plans[rank] = [r for r in refs if r.stream == "video:clips"]
-    share = len(loader_of(cfg, rank=0, size=2).reader.csvs["video:clips"]) // 2
+    share = len(loader_of(cfg, rank=0, size=2).reader.sources["video:clips"]) // 2
     for epoch in (0, 1):
         ours = [[r.index for r in plans[rank] if r.epoch == epoch] for rank in range(2)]
         assert all(len(x) == share for x in ours)

@@ -33,6 +33,13 @@ class DataConfig:
     video_csv_weights: list[float] | None = knob(
         None, "relative sampling weight of each video CSV; null = proportional to its number of rows "
               "(every clip equally likely)", gt=0)
+    annotation_paths: list[str] = knob(
+        [], "JSONL annotation files as Pyramid-Flow writes them: video rows (video, text; optional "
+            "latent, text_fea, frames) and image rows (image, text); paths relative to the file or "
+            "absolute")
+    annotation_weights: list[float] | None = knob(
+        None, "relative sampling weight of each annotation file, on the scale of video_csv_weights "
+              "(give both lists or neither); null = proportional to its number of rows", gt=0)
     image_tar_paths: list[str] = knob(
         [], "webdataset tars of images (key.jpg|png|webp + key.txt or key.json caption); an image is "
             "a 1-frame video")
@@ -71,8 +78,8 @@ class DataConfig:
 
     # --- resume ----------------------------------------------------------------------------------
     resume_video_csv: bool = knob(
-        True, "on resume, continue the video CSVs where the checkpoint left them; false restarts "
-              "them from the top (the image-tar cursor is kept)")
+        True, "on resume, continue the video CSVs and annotation files where the checkpoint left "
+              "them; false restarts them from the top (the image-tar cursor is kept)")
     restart_data_on_dp_change: bool = knob(
         False, "allow resuming with a different number of data-parallel ranks by restarting every "
                "data stream (otherwise such a resume is refused)")
@@ -110,32 +117,51 @@ class DataConfig:
                 "remove it or use decoding workers.")
 
     def _check_sources(self) -> None:
-        videos, images = self.video_csv_paths, self.image_tar_paths
-        require(bool(videos or images), "video_csv_paths",
-                "no data: set video_csv_paths and/or image_tar_paths.")
-        if self.video_csv_weights is not None:
-            require(len(self.video_csv_weights) == len(videos), "video_csv_weights",
-                    f"has {len(self.video_csv_weights)} values for {len(videos)} video_csv_paths: "
-                    "give one weight per CSV, or null to weigh CSVs by their number of rows.")
+        videos, annotations, images = self.video_csv_paths, self.annotation_paths, self.image_tar_paths
+        rows = videos + annotations  # the row sources, mixed by weight
+        require(bool(rows or images), "video_csv_paths",
+                "no data: set video_csv_paths, annotation_paths and/or image_tar_paths.")
+        self._check_weights()
         if images:
             require(self.image_sample_prob > 0, "image_tar_paths",
                     "is set but image_sample_prob is 0, so no image would be read: raise "
                     "image_sample_prob or remove image_tar_paths.")
         else:
             require(self.image_sample_prob == 0, "image_sample_prob",
-                    f"is {self.image_sample_prob} but image_tar_paths is empty: add image tars or set 0.")
-        if videos:
+                    f"is {self.image_sample_prob} but image_tar_paths is empty: add image tars or set 0 "
+                    "(image rows of annotation files are mixed by annotation_weights).")
+        if rows:
+            key = "video_csv_paths" if videos else "annotation_paths"
             require(self.image_sample_prob < 1, "image_sample_prob",
-                    "is 1, so the video_csv_paths would never be read: lower it or remove the CSVs.")
+                    f"is 1, so the {key} would never be read: lower it or remove them.")
         else:
             require(self.image_sample_prob == 1 or not images, "image_sample_prob",
-                    f"is {self.image_sample_prob} but there are no video_csv_paths: set 1.0 for an "
-                    "image-only run.")
-        for key, paths in (("video_csv_paths", videos), ("image_tar_paths", images)):
+                    f"is {self.image_sample_prob} but there are no video_csv_paths or annotation_paths: "
+                    "set 1.0 for an image-only run.")
+        for key, paths in (("video_csv_paths", videos), ("annotation_paths", annotations),
+                           ("image_tar_paths", images)):
             for p in paths:
                 require(Path(p).is_file(), key, f"{p} does not exist (or is not a file).")
-        names = [Path(p).stem for p in videos + images]
+        for p in videos:
+            require(Path(p).suffix.lower() != ".jsonl", "video_csv_paths",
+                    f"lists {p}, a JSONL annotation file: list it in annotation_paths.")
+        names = [Path(p).stem for p in rows + images]
         dupes = sorted({n for n in names if names.count(n) > 1})
         require(not dupes, "video_csv_paths",
                 f"several data files are named {dupes}: sample ids and resume cursors use file "
                 "names (without extension), so rename them apart.")
+
+    def _check_weights(self) -> None:
+        for key, weights, paths in (("video_csv_weights", self.video_csv_weights, self.video_csv_paths),
+                                    ("annotation_weights", self.annotation_weights, self.annotation_paths)):
+            if weights is not None:
+                require(len(weights) == len(paths), key,
+                        f"has {len(weights)} values for {len(paths)} {key.replace('weights', 'paths')}: "
+                        f"give one weight per {'CSV' if key == 'video_csv_weights' else 'annotation file'}, "
+                        "or null to weigh files by their number of rows.")
+        if self.video_csv_paths and self.annotation_paths:
+            given = [k for k in ("video_csv_weights", "annotation_weights") if getattr(self, k) is not None]
+            require(len(given) != 1, given[0] if given else "video_csv_weights",
+                    "is set but the other of video_csv_weights / annotation_weights is null: video CSVs "
+                    "and annotation files are mixed on one scale, so give both lists or neither "
+                    "(null weighs every file by its number of rows).")

@@ -2,10 +2,10 @@
 
 How exact resume works. Every rank walks its own sequence of sample references, planned in the
 training process from nothing but counters:
-- each source (a video CSV, or all image tars together) is a stream: a seeded shuffle per epoch, of
-  which rank r owns positions r, r + dp_size, r + 2 dp_size, ...;
-- the n-th sample's stream (image or video, and which CSV) is drawn from an RNG seeded by
-  (seed, rank, n), so the "mixing RNG" state is the counter n.
+- each source (a video CSV, an annotation file, or all image tars together) is a stream: a seeded
+  shuffle per epoch, of which rank r owns positions r, r + dp_size, r + 2 dp_size, ...;
+- the n-th sample's stream (the image tars, or which CSV or annotation file) is drawn from an RNG
+  seeded by (seed, rank, n), so the "mixing RNG" state is the counter n.
 Worker processes only turn references into samples (or skip reasons), in order. The training
 process replays the plan in step with what it receives, so its cursor (n, and each stream's epoch
 and position) describes exactly what reached the buffer, however far the workers ran ahead. The
@@ -23,24 +23,31 @@ import random
 import signal
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, ClassVar, Literal
 
+import av
 import numpy as np
 import torch
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, Dataset
 
 from pan.data.config import DataConfig
-from pan.data.decode import FrameRules, SkipSample, decode_image, decode_video, frame_step, pick_bucket
+from pan.data.decode import (FrameRules, SkipSample, centre_crop, decode_image, decode_video, frame_step,
+                             pick_bucket)
 from pan.data.packing import LookaheadPacker
-from pan.data.sources import (ImageTarSet, SourceError, VideoCsvSource, caption_from_bytes,
-                              read_image_tars, read_video_csv)
+from pan.data.sources import (AnnotationSource, ImageTarSet, SourceError, VideoCsvSource, caption_from_bytes,
+                              read_annotations, read_image_tars, read_video_csv)
 
 logger = logging.getLogger(__name__)
 
 IMAGE_STREAM = "images"
 STATE_VERSION = 1
 TokensOf = Callable[[int, int, int], int]
+RowSource = VideoCsvSource | AnnotationSource
+# Pyramid-Flow's text features, per sample after the leading batch dim of 1 is dropped:
+# prompt_embed [L, D], prompt_attention_mask [L] (1 = a real token), pooled_prompt_embed [P].
+TEXT_FEATURE_DIMS = {"prompt_embed": 2, "prompt_attention_mask": 1, "pooled_prompt_embed": 1}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -49,37 +56,55 @@ TokensOf = Callable[[int, int, int], int]
 
 @dataclass
 class Sample:
-    """One clip or image. Decoded samples carry `frames`; precomputed rows carry `latent` + `text`."""
-    sample_id: str                       # "<csv stem>:<row>" (row 0 = first data row) or "<tar stem>:<key>"
+    """One clip or image. Decoded samples carry `frames`; pan's precomputed CSV rows carry `latent` +
+    `text`; annotation rows with a `latent` carry `raw_latent`, and with a `text_fea`, `text_features`."""
+    sample_id: str                       # "<csv|jsonl stem>:<row>" (0 = first data row) or "<tar stem>:<key>"
     kind: Literal["video", "image"]
     caption: str
     grid: tuple[int, int, int]           # (T, H, W) of frames (pixels) or of the latent (latent cells)
     tokens: int                          # model tokens, as tokens_of / latent_tokens_of count them
     frames: torch.Tensor | None = None   # uint8 [T, 3, H, W], RGB, 0..255
     fps: float | None = None             # frame rate of `frames` (after target_fps resampling)
-    latent: torch.Tensor | None = None   # [C, T, H, W], already normalised
-    text: torch.Tensor | None = None     # [L, D] text features
+    latent: torch.Tensor | None = None   # [C, T, H, W], already normalised (pan's precomputed CSVs)
+    text: torch.Tensor | None = None     # [L, D] text features (pan's precomputed CSVs)
+    raw_latent: torch.Tensor | None = None  # [C, T, H, W] as the VAE gave it, NOT normalised, in the
+    #                                         dtype it was saved in (annotation rows' `latent`)
+    text_features: dict[str, torch.Tensor] | None = None  # annotation rows' `text_fea` (TEXT_FEATURE_DIMS)
 
     # Between a decoding worker and the trainer, a tensor normally travels as a shared-memory file
     # descriptor, handed over through a fresh authenticated connection per tensor: about 1 ms each,
     # which for small clips costs the trainer more than the clip itself. Tensors up to this size
     # travel inside the pickled message instead.
     BY_VALUE_BYTES: ClassVar[int] = 1 << 20
+    TENSORS: ClassVar[tuple[str, ...]] = ("frames", "latent", "text", "raw_latent")
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        for key in ("frames", "latent", "text"):
-            t = state[key]
-            if isinstance(t, torch.Tensor) and t.nbytes <= self.BY_VALUE_BYTES:
-                raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-                state[key] = _TensorBytes(raw, t.dtype, tuple(t.shape))
+        for key in self.TENSORS:
+            state[key] = _by_value(state[key], self.BY_VALUE_BYTES)
+        if state["text_features"] is not None:
+            state["text_features"] = {k: _by_value(t, self.BY_VALUE_BYTES)
+                                      for k, t in state["text_features"].items()}
         return state
 
     def __setstate__(self, state: dict) -> None:
-        for key in ("frames", "latent", "text"):
-            if isinstance(state[key], _TensorBytes):
-                state[key] = state[key].tensor()
+        for key in self.TENSORS:
+            state[key] = _from_value(state[key])
+        if state["text_features"] is not None:
+            state["text_features"] = {k: _from_value(t) for k, t in state["text_features"].items()}
         self.__dict__.update(state)
+
+
+def _by_value(t, limit: int):
+    """A tensor of at most `limit` bytes as _TensorBytes; anything else as it is."""
+    if isinstance(t, torch.Tensor) and t.nbytes <= limit:
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        return _TensorBytes(raw, t.dtype, tuple(t.shape))
+    return t
+
+
+def _from_value(t):
+    return t.tensor() if isinstance(t, _TensorBytes) else t
 
 
 @dataclass
@@ -120,10 +145,10 @@ class DataResumeError(ValueError):
 class Ref:
     """A reference to one sample of one rank's sequence."""
     seq: int      # the sample's number in this rank's sequence
-    stream: str   # "video:<csv stem>" or "images"
+    stream: str   # "video:<csv stem>", "annotations:<jsonl stem>" or "images"
     epoch: int
     pos: int      # position within this rank's share of the epoch
-    index: int    # row (CSV) or image (tars) index in the source
+    index: int    # row (CSV, JSONL) or image (tars) index in the source
 
 
 def stable_int(*parts) -> int:
@@ -205,16 +230,25 @@ class Loaded:
 
 
 class SampleReader(Dataset):
-    """Map-style dataset over references: decodes one sample, or reports why it cannot."""
+    """Map-style dataset over references: decodes one sample, or reports why it cannot.
 
-    def __init__(self, csvs: dict[str, VideoCsvSource], tars: ImageTarSet | None, rules: FrameRules):
-        self.csvs, self.tars, self.rules = csvs, tars, rules
+    With `use_precomputed` false, annotation rows are decoded from their video or image even when
+    they name a latent or text features (what a precompute needs).
+    """
+
+    def __init__(self, sources: dict[str, RowSource], tars: ImageTarSet | None, rules: FrameRules,
+                 use_precomputed: bool = True):
+        self.sources, self.tars, self.rules = sources, tars, rules
+        self.use_precomputed = use_precomputed
 
     def __getitem__(self, ref: Ref) -> Loaded:
         try:
             if ref.stream == IMAGE_STREAM:
                 return Loaded(ref, self._image(ref.index))
-            return Loaded(ref, self._video_row(self.csvs[ref.stream], ref.index))
+            src = self.sources[ref.stream]
+            if isinstance(src, AnnotationSource):
+                return Loaded(ref, self._annotation_row(src, ref.index))
+            return Loaded(ref, self._video_row(src, ref.index))
         except SkipSample as e:
             return Loaded(ref, None, e.reason, e.detail)
         except FileNotFoundError as e:
@@ -275,6 +309,30 @@ class SampleReader(Dataset):
                                              f"it holds {sorted(tensors)}")
         return Sample(sample_id, "video", caption, tuple(latent.shape[1:]), 0, latent=latent, text=text)
 
+    def _annotation_row(self, src: AnnotationSource, i: int) -> Sample:
+        """A JSONL row: its precomputed latent if it names one, else its decoded video or image."""
+        row = src.parse(i)
+        sample_id = f"{src.name}:{i}"
+        features = None
+        if self.use_precomputed:
+            features = read_text_features(existing(row.text_fea)) if row.text_fea else None
+            if row.latent is not None:
+                latent = read_raw_latent(existing(row.latent))
+                return Sample(sample_id, row.kind, row.caption, tuple(latent.shape[1:]), 0,
+                              raw_latent=latent, text_features=features)
+        if row.media is None:
+            raise SkipSample("missing_file", "the row names no video to decode")
+        media = existing(row.media)
+        fps = None
+        if row.kind == "image":
+            frames = decode_image(media.read_bytes(), self.rules)
+        elif row.frames is not None:
+            frames, fps = decode_frames_at(str(media), row.frames, self.rules)
+        else:
+            frames, fps = decode_video(str(media), self.rules)
+        return Sample(sample_id, row.kind, row.caption, tuple(frames.shape[i] for i in (0, 2, 3)), 0,
+                      frames=frames, fps=fps, text_features=features)
+
     def _image(self, i: int) -> Sample:
         image = self.tars.images[i]
         data, caption_bytes = self.tars.read(image)
@@ -284,6 +342,82 @@ class SampleReader(Dataset):
         frames = decode_image(data, self.rules)
         return Sample(self.tars.sample_id(image), "image", caption, tuple(frames.shape[i] for i in (0, 2, 3)),
                       0, frames=frames)
+
+
+def existing(path: Path) -> Path:
+    if not path.is_file():
+        raise SkipSample("missing_file", str(path))
+    return path
+
+
+def read_raw_latent(path: Path) -> torch.Tensor:
+    """A Pyramid-Flow latent `.pt`: [C, T, H, W], or [1, C, T, H, W] as its extraction tool saves it."""
+    latent = torch.load(path, map_location="cpu", weights_only=True)
+    if isinstance(latent, torch.Tensor) and latent.dim() == 5 and latent.shape[0] == 1:
+        latent = latent[0]
+    if not isinstance(latent, torch.Tensor) or latent.dim() != 4 or not latent.is_floating_point():
+        raise SkipSample("decode_error", f"{path} must hold one float tensor [C, T, H, W] (or "
+                                         f"[1, C, T, H, W]); it holds {describe(latent)}")
+    return latent
+
+
+def read_text_features(path: Path) -> dict[str, torch.Tensor]:
+    """A Pyramid-Flow text-feature `.pt` (a dict of TEXT_FEATURE_DIMS tensors, each possibly with a
+    leading batch dim of 1, which is dropped)."""
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    if not (isinstance(saved, dict) and all(torch.is_tensor(saved.get(k)) for k in TEXT_FEATURE_DIMS)):
+        raise SkipSample("decode_error", f"{path} must hold a dict of tensors {list(TEXT_FEATURE_DIMS)}; "
+                                         f"it holds {describe(saved)}")
+    out = {}
+    for key, dims in TEXT_FEATURE_DIMS.items():
+        t = saved[key]
+        out[key] = t[0] if t.dim() == dims + 1 and t.shape[0] == 1 else t
+    shapes = {k: tuple(t.shape) for k, t in out.items()}
+    if ([t.dim() for t in out.values()] != list(TEXT_FEATURE_DIMS.values())
+            or out["prompt_attention_mask"].shape[0] != out["prompt_embed"].shape[0]):
+        raise SkipSample("decode_error", f"{path}: text features must be prompt_embed [L, D], "
+                                         f"prompt_attention_mask [L], pooled_prompt_embed [P]; got {shapes}")
+    return out
+
+
+def describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor {list(value.shape)}"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {describe(v)}" for k, v in value.items()) + "}"
+    return type(value).__name__
+
+
+def decode_frames_at(path: str, indices: tuple[int, ...], rules: FrameRules) -> tuple[torch.Tensor, float]:
+    """The listed source frames of a video (indices counted from its first frame, increasing) ->
+    (uint8 frames [T, 3, H, W], their rate). Buckets and frame-count rules apply as in decode_video;
+    target_fps does not: the row chose its frames."""
+    wanted = indices[:rules.max_frames]
+    with av.open(path) as container:
+        if not container.streams.video:
+            raise SkipSample("decode_error", "no video stream")
+        stream = container.streams.video[0]
+        stream.thread_type = "AUTO"
+        rate = stream.average_rate or stream.guessed_rate
+        if not rate:
+            raise SkipSample("decode_error", "unknown frame rate")
+        bucket, h, w, scale = pick_bucket(stream.codec_context.height, stream.codec_context.width, rules)
+        interpolation = "AREA" if scale < 1 else "BICUBIC"
+        kept: list[np.ndarray] = []
+        for index, frame in enumerate(container.decode(stream)):  # from the start: indices are exact
+            if index == wanted[len(kept)]:
+                rgb = frame.to_ndarray(format="rgb24", width=w, height=h, interpolation=interpolation)
+                kept.append(centre_crop(rgb, bucket))
+                if len(kept) == len(wanted):
+                    break
+    count = rules.usable_count(len(kept))
+    if count < rules.min_frames:
+        raise SkipSample("too_short", f"{len(kept)} of the row's frames exist, {count} usable; min_frames "
+                                      f"{rules.min_frames} (with rule count % {rules.frames_mod} == "
+                                      f"{rules.frames_remainder})")
+    frames = torch.from_numpy(np.stack(kept[:count])).permute(0, 3, 1, 2).contiguous()
+    stride = (wanted[count - 1] - wanted[0]) / (count - 1) if count > 1 else 1.0
+    return frames, float(rate) / stride
 
 
 def number(src: VideoCsvSource, row: list[str], column: str) -> float | None:
@@ -335,12 +469,12 @@ class RefSequence:
 class PackedLoader:
     """An endless iterator of RawBatch for one data-parallel rank, with exact state_dict/load."""
 
-    def __init__(self, cfg: DataConfig, *, csvs: dict[str, VideoCsvSource], tars: ImageTarSet | None,
+    def __init__(self, cfg: DataConfig, *, sources: dict[str, RowSource], tars: ImageTarSet | None,
                  planner: Planner, tokens_of: TokensOf, latent_tokens_of: TokensOf | None,
                  dp_rank: int, dp_size: int, seed: int):
         self.cfg, self.seed, self.dp_rank, self.dp_size = cfg, seed, dp_rank, dp_size
         self.tokens_of, self.latent_tokens_of = tokens_of, latent_tokens_of
-        self.reader = SampleReader(csvs, tars, rules_of(cfg))
+        self.reader = SampleReader(sources, tars, rules_of(cfg))
         self._initial = planner.copy()
         self.planner = planner              # advanced only by samples that reached this process
         self.packer = LookaheadPacker(cfg.max_tokens_per_batch, cfg.max_samples_per_batch,
@@ -403,7 +537,7 @@ class PackedLoader:
         return True
 
     def _tokens(self, sample: Sample) -> int:
-        if sample.latent is not None:
+        if sample.latent is not None or sample.raw_latent is not None:
             return int(self.latent_tokens_of(*sample.grid))
         return int(self.tokens_of(*sample.grid))
 
@@ -418,7 +552,7 @@ class PackedLoader:
     def _sample_id(self, ref: Ref) -> str:
         if ref.stream == IMAGE_STREAM:
             return self.reader.tars.sample_id(self.reader.tars.images[ref.index])
-        return f"{self.reader.csvs[ref.stream].name}:{ref.index}"
+        return f"{self.reader.sources[ref.stream].name}:{ref.index}"
 
     def _start_workers(self) -> None:
         self._results = iter(self._data_loader())
@@ -523,22 +657,50 @@ def rules_of(cfg: DataConfig) -> FrameRules:
                       frames_mod=cfg.frames_mod, frames_remainder=cfg.frames_remainder)
 
 
+def stream_name(source: RowSource) -> str:
+    """A row source's stream (and cursor) name."""
+    kind = "annotations" if isinstance(source, AnnotationSource) else "video"
+    return f"{kind}:{source.name}"
+
+
+def read_row_sources(cfg: DataConfig) -> dict[str, RowSource]:
+    """Every video CSV, then every annotation file, by stream name."""
+    sources = [read_video_csv(p) for p in cfg.video_csv_paths]
+    sources += [read_annotations(p) for p in cfg.annotation_paths]
+    return {stream_name(s): s for s in sources}
+
+
+def names_latents(source: RowSource) -> bool:
+    return source.precomputed if isinstance(source, VideoCsvSource) else source.names_latents
+
+
+def row_weights(cfg: DataConfig, sources: dict[str, RowSource]) -> dict[str, float]:
+    """Sampling weight of each row source: the given lists, else each file's number of rows."""
+    csvs = [n for n, s in sources.items() if isinstance(s, VideoCsvSource)]
+    annotations = [n for n in sources if n not in csvs]
+    weights = {}
+    for names, given in ((csvs, cfg.video_csv_weights), (annotations, cfg.annotation_weights)):
+        weights.update(zip(names, given or [len(sources[n]) for n in names]))
+    return weights
+
+
 def build_data_loader(cfg: DataConfig, *, tokens_of: TokensOf, dp_rank: int, dp_size: int, seed: int,
                       latent_tokens_of: TokensOf | None = None) -> PackedLoader:
     """The packed loader of one data-parallel rank.
 
     tokens_of(num_frames, height, width) -> model tokens of a decoded sample (pixel dims);
     latent_tokens_of(t, h, w) -> model tokens of a precomputed latent grid (needed only when a CSV
-    has a latent_path column). Every rank reads a disjoint share of every stream.
+    has a latent_path column or an annotation row names a latent). Every rank reads a disjoint
+    share of every stream.
     """
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank {dp_rank} is outside 0..{dp_size - 1}")
-    csvs = {f"video:{s.name}": s for s in (read_video_csv(p) for p in cfg.video_csv_paths)}
-    if latent_tokens_of is None and any(s.precomputed for s in csvs.values()):
-        raise ValueError("a video CSV has a latent_path column (precomputed rows): pass "
-                         "latent_tokens_of to build_data_loader.")
+    sources = read_row_sources(cfg)
+    if latent_tokens_of is None and any(names_latents(s) for s in sources.values()):
+        raise ValueError("a video CSV has a latent_path column or an annotation row names a latent "
+                         "(precomputed rows): pass latent_tokens_of to build_data_loader.")
     tars = read_image_tars(cfg.image_tar_paths) if cfg.image_tar_paths else None
-    sizes = {name: len(s) for name, s in csvs.items()}
+    sizes = {name: len(s) for name, s in sources.items()}
     if tars is not None:
         sizes[IMAGE_STREAM] = len(tars)
     for name, size in sizes.items():
@@ -546,9 +708,7 @@ def build_data_loader(cfg: DataConfig, *, tokens_of: TokensOf, dp_rank: int, dp_
             raise SourceError(f"{name} has {size} samples, fewer than the {dp_size} data-parallel ranks "
                               "that share it.")
     streams = {name: StreamOrder(name, size, seed, dp_rank, dp_size) for name, size in sizes.items()}
-    given = cfg.video_csv_weights or [len(s) for s in csvs.values()]
-    weights = dict(zip(csvs, given))
     image_prob = cfg.image_sample_prob if tars is not None else 0.0
-    planner = Planner(streams, weights, image_prob, seed, dp_rank)
-    return PackedLoader(cfg, csvs=csvs, tars=tars, planner=planner, tokens_of=tokens_of,
+    planner = Planner(streams, row_weights(cfg, sources), image_prob, seed, dp_rank)
+    return PackedLoader(cfg, sources=sources, tars=tars, planner=planner, tokens_of=tokens_of,
                         latent_tokens_of=latent_tokens_of, dp_rank=dp_rank, dp_size=dp_size, seed=seed)

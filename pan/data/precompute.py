@@ -19,6 +19,10 @@ a killed precompute continues where it stopped. Image tars are not precomputed: 
 Under torchrun (`torchrun --nproc_per_node 8 -m pan.cli data precompute ...`) each process encodes
 every WORLD_SIZE-th missing row on its own GPU (cuda:LOCAL_RANK); rank 0 writes the CSVs and the
 merged failures once all are done. The output is the same as one process's.
+
+`precompute_pyramid` writes Pyramid-Flow's format instead (unnormalised latent `.pt` files, text
+feature `.pt` files, the empty caption's features and a JSONL per source pointing at them) with
+encoders given as callables; see its docstring.
 """
 
 from __future__ import annotations
@@ -31,14 +35,17 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from pan.data.loader import Loaded, Ref, SampleReader, rules_of
-from pan.data.sources import SourceError, VideoCsvSource, read_video_csv
+from pan.data.decode import FrameRules, SkipSample
+from pan.data.loader import (TEXT_FEATURE_DIMS, Loaded, Ref, RowSource, SampleReader, rules_of,
+                             stream_name)
+from pan.data.sources import AnnotationSource, SourceError, VideoCsvSource, read_video_csv
 from pan.parallel.world import close_world, start_process_group
 
 LATENT_COLUMN = "latent_path"
@@ -65,6 +72,8 @@ class PrecomputeReport:
     failures: list[Failure] = field(default_factory=list)
     csvs: list[Path] = field(default_factory=list)  # the precomputed CSVs written under DIR
     written_by_rank: list[int] = field(default_factory=list)  # under torchrun: latents per process
+    annotations: list[Path] = field(default_factory=list)  # Pyramid-Flow format: the JSONLs under DIR
+    empty_text: Path | None = None         # Pyramid-Flow format: the empty caption's features
 
 
 @dataclass(frozen=True)
@@ -282,6 +291,161 @@ def precompute(job, out_dir: str | Path, *, limit: int | None = None,
     return report
 
 
+# ----------------------------------------------------------------------------------------------
+# Pyramid-Flow's format
+# ----------------------------------------------------------------------------------------------
+
+EMPTY_TEXT_FEA = "text_fea/empty.pt"
+
+
+@dataclass(frozen=True)
+class PyramidEncoders:
+    """The frozen encoders a Pyramid-Flow precompute calls, as plain callables:
+    - latent(uint8 frames [T, 3, H, W]) -> the unnormalised latent [C, T', H', W']; a ValueError
+      means the clip's shape does not fit the VAE (reason vae_shape);
+    - text(caption) -> {prompt_embed [L, D], prompt_attention_mask [L], pooled_prompt_embed [P]}.
+    """
+    latent: Callable[[torch.Tensor], torch.Tensor]
+    text: Callable[[str], dict[str, torch.Tensor]]
+
+
+def pyramid_files(source: RowSource, row: int) -> tuple[str, str]:
+    """Where a row's latent and text features go, relative to DIR (and so to the JSONL beside them)."""
+    return f"latent/{source.name}/{row:08d}.pt", f"text_fea/{source.name}/{row:08d}.pt"
+
+
+def save_pt_atomic(obj, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def pyramid_text_record(features: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-sample text features -> the dict Pyramid-Flow saves (each with a leading batch dim of 1)."""
+    shapes = {k: tuple(t.shape) for k, t in features.items() if isinstance(t, torch.Tensor)}
+    ok = (all(len(shapes.get(k, ())) == dims for k, dims in TEXT_FEATURE_DIMS.items())
+          and shapes["prompt_attention_mask"][0] == shapes["prompt_embed"][0])
+    if not ok:
+        raise TypeError(f"the text encoder must return prompt_embed [L, D], prompt_attention_mask [L] and "
+                        f"pooled_prompt_embed [P]; it returned {shapes}")
+    return {k: features[k].detach().cpu().unsqueeze(0).clone() for k in TEXT_FEATURE_DIMS}
+
+
+def source_row(source: RowSource, i: int) -> dict:
+    """A row's fields for the output JSONL, without decoding: kind key -> media path, text, frames."""
+    if isinstance(source, AnnotationSource):
+        row = source.parse(i)
+        entry = {row.kind: row.media, "text": row.caption}
+        return entry | ({"frames": list(row.frames)} if row.frames is not None else {})
+    cells = source.rows[i]
+    path = source.field(cells, "path")
+    return {"video": source.resolve(path) if path else None, "text": source.field(cells, "caption")}
+
+
+def precompute_pyramid(sources: list[RowSource], rules: FrameRules, encoders: PyramidEncoders,
+                       out_dir: str | Path, *, limit: int | None = None, workers: int = 0,
+                       prefetch: int = 2, settings: dict | None = None) -> PrecomputeReport:
+    """Encode every row of `sources` (video CSVs and annotation files; the first `limit` rows of
+    each) into Pyramid-Flow's format under `out_dir`:
+    - `latent/<stem>/<row>.pt`: the unnormalised latent [1, C, T, H, W] (image rows too: T = 1);
+    - `text_fea/<stem>/<row>.pt`: {prompt_embed [1, L, D], prompt_attention_mask [1, L],
+      pooled_prompt_embed [1, P]};
+    - `text_fea/empty.pt`: the empty caption's features, for caption dropout (CFG);
+    - `<stem>.jsonl`: one row per sample with both files (video or image, text, latent, text_fea,
+      and frames when the source row had them), paths relative to out_dir;
+    - `failures.csv`: every row that could not be decoded or encoded, with its reason.
+    Rows are decoded by the data pipeline's reader with `rules` (annotation rows from their video or
+    image, never from a latent they name). Files are written atomically and rows whose files exist
+    are skipped, so a rerun continues; with `settings`, a rerun with other settings is refused.
+    """
+    out_dir = Path(out_dir)
+    names = [s.name for s in sources]
+    if len(set(names)) != len(names):
+        raise PrecomputeError(f"source file stems must be unique (they name the outputs): {names}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if settings is not None:
+        check_settings(out_dir, settings)
+    report = PrecomputeReport()
+    report.empty_text = write_empty_text(encoders, out_dir, report)
+    reader = SampleReader({stream_name(s): s for s in sources}, None, rules, use_precomputed=False)
+    for source in sources:
+        rows = source_rows(source, limit)
+        todo = [i for i in rows if not all((out_dir / f).is_file() for f in pyramid_files(source, i))]
+        report.existing += len(rows) - len(todo)
+        encode_pyramid_rows(source, todo, reader, encoders, out_dir, report, workers=workers,
+                            prefetch=prefetch)
+        report.annotations.append(write_pyramid_jsonl(source, rows, out_dir))
+    report.failures.sort(key=lambda f: (f.csv, f.row))
+    write_failures(report.failures, out_dir)
+    return report
+
+
+def write_empty_text(encoders: PyramidEncoders, out_dir: Path, report: PrecomputeReport) -> Path | None:
+    """The empty caption's features (the original never writes them, so its precomputed-feature
+    training fails at the first caption drop)."""
+    path = out_dir / EMPTY_TEXT_FEA
+    if not path.is_file():
+        try:
+            save_pt_atomic(pyramid_text_record(encoders.text("")), path)
+        except Exception as e:  # noqa: BLE001 - reported like a row's failure
+            report.failures.append(Failure(str(path), -1, "encode_error", f"{type(e).__name__}: {e}"))
+            return None
+    return path
+
+
+def encode_pyramid_rows(source: RowSource, rows: list[int], reader: SampleReader,
+                        encoders: PyramidEncoders, out_dir: Path, report: PrecomputeReport, *,
+                        workers: int, prefetch: int) -> None:
+    """Decode `rows` (in worker processes) and write whichever of their two files is missing."""
+    stream = stream_name(source)
+    refs = [Ref(i, stream, 0, i, i) for i in rows]
+    decoded = DataLoader(reader, batch_size=None, sampler=refs, collate_fn=_keep, num_workers=workers,
+                         prefetch_factor=prefetch if workers else None)
+    for got in tqdm(decoded, total=len(refs), desc=source.name, unit="row", file=sys.stderr):
+        row = got.ref.index
+        if got.sample is None:
+            report.failures.append(Failure(str(source.path), row, got.reason, got.detail))
+            continue
+        latent_path, text_path = (out_dir / f for f in pyramid_files(source, row))
+        try:
+            if not latent_path.is_file():
+                latent = encoders.latent(got.sample.frames).detach().cpu()
+                save_pt_atomic(latent.unsqueeze(0).clone(), latent_path)  # clone: only its own storage
+            if not text_path.is_file():
+                save_pt_atomic(pyramid_text_record(encoders.text(got.sample.caption)), text_path)
+        except ValueError as e:  # the clip's shape does not fit the VAE
+            report.failures.append(Failure(str(source.path), row, "vae_shape", str(e)))
+            continue
+        except Exception as e:  # noqa: BLE001 - one row's encoder error must not stop the others
+            detail = f"{type(e).__name__}: {e}"
+            report.failures.append(Failure(str(source.path), row, "encode_error", detail))
+            continue
+        report.written += 1
+
+
+def write_pyramid_jsonl(source: RowSource, rows: range, out_dir: Path) -> Path:
+    """`<stem>.jsonl`: the rows whose latent and text features both exist, pointing at them."""
+    lines = []
+    for i in rows:
+        files = pyramid_files(source, i)
+        if not all((out_dir / f).is_file() for f in files):
+            continue
+        try:
+            entry = source_row(source, i)
+        except SkipSample:  # cannot happen for a row that was encoded; a source edited since, maybe
+            continue
+        for key in ("video", "image"):  # abspath, not resolve: links in the media's path are kept
+            if entry.get(key) is not None:
+                entry[key] = os.path.relpath(os.path.abspath(entry[key]), os.path.abspath(out_dir))
+        entry = {k: v for k, v in entry.items() if v is not None}
+        entry["latent"], entry["text_fea"] = files
+        lines.append(json.dumps(entry, ensure_ascii=False))
+    path = out_dir / f"{source.name}.jsonl"
+    write_atomic_text(path, "".join(line + "\n" for line in lines))
+    return path
+
+
 def print_report(report: PrecomputeReport, out_dir: Path) -> None:
     by_rank = (f" (by rank: {', '.join(map(str, report.written_by_rank))})"
                if len(report.written_by_rank) > 1 else "")
@@ -293,6 +457,10 @@ def print_report(report: PrecomputeReport, out_dir: Path) -> None:
         print(f"failures listed in {out_dir / 'failures.csv'}")
     for path in report.csvs:
         print(f"precomputed CSV: {path}")
+    for path in report.annotations:
+        print(f"annotation file: {path}")
+    if report.empty_text is not None:
+        print(f"empty caption's text features: {report.empty_text}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,9 +1,10 @@
-"""Data sources: the rows of video CSVs and the images inside webdataset tars, by index.
+"""Data sources: the rows of video CSVs and of JSONL annotation files, and the images inside
+webdataset tars, by index.
 
 Sources are read once at startup (rows and tar headers only, no pixels) so that any sample can be
 fetched by index: that is what makes seeded shuffles, disjoint data-parallel shares and exact resume
-possible. Rows are kept as the CSV's strings and parsed when the sample is loaded, so a malformed
-value spoils one sample (skipped as bad data), not the run.
+possible. Rows are kept as the file's text and parsed when the sample is loaded, so a malformed
+value or line spoils one sample (skipped as bad data), not the run.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import logging
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
+
+from pan.data.decode import SkipSample
 
 logger = logging.getLogger(__name__)
 
@@ -165,3 +169,91 @@ def caption_from_bytes(data: bytes | None, ext: str | None) -> str:
         value = json.loads(text)
         return str(value.get("caption") or "") if isinstance(value, dict) else ""
     return text.strip()
+
+
+# ----------------------------------------------------------------------------------------------
+# JSONL annotations (Pyramid-Flow's format)
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class AnnotationRow:
+    """One parsed annotation line. Paths are resolved against the annotation file's folder."""
+    kind: Literal["video", "image"]
+    caption: str
+    media: Path | None              # the video or image file (a latent row may name none)
+    latent: Path | None             # precomputed latent `.pt`, unnormalised
+    text_fea: Path | None           # precomputed text features `.pt`
+    frames: tuple[int, ...] | None  # source frame indices to decode (video rows)
+
+
+@dataclass
+class AnnotationSource:
+    """The lines of one JSONL annotation file, as bytes: each is parsed when its sample is loaded."""
+    name: str          # file stem: the prefix of sample ids and the stream's cursor name
+    path: Path
+    rows: list[bytes]  # non-blank lines
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def names_latents(self) -> bool:
+        """Does some row name a precomputed latent? (A text search: rows are parsed only when read.)"""
+        return any(b'"latent"' in row for row in self.rows)
+
+    def resolve(self, value: str) -> Path:
+        """Paths in an annotation file are relative to its folder unless absolute."""
+        p = Path(value)
+        return p if p.is_absolute() else self.path.parent / p
+
+    def parse(self, i: int) -> AnnotationRow:
+        """Row i as an AnnotationRow; SkipSample (bad_row, empty_caption) if it cannot be one."""
+        try:
+            row = json.loads(self.rows[i])
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+            raise SkipSample("bad_row", f"not a JSON object: {e}") from None
+        if not isinstance(row, dict):
+            raise SkipSample("bad_row", f"a row must be a JSON object, not {type(row).__name__}")
+        if "image" in row and "video" in row:
+            raise SkipSample("bad_row", "a row names an image or a video, not both")
+        kind = "image" if "image" in row else "video"
+        if kind == "video" and "video" not in row and "latent" not in row:
+            raise SkipSample("bad_row", f"no image, video or latent key (keys: {sorted(row)})")
+        caption = row.get("text")
+        if caption is not None and not isinstance(caption, str):
+            raise SkipSample("bad_row", f"text is {caption!r}, not a string")
+        if not (caption or "").strip():
+            raise SkipSample("empty_caption", "the row has no text, or an empty one")
+        return AnnotationRow(kind=kind, caption=caption.strip(), media=self._path(row, kind),
+                             latent=self._path(row, "latent"), text_fea=self._path(row, "text_fea"),
+                             frames=frame_indices(row.get("frames")))
+
+    def _path(self, row: dict, key: str) -> Path | None:
+        value = row.get(key)
+        if value is None:
+            return None
+        if not isinstance(value, str) or not value.strip():
+            raise SkipSample("bad_row", f"{key} is {value!r}, not a path")
+        return self.resolve(value.strip())
+
+
+def frame_indices(value) -> tuple[int, ...] | None:
+    """A row's `frames`: source frame indices, non-negative and increasing (or absent)."""
+    if value is None:
+        return None
+    ok = (isinstance(value, list) and value
+          and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+          and all(a < b for a, b in zip(value, value[1:])))
+    if not ok:
+        raise SkipSample("bad_row", f"frames must be a non-empty list of increasing frame indices, "
+                                    f"got {str(value)[:80]}")
+    return tuple(value)
+
+
+def read_annotations(path: str | Path) -> AnnotationSource:
+    """A JSONL annotation file: one JSON object per line; blank lines are not rows."""
+    path = Path(path)
+    rows = [line.strip() for line in path.read_bytes().splitlines() if line.strip()]
+    if not rows:
+        raise SourceError(f"{path} has no rows (an annotation file holds one JSON object per line).")
+    return AnnotationSource(name=path.stem, path=path, rows=rows)

@@ -213,6 +213,10 @@ class PanTask(Task):
         """A sample's clean latent [C, T, H, W] (fp32): precomputed, or encoded from its frames."""
         if getattr(sample, "latent", None) is not None:
             return sample.latent.float()
+        if getattr(sample, "raw_latent", None) is not None:
+            raise ValueError(f"{sample.sample_id} carries a Pyramid-Flow latent (unnormalised, for that "
+                             "model's VAE): the Pan recipe encodes frames with its own VAE or reads pan's "
+                             "precomputed CSVs. Remove annotation rows with `latent` from this run.")
         frames = sample.frames.to(self.world.device).float().div(127.5).sub(1.0)  # uint8 -> [-1, 1]
         with torch.no_grad():
             return self.vae.encode(frames).float()
@@ -318,7 +322,8 @@ class PanTask(Task):
         from pan.data.loader import build_data_loader
 
         cfg = dataclasses.replace(self.job.data, video_csv_paths=[self.job.validation.validation_csv],
-                                  video_csv_weights=None, image_tar_paths=[], image_sample_prob=0.0,
+                                  video_csv_weights=None, annotation_paths=[], annotation_weights=None,
+                                  image_tar_paths=[], image_sample_prob=0.0,
                                   packed_dataloader_num_workers=0)
         out = {}
         batch = None
