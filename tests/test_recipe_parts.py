@@ -6,11 +6,6 @@ workflow and preflight check into the CLI like a recipe of pan's own."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -19,14 +14,13 @@ import torch
 import yaml
 
 import toy_gan_recipe  # noqa: F401  (registers the recipe, its check and its workflow)
-from dist_utils import free_port
+from launch_utils import consumed, kill_after_step, launch, run_to_end
 from pan.checkpoint import dcp as layout
 from pan.checkpoint.export import consolidated_weights, main_export
 from pan.config import ConfigError, load_job_config
 from pan.trainer import build_trainer, train
 
 ROOT = Path(__file__).resolve().parents[1]
-TESTS = Path(__file__).resolve().parent
 STEPS = 8
 
 
@@ -90,25 +84,6 @@ def test_a_checkpoint_of_other_parts_is_refused_naming_them(tmp_path, capsys):
 
 # -- SIGKILL and resume on 2 processes -------------------------------------------------------------
 
-def launch(config: Path, log: Path, port: int) -> list[subprocess.Popen]:
-    """The two ranks of one launch, as torchrun starts them."""
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{TESTS}",
-               "PAN_RECIPE_MODULES": "toy_gan_recipe", "RANK": str(rank), "LOCAL_RANK": str(rank),
-               "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port)}
-        with open(log, "a") as out:
-            procs.append(subprocess.Popen([sys.executable, str(ROOT / "train.py"), "--config", str(config)],
-                                          cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT))
-    return procs
-
-
-def run_to_end(config: Path, log: Path) -> None:
-    procs = launch(config, log, free_port())
-    assert [p.wait(timeout=240) for p in procs] == [0, 0], log.read_text()[-3000:]
-
-
 def final_state(output_dir: Path) -> dict:
     ckpt = output_dir / layout.checkpoint_name(STEPS)
     with warnings.catch_warnings():
@@ -117,40 +92,18 @@ def final_state(output_dir: Path) -> dict:
                 for part in layout.saved_parts(ckpt) for folder in layout.part_dirs(part)}
 
 
-def consumed(output_dir: Path) -> dict[str, dict[int, str]]:
-    """Per dp rank: step -> sample ids (a step trained again after the kill: its last line)."""
-    out = {}
-    for path in sorted((output_dir / "consumed").iterdir()):
-        out[path.name] = {int(line.split()[0]): line.split(" ", 1)[1]
-                          for line in path.read_text().splitlines()}
-    return out
-
-
-def last_logged_step(output_dir: Path) -> int:
-    path = output_dir / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return max((json.loads(line)["step"] for line in lines if line.endswith("}")), default=0)
-
-
 def test_two_parts_are_killed_and_resumed_bit_identically(tmp_path):
+    plugin = {"PAN_RECIPE_MODULES": "toy_gan_recipe"}
     straight = write_config(tmp_path / "straight.yaml", tmp_path / "straight")
-    run_to_end(straight, tmp_path / "straight.log")
+    run_to_end(straight, tmp_path / "straight.log", **plugin)
 
     killed_dir = tmp_path / "killed"
     killed = write_config(tmp_path / "killed.yaml", killed_dir, model={"toy_step_sleep": 0.4})
     log = tmp_path / "killed.log"
-    procs = launch(killed, log, free_port())
-    deadline = time.time() + 180
     # SIGKILL both ranks once step 5 is logged: checkpoint-4 is the latest, step 5 is lost.
-    while last_logged_step(killed_dir) < 5:
-        assert all(p.poll() is None for p in procs), log.read_text()[-3000:]
-        assert time.time() < deadline, log.read_text()[-3000:]
-        time.sleep(0.05)
-    for p in procs:
-        p.send_signal(signal.SIGKILL)
-        p.wait(timeout=60)
+    kill_after_step(launch(killed, log, **plugin), killed_dir, 5, log)
     assert [s for s in map(layout.step_of, layout.complete_checkpoints(killed_dir))][-1] < STEPS
-    run_to_end(killed, log)
+    run_to_end(killed, log, **plugin)
     assert "resuming from checkpoint-" in log.read_text()
 
     reference, resumed = final_state(tmp_path / "straight"), final_state(killed_dir)

@@ -102,10 +102,15 @@ def main_export(argv: list[str]) -> int:
                                        "transformer; `pan inspect` lists a checkpoint's parts)")
     parser.add_argument("--ema", action="store_true", help="export the EMA weights instead")
     parser.add_argument("--dtype", choices=list(DTYPES), help="cast floating tensors (default: as saved)")
+    parser.add_argument("--format", choices=["safetensors", "pyramid_flow"], default="safetensors",
+                        help="safetensors: one file; pyramid_flow: a released Pyramid-Flow DiT folder "
+                             "(config.json + safetensors, the released keys) that --out names")
     args = parser.parse_args(argv)
     if (args.out is None) == (args.out_file is None):
         parser.error("name the .safetensors file to write once: --out model.safetensors")
     args.out = args.out or args.out_file
+    if args.format == "pyramid_flow":
+        return _export_pyramid_flow(args)
     try:
         weights = export_checkpoint(args.checkpoint, args.out, ema=args.ema, part=args.part,
                                     dtype=DTYPES[args.dtype] if args.dtype else None)
@@ -118,6 +123,22 @@ def main_export(argv: list[str]) -> int:
                          else layout.saved_parts(source)[0])
     print(f"wrote {args.out}: part {part}{' (EMA)' if args.ema else ''}, {len(weights)} tensors, "
           f"{count:,} parameters")
+    return 0
+
+
+def _export_pyramid_flow(args) -> int:
+    from pan.recipes.pyramid_flow import export_released
+
+    if args.part not in (None, "transformer") or args.dtype:
+        print("pan export: --format pyramid_flow writes the transformer as saved (no --part or --dtype)",
+              file=sys.stderr)
+        return 2
+    try:
+        folder = export_released(Path(args.checkpoint), Path(args.out), ema=args.ema)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"pan export: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {folder}: a released Pyramid-Flow DiT folder (config.json + safetensors)")
     return 0
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 # not import every recipe's dependencies.
 _MODULES = {
     "pan": "pan.recipes.pan",
+    "pyramid_flow": "pan.recipes.pyramid_flow",
 }
 _plugins_loaded = False
 

@@ -1,0 +1,67 @@
+"""Start the ranks of one `train.py` launch as torchrun would (RANK, WORLD_SIZE, ...), without
+torchrun's agent in between, so a test's SIGKILL reaches exactly the training processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dist_utils import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+
+
+def launch(config: Path, log: Path, world_size: int = 2, **env_extra: str) -> list[subprocess.Popen]:
+    """The `world_size` ranks of one launch of train.py on `config`, output appended to `log`."""
+    port = str(free_port())
+    procs = []
+    for rank in range(world_size):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{TESTS}",
+               "TQDM_DISABLE": "1", "RANK": str(rank), "LOCAL_RANK": str(rank),
+               "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, **env_extra}
+        with open(log, "a") as out:
+            procs.append(subprocess.Popen([sys.executable, str(ROOT / "train.py"), "--config", str(config)],
+                                          cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT))
+    return procs
+
+
+def run_to_end(config: Path, log: Path, world_size: int = 2, timeout: float = 240, **env_extra: str) -> None:
+    procs = launch(config, log, world_size, **env_extra)
+    codes = [p.wait(timeout=timeout) for p in procs]
+    assert codes == [0] * world_size, log.read_text()[-3000:]
+
+
+def last_logged_step(output_dir: Path) -> int:
+    """The highest step in output_dir/metrics.jsonl (0: none yet; a half-written line is ignored)."""
+    path = output_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return max((json.loads(line)["step"] for line in lines if line.endswith("}")), default=0)
+
+
+def kill_after_step(procs: list[subprocess.Popen], output_dir: Path, step: int, log: Path,
+                    timeout: float = 180) -> None:
+    """SIGKILL every rank once `step` is logged."""
+    deadline = time.time() + timeout
+    while last_logged_step(output_dir) < step:
+        assert all(p.poll() is None for p in procs), log.read_text()[-3000:]
+        assert time.time() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+    for p in procs:
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=60)
+
+
+def consumed(output_dir: Path) -> dict[str, dict[int, str]]:
+    """Per dp rank: step -> sample ids (a step trained again after a kill: its last line)."""
+    out = {}
+    for path in sorted((output_dir / "consumed").iterdir()):
+        out[path.name] = {int(line.split()[0]): line.split(" ", 1)[1]
+                          for line in path.read_text().splitlines()}
+    return out

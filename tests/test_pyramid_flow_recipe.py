@@ -1,0 +1,169 @@
+"""The `pyramid_flow` recipe (full-sequence spatial-pyramid training) end to end on CPU: a tiny
+released-layout miniFLUX folder with tiny T5 / CLIP text encoders trains on the demo's synthetic
+videos, its loss falls, it survives SIGKILL on 2 processes bit-identically, exports back to the
+released layout, and samples with `pan sample`; the same recipe trains pan's own transformer."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from launch_utils import consumed, kill_after_step, launch, run_to_end
+from pan.checkpoint import dcp as layout
+from pan.checkpoint.export import consolidated_weights, main_export
+from pan.config import ConfigError, load_job_config
+from pan.data.synth import synth_dataset
+from pan.models.pyramid_flux import PyramidFluxConfig, PyramidFluxTransformer
+from pan.models.pyramid_io import load_pretrained, read_weights, save_pretrained
+from pan.trainer import build_trainer
+from pyramid_text_models import write_pyramid_text_encoders
+
+VARIANT = "diffusion_transformer_384p"
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory) -> Path:
+    """A released-layout model folder: a tiny miniFLUX DiT for 3-channel latents (pixels) and its
+    text encoders, as `model_path` expects them."""
+    root = tmp_path_factory.mktemp("pyramid_model")
+    config = PyramidFluxConfig(in_channels=12, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                               num_attention_heads=2, joint_attention_dim=24, pooled_projection_dim=20,
+                               axes_dims_rope=[4, 6, 6])
+    torch.manual_seed(0)
+    save_pretrained(PyramidFluxTransformer(config), root / VARIANT)
+    write_pyramid_text_encoders(root, "pyramid_flux")
+    return root
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return synth_dataset(tmp_path_factory.mktemp("synth"), num_train=24, num_heldout=2, size=16,
+                         num_frames=5)["train_csv"]
+
+
+def write_config(path: Path, released: Path, data: Path, output_dir: Path, **sections) -> Path:
+    cfg = {"recipe": "pyramid_flow",
+           "model": {"model_name": "pyramid_flux", "model_path": str(released), "vae_type": "identity",
+                     **sections.pop("model", {})},
+           "training": {"learning_rate": 2e-3, "max_steps": 6, "dtype": "fp32", "use_muon": False,
+                        **sections.pop("training", {})},
+           "data": {"video_csv_paths": [str(data)], "resolution_buckets": ["16x16"], "min_frames": 5,
+                    "max_frames": 5, "frames_mod": 1, "frames_remainder": 0, "max_tokens_per_batch": 400,
+                    "max_samples_per_batch": 4, "packed_dataloader_num_workers": 0},
+           "output": {"output_dir": str(output_dir), "save_interval": 2, "log_interval": 1,
+                      "progress_bar": False, **sections.pop("output", {})},
+           **sections}
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def load(path: Path, *extra: str):
+    return load_job_config(["--config", str(path), *extra], warn=lambda m: None)
+
+
+def test_config_refusals_name_the_key(tmp_path, released, data):
+    config = write_config(tmp_path / "p.yaml", released, data, tmp_path / "run")
+    job = load(config)
+    assert job.recipe == "pyramid_flow" and job.attention_heads() == 2
+    for extra, key in ((["--model_variant", "diffusion_transformer_768p"], "model_variant"),
+                       (["--model_name", "pyramid_mmdit"], "model_name: pyramid_flux"),  # a flux folder
+                       (["--transformer_config_overrides.num_layers", "2"], "transformer_config_overrides"),
+                       (["--attention_backend", "flash"], "attention_backend"),
+                       (["--sample_steps", "[10, 10]"], "sample_steps"),
+                       (["--cp_size", "4"], "cp_size")):
+        with pytest.raises(ConfigError) as err:
+            load(config, *extra)
+        assert key in str(err.value), (extra, str(err.value))
+
+
+def test_trains_its_loss_falls_and_exports_the_released_layout(tmp_path, released, data):
+    run = tmp_path / "run"
+    config = write_config(tmp_path / "p.yaml", released, data, run,
+                          training={"max_steps": 60, "learning_rate": 3e-3},
+                          output={"save_interval": 60, "log_interval": 10})
+    trainer = build_trainer(load(config))
+    # It starts from the released weights, not from an init.
+    start = read_weights(released / VARIANT)
+    assert all(torch.equal(p.detach(), start[n]) for n, p in trainer.model.named_parameters())
+    trainer.fit()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["loss"] < 0.8 * rows[0]["loss"], [round(r["loss"], 4) for r in rows]
+
+    out = tmp_path / "export" / VARIANT
+    assert main_export([str(run / "checkpoint-60"), "--format", "pyramid_flow", "--out", str(out)]) == 0
+    exported = load_pretrained(out, PyramidFluxTransformer)
+    for name, p in trainer.model.named_parameters():
+        assert torch.equal(exported.state_dict()[name], p.detach()), name
+    assert json.loads((out / "config.json").read_text()).keys() == \
+        json.loads((released / VARIANT / "config.json").read_text()).keys()
+    # The export is a model_path of its own: a new run starts from it.
+    for folder in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"):
+        (out.parent / folder).symlink_to(released / folder)
+    again = build_trainer(load(config, "--model_path", str(out.parent), "--output_dir", str(tmp_path / "r2")))
+    assert all(torch.equal(p.detach(), exported.state_dict()[n]) for n, p in again.model.named_parameters())
+
+
+def test_pan_sample_generates_from_a_pyramid_checkpoint(tmp_path, released, data):
+    from pan.sampling import main as sample_main
+
+    run = tmp_path / "run"
+    build_trainer(load(write_config(tmp_path / "p.yaml", released, data, run,
+                                    training={"max_steps": 2}))).fit()
+    out = tmp_path / "video.mp4"
+    assert sample_main(["--checkpoint", str(run / "checkpoint-2"), "--prompt", "a red square moving left",
+                        "--out", str(out), "--num-frames", "5", "--height", "16", "--width", "16",
+                        "--steps", "2", "--guidance-scale", "3"]) == 0
+    import av
+    with av.open(str(out)) as f:
+        frames = [fr for fr in f.decode(video=0)]
+    assert len(frames) == 5 and frames[0].width == 16
+
+
+def test_the_same_recipe_trains_pans_transformer(tmp_path, released, data):
+    overrides = {"in_channels": 3, "out_channels": 3, "patch_size": [1, 2, 2], "hidden_size": 32,
+                 "num_attention_heads": 2, "num_layers": 1, "num_single_layers": 0,
+                 "num_refiner_layers": 1, "mlp_ratio": 2.0, "text_mlp_ratio": 2.0, "refiner_mlp_ratio": 2.0,
+                 "text_embed_dim": 24, "rope_axes_dim": [4, 6, 6]}
+    run = tmp_path / "run"
+    job = load(write_config(tmp_path / "p.yaml", released, data, run,
+                            model={"model_name": "pan", "transformer_config_overrides": overrides},
+                            training={"max_steps": 20, "learning_rate": 3e-3}))
+    trainer = build_trainer(job)
+    assert type(trainer.model).__name__ == "PanForPyramid"
+    losses = []
+    for _ in range(20):
+        batches, _ = trainer.next_micro_batches()
+        losses.append(trainer.train_step(batches)["loss"])
+    assert sum(losses[-5:]) < sum(losses[:5]), losses
+
+
+def final_weights(output_dir: Path, step: int) -> dict:
+    ckpt = output_dir / layout.checkpoint_name(step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return {folder: consolidated_weights(ckpt / folder) for folder in ("transformer", "optimizer")}
+
+
+@pytest.mark.parametrize("distributed", [{"cp_size": 1}, {"cp_size": 2}], ids=["dp2", "cp2"])
+def test_two_processes_killed_and_resumed_bit_identically(tmp_path, released, data, distributed):
+    steps = 20  # the kill after step 3 lands well before the end
+    straight = write_config(tmp_path / "straight.yaml", released, data, tmp_path / "straight",
+                            distributed=distributed, training={"max_steps": steps})
+    run_to_end(straight, tmp_path / "straight.log")
+    killed_dir = tmp_path / "killed"
+    killed = write_config(tmp_path / "killed.yaml", released, data, killed_dir, distributed=distributed,
+                          training={"max_steps": steps})
+    log = tmp_path / "killed.log"
+    kill_after_step(launch(killed, log), killed_dir, 3, log)
+    run_to_end(killed, log)
+    assert "resuming from checkpoint-" in log.read_text()
+    reference, resumed = final_weights(tmp_path / "straight", steps), final_weights(killed_dir, steps)
+    for folder in reference:
+        for key, value in reference[folder].items():
+            assert torch.equal(value, resumed[folder][key]), (folder, key)
+    assert consumed(tmp_path / "straight") == consumed(killed_dir)
