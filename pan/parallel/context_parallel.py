@@ -7,6 +7,10 @@ sequences, so `UlyssesAttention` trades tokens for heads around it:
     q, k, v [L_r, H, d] on rank r  --all-to-all-->  [L, H/N, d] on every rank (whole sequences,
     heads of group r)  --inner attention-->  [L, H/N, d]  --all-to-all-->  [L_r, H, d]
 
+The inner attention gets `segments.unsharded()`: whole sequences with their attention rule (the
+block-causal `frames` and their frame schedule describe whole segments, never one rank's share), so
+any backend applies the rule after the exchange exactly as in one process.
+
 Row counts L_r differ between ranks (lengths need not be multiples of N), so the exchanges use split
 sizes. Traffic: every element of q, k, v and of the output crosses the network once, except the 1/N
 that stays on its own rank: one attention call moves 4 * (N - 1) / N * L * H * d elements summed over
@@ -156,9 +160,6 @@ def attach_ulysses(model: nn.Module, group: dist.ProcessGroup) -> int:
 # Batches
 # ------------------------------------------------------------------------------------------------
 
-_BROADCAST_TENSORS = ("x", "target", "weight", "timesteps", "text")
-
-
 class ContextParallel:
     """The cp group of this process: cp rank 0 prepares each micro-batch, every rank trains on its share.
 
@@ -170,11 +171,14 @@ class ContextParallel:
         self.rank, self.size, self.group, self.device = rank, size, group, device
 
     def distribute(self, inputs):
-        """cp rank 0 passes its prepared `ModelInputs` (whole micro-batch), the others None; every rank
-        gets back its share: rows `pack.video_index` of x/target/weight, rows `pack.text_index` of text.
+        """cp rank 0 passes its prepared micro-batch (whole), the others None; every rank gets back its
+        share. The micro-batch type says how each tensor field is split in `CP_FIELDS`: "video" rows
+        (rows `pack.video_index`), "text" rows (`pack.text_index`), or "whole" (per-sample tensors such
+        as timesteps and pooled text, kept whole on every rank).
 
-        Counters (`samples`, `tokens`, `bad_samples`) stay on cp rank 0 only, so sums over all ranks
-        count each sample once.
+        Every rank rebuilds the pack from the sample layouts cp rank 0 sends (clips, RoPE positions,
+        trained clips, attention rule), then takes its share. Counters (`samples`, `tokens`,
+        `bad_samples`) stay on cp rank 0 only, so sums over all ranks count each sample once.
         """
         if self.size == 1:
             return inputs
@@ -184,29 +188,25 @@ class ContextParallel:
         if self.rank == 0:
             if inputs.pack.cp_size != 1:
                 raise ValueError("distribute() takes a whole micro-batch, not a cp share.")
+            split = type(inputs).CP_FIELDS
             fields = {f.name: getattr(inputs, f.name) for f in dataclasses.fields(inputs)}
             meta = [{
                 "type": type(inputs),  # pickled by reference: the receivers import its module
-                "shapes": {k: (tuple(fields[k].shape), fields[k].dtype) for k in _BROADCAST_TENSORS},
+                "shapes": {k: (tuple(fields[k].shape), fields[k].dtype) for k in split},
                 "layouts": inputs.pack.layouts,
-                **{k: v for k, v in fields.items() if k not in _BROADCAST_TENSORS and k != "pack"}}]
+                "scalars": {k: v for k, v in fields.items() if k not in split and k != "pack"}}]
         dist.broadcast_object_list(meta, group=self.group, group_src=0, device=self.device)
         meta = meta[0]
-        tensors = {}
-        for name in _BROADCAST_TENSORS:
+        pack = PackInfo.from_layouts(meta["layouts"], device=self.device).shard(self.rank, self.size)
+        rows = {"video": pack.video_index, "text": pack.text_index, "whole": None}
+        shares = {}
+        for name, kind in meta["type"].CP_FIELDS.items():
             shape, dtype = meta["shapes"][name]
             t = (getattr(inputs, name).to(self.device, dtype).contiguous() if self.rank == 0
                  else torch.empty(shape, dtype=dtype, device=self.device))
             dist.broadcast(t, group=self.group, group_src=0)
-            tensors[name] = t
-        pack = PackInfo.from_layouts(meta["layouts"], device=self.device)
-        pack = pack.shard(self.rank, self.size)
-        scalars = {k: v for k, v in meta.items()
-                   if k not in ("type", "shapes", "layouts")}
+            shares[name] = t if rows[kind] is None else t.index_select(0, rows[kind])
+        scalars = dict(meta["scalars"])
         if self.rank:
             scalars.update(samples=0, tokens=0, bad_samples=0)
-        video, text = pack.video_index, pack.text_index
-        return meta["type"](
-            x=tensors["x"].index_select(0, video), target=tensors["target"].index_select(0, video),
-            weight=tensors["weight"].index_select(0, video), timesteps=tensors["timesteps"],
-            text=tensors["text"].index_select(0, text), pack=pack, **scalars)
+        return meta["type"](pack=pack, **shares, **scalars)

@@ -127,6 +127,9 @@ class PanJobConfig(JobConfig):
 @dataclass
 class ModelInputs:
     """One packed micro-batch as the model and the loss see it (this process's rows of it)."""
+    # How context parallel splits each tensor (pan.parallel.context_parallel.ContextParallel).
+    CP_FIELDS: ClassVar[dict[str, str]] = {"x": "video", "target": "video", "weight": "video",
+                                           "text": "text", "timesteps": "whole"}
     x: Tensor           # [Nv, in_ch * p]  noisy latents (+ condition latents + mask) as patch tokens
     target: Tensor      # [Nv, out_ch * p] velocity target
     weight: Tensor      # [Nv] 1 where the token counts in the loss, 0 on given (condition) frames
@@ -140,7 +143,7 @@ class ModelInputs:
     bad_samples: int    # samples this rank's data loader has skipped so far
 
     def to(self, device) -> ModelInputs:
-        moved = {k: getattr(self, k).to(device) for k in ("x", "target", "weight", "timesteps", "text")}
+        moved = {k: getattr(self, k).to(device) for k in self.CP_FIELDS}
         return dataclasses.replace(self, pack=self.pack.to(device), **moved)
 
 
