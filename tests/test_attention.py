@@ -71,8 +71,8 @@ def test_set_attention_backend_reaches_every_inner_attention():
     model = torch.nn.Sequential(InnerAttention(), torch.nn.ModuleList([InnerAttention()]))
     set_attention_backend(model, "sdpa")
     assert [m.backend for m in model.modules() if isinstance(m, InnerAttention)] == ["sdpa", "sdpa"]
-    with pytest.raises(ValueError):
-        set_attention_backend(model, "flex")
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        set_attention_backend(model, "flash")
 
 
 GRIDS = [(2, 3, 2), (1, 1, 5), (3, 2, 2)]
@@ -157,3 +157,14 @@ def test_rope_rotates_by_relative_position_only():
     b = rope_frequencies(torch.tensor([[2, 0, 0]]), axes, theta, frame_scale=1.0)
     torch.testing.assert_close(a, b)
     assert not torch.allclose(a, rope_frequencies(torch.tensor([[3, 0, 0]]), axes, theta, 1.0))
+
+
+def test_rope_leaves_float_positions_as_they_were():
+    # Positions of clips interpolated onto a reference grid are float64: scaling the frame axis must
+    # not rescale the pack's own positions on every call.
+    pos = torch.tensor([[1.0, 0.5, 1.5], [3.0, 2.5, 0.5]], dtype=torch.float64)
+    before = pos.clone()
+    first = rope_frequencies(pos, [4, 6, 6], 256.0, frame_scale=16 / 24)
+    second = rope_frequencies(pos, [4, 6, 6], 256.0, frame_scale=16 / 24)
+    torch.testing.assert_close(pos, before, rtol=0, atol=0)
+    torch.testing.assert_close(second, first, rtol=0, atol=0)

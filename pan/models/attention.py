@@ -1,10 +1,27 @@
 """Attention over packed variable-length sequences, behind one function.
 
-Backends (all non-causal, scale 1/sqrt(head_dim), never crossing segments):
-- `sdpa`: a loop of `F.scaled_dot_product_attention` per segment. The reference, and the fast path
-  on CPU (2.3-3.3x faster there than one call with a block-diagonal mask). Honours the block-causal rule.
-- `varlen`: `torch.nn.attention.varlen.varlen_attn` (flash varlen; CUDA only, full attention only).
-- `auto`: varlen for fp16/bf16 CUDA tensors under the full rule, sdpa otherwise.
+All backends: scale 1/sqrt(head_dim), never crossing segments, and the same attention rule per
+segment: full, or block-causal over frames (`AttnSegments.frames`: a row attends to the rows of frames
+<= its own in its segment). A backend that cannot apply a rule refuses with a ValueError; none
+changes the semantics.
+- `sdpa`: one `F.scaled_dot_product_attention` call per segment; a block-causal segment gets its own
+  [Ls, Ls] mask, built when that segment runs. The reference, and the fast path for the full rule on
+  CPU (2.3-3.3x faster there than one call with a block-diagonal mask).
+- `blockwise`: full segments as in sdpa; a block-causal segment as unmasked SDPA calls, one per run
+  of same-frame queries over exactly the keys of frames <= theirs (`FrameGroups`, built once per
+  pack), so the masked part is never computed. `benchmarks/attention.py` on CPU (1 thread, forward +
+  backward, 16 frames): 0.76x the cost of the full rule at 64 tokens per frame (CPU's flash kernel
+  is less efficient on small query blocks), 0.59x at 256; sdpa with the mask costs 1.1-1.4x. Its
+  many small calls suffer from OpenMP barriers on an oversubscribed CPU. On CUDA its unmasked calls
+  take the flash kernels.
+- `flex`: torch's `flex_attention` over the whole pack with a BlockMask (same segment AND the frame
+  rule) built once per pack. Compiled on CUDA. On CPU torch has no flex backward, so it refuses to
+  train there, and runs eager (holding [heads, L, L] scores): compiling costs ~10 s per pack shape.
+- `varlen`: `torch.nn.attention.varlen.varlen_attn` (flash varlen; CUDA only): one call over all
+  segments under the full rule; with block-causal segments, a call per segment and per run, as in
+  blockwise.
+- `auto`: blockwise if any segment is block-causal; else varlen for fp16/bf16 CUDA tensors, sdpa
+  otherwise.
 
 Models call attention only through `InnerAttention` submodules, so context parallel can replace or
 wrap them from outside; `set_attention_backend` switches the backend of every one in a model.
@@ -12,16 +29,23 @@ wrap them from outside; `set_attention_backend` switches the backend of every on
 
 from __future__ import annotations
 
+import functools
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pan.models.packing import AttnSegments
+from pan.models.packing import AttnSegments, FrameGroups
 
-AttentionBackend = Literal["auto", "sdpa", "varlen"]
+AttentionBackend = Literal["auto", "sdpa", "blockwise", "flex", "varlen"]
 ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
+
+# q, k, v [n_q or n_k, H, d] -> [n_q, H, d]: unmasked attention of every query over every key
+Kernel = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, segments: AttnSegments,
@@ -31,46 +55,240 @@ def attention(q: Tensor, k: Tensor, v: Tensor, segments: AttnSegments,
         raise ValueError("these q/k/v are one context-parallel rank's share of the sequence; attach a "
                          "context-parallel inner attention (pan.parallel) before running a sharded pack.")
     if backend == "auto":
-        # flash varlen has fp16/bf16 kernels only and no masks
-        fits_varlen = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and not segments.is_causal
-        backend = "varlen" if fits_varlen else "sdpa"
-    if backend == "sdpa":
-        return sdpa_attention(q, k, v, segments)
-    if backend == "varlen":
-        return varlen_attention(q, k, v, segments)
-    raise ValueError(f"unknown attention backend {backend!r}; choose one of {ATTENTION_BACKENDS}.")
+        backend = auto_backend(q, segments)
+    run = _BACKENDS.get(backend)
+    if run is None:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {ATTENTION_BACKENDS}.")
+    return run(q, k, v, segments)
+
+
+def auto_backend(q: Tensor, segments: AttnSegments) -> str:
+    """The backend `auto` runs for these inputs."""
+    if segments.is_causal:
+        return "blockwise"  # exact for every dtype and device, and the fastest measured block-causal path
+    # flash varlen has fp16/bf16 kernels only
+    return "varlen" if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) else "sdpa"
+
+
+# ------------------------------------------------------------------------------------------------
+# sdpa and blockwise: per segment
+# ------------------------------------------------------------------------------------------------
+
+def sdpa_rows(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+    """One SDPA call on [n, H, d] rows (SDPA reads the [1, H, n, d] strided views without a copy)."""
+    qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    return F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)[0].transpose(0, 1)
 
 
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, segments: AttnSegments) -> Tensor:
-    """Reference backend: one SDPA call per segment, with the segment's mask if any."""
-    outs = []
-    start = 0
-    for i, n in enumerate(segments.seqlens):
-        end = start + n
+    """Reference backend: one SDPA call per segment, with the segment's block-causal mask if any."""
+    def masked(qs, ks, vs, groups: FrameGroups) -> Tensor:
+        frame = groups.frames.to(q.device)
+        # [Ls, Ls], built for this segment only, never for the whole pack
+        return sdpa_rows(qs, ks, vs, frame[:, None] >= frame[None, :])
+
+    return _per_segment(q, k, v, segments, sdpa_rows, masked)
+
+
+def blockwise_attention(q: Tensor, k: Tensor, v: Tensor, segments: AttnSegments) -> Tensor:
+    """Block-causal segments as unmasked SDPA calls, one per run of same-frame queries (see
+    `frame_group_attention`); full segments as in sdpa."""
+    return _per_segment(q, k, v, segments, sdpa_rows,
+                        lambda qs, ks, vs, groups: frame_group_attention(qs, ks, vs, groups, sdpa_rows))
+
+
+def frame_group_attention(q: Tensor, k: Tensor, v: Tensor, groups: FrameGroups, kernel: Kernel) -> Tensor:
+    """One block-causal segment, q/k/v [Ls, H, d], without a mask: each run of same-frame query rows
+    attends the prefix of the frame-sorted keys that holds exactly the rows of frames <= its own.
+    Cost sum over runs of n_run * visible instead of Ls^2 (about half at many frames)."""
+    return _FrameGroupAttention.apply(q, k, v, groups, kernel)
+
+
+class _FrameGroupAttention(torch.autograd.Function):
+    """`frame_group_attention`, with a backward that accumulates every run's key/value gradients into
+    one buffer. Plain autograd would give each key prefix (a slice) a zero-filled gradient the size
+    of the whole segment: an [Ls, H, d] allocation and fill per run, which on CPU cost more than the
+    attention it saves. The forward keeps each run's own small autograd graph; the kernel's saved
+    tensors are views of q and of the frame-sorted k/v, O(Ls) memory as for one SDPA call. Activation
+    checkpointing keeps them too (they are this node's, not the block's), so a checkpointed block
+    holds its block-causal q/k/v and outputs until its backward (selective checkpointing keeps the
+    attention outputs anyway)."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, groups: FrameGroups, kernel: Kernel) -> Tensor:
+        ks, vs = (k, v) if groups.keys_in_order else (t.index_select(0, groups.key_order) for t in (k, v))
+        runs = [(q[start:end], ks[:visible], vs[:visible]) for start, end, visible in groups.runs]
+        ctx.groups, ctx.graphs = groups, None
+        if not any(ctx.needs_input_grad[:3]):
+            return torch.cat([kernel(*inputs) for inputs in runs])      # runs back to back: segment order
+        runs = [tuple(t.detach().requires_grad_() for t in inputs) for inputs in runs]
+        # The runs' graphs belong to this node alone: plain saved tensors, out of reach of any
+        # saved-tensor hooks around it (activation checkpointing would otherwise recompute the block
+        # from inside this node's backward).
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
+            outs = [kernel(*inputs) for inputs in runs]                  # [n_run, H, d] each
+        ctx.graphs = (outs, runs)
+        ctx.key_meta = ((k.shape, k.dtype), (v.shape, v.dtype))       # of the gradients to return
+        return torch.cat([out.detach() for out in outs])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):
+        groups, (outs, runs) = ctx.groups, ctx.graphs
+        ctx.graphs = None                                               # each run's graph is used once
+        dqs = []
+        dk, dv = (grad.new_zeros(shape, dtype=dtype) for shape, dtype in ctx.key_meta)  # frame-sorted order
+        # run by run, so only one run's key/value gradients exist at a time (O(Ls) memory)
+        for (start, end, visible), out, inputs in zip(groups.runs, outs, runs):
+            gq, gk, gv = torch.autograd.grad(out, inputs, grad[start:end])
+            dqs.append(gq)
+            dk[:visible] += gk
+            dv[:visible] += gv
+        dq = torch.cat(dqs)                                             # runs back to back: segment order
+        if not groups.keys_in_order:
+            dk, dv = (t.index_select(0, groups.key_inverse) for t in (dk, dv))
+        return dq, dk, dv, None, None
+
+
+def _as_is(t: Tensor) -> Tensor:
+    return t
+
+
+def _per_segment(q: Tensor, k: Tensor, v: Tensor, segments: AttnSegments, full: Kernel,
+                 block_causal: Callable[[Tensor, Tensor, Tensor, FrameGroups], Tensor]) -> Tensor:
+    """Run each segment through `full` or `block_causal` (by its rule) and concatenate the outputs."""
+    groups = segments.frame_groups or (None,) * len(segments.seqlens)
+    outs, start = [], 0
+    for n, group in zip(segments.seqlens, groups):
         if n:
-            mask = None
-            if segments.frames is not None and segments.frames[i] is not None:
-                frame = segments.frames[i].to(q.device)
-                mask = frame[:, None] >= frame[None, :]   # built per segment, never for the whole pack
-            # [Ls, H, d] -> [1, H, Ls, d]; SDPA reads the strided view without a copy.
-            qs, ks, vs = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-            outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)[0].transpose(0, 1))
-        start = end
+            qs, ks, vs = (t[start:start + n] for t in (q, k, v))
+            outs.append(full(qs, ks, vs) if group is None else block_causal(qs, ks, vs, group))
+        start += n
     return torch.cat(outs) if outs else torch.empty_like(q)   # all segments empty: no rows
 
 
+# ------------------------------------------------------------------------------------------------
+# flex
+# ------------------------------------------------------------------------------------------------
+
+class _FlexMasks:
+    """BlockMasks of the last few packs: built once per pack, not once per attention call.
+
+    Keyed by the identities of the segments' `cu_seqlens` and `frames` (kept alive here, so an id
+    cannot be reused while cached); `unsharded()` keeps both, so context parallel hits the cache too.
+    """
+
+    def __init__(self, capacity: int = 4):
+        self.capacity = capacity
+        self._entries: OrderedDict[tuple, tuple[AttnSegments, object]] = OrderedDict()
+
+    def get(self, segments: AttnSegments, device: torch.device):
+        key = (id(segments.cu_seqlens), id(segments.frames), str(device))
+        hit = self._entries.get(key)
+        if hit is not None and hit[0].cu_seqlens is segments.cu_seqlens and hit[0].frames is segments.frames:
+            return hit[1]
+        mask = flex_block_mask(segments, device)
+        self._entries[key] = (segments, mask)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+        return mask
+
+
+_FLEX_MASKS = _FlexMasks()
+
+
+def flex_block_mask(segments: AttnSegments, device: torch.device):
+    """The flex BlockMask of the packed sequence: same segment AND (full rule, or frame_q >= frame_k)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    seqlens = torch.tensor(segments.seqlens, device=device)
+    segment = torch.repeat_interleave(torch.arange(len(seqlens), device=device), seqlens)   # [L]
+    frames = segments.frames or (None,) * len(seqlens)
+    frame = torch.cat([torch.zeros(n, dtype=torch.int64, device=device) if f is None else f.to(device)
+                       for n, f in zip(segments.seqlens, frames)])                            # [L]
+
+    def same_segment_and_no_later_frame(b, h, q_idx, kv_idx):
+        return (segment[q_idx] == segment[kv_idx]) & (frame[q_idx] >= frame[kv_idx])
+
+    total = segments.total
+    # eager on CPU evaluates the rule on all L^2 pairs (fine at CPU sizes); compiled on CUDA never does
+    return create_block_mask(same_segment_and_no_later_frame, None, None, total, total, device=device,
+                             _compile=device.type == "cuda")
+
+
+def flex_attention(q: Tensor, k: Tensor, v: Tensor, segments: AttnSegments) -> Tensor:
+    """torch's flex_attention over the whole pack with this pack's BlockMask."""
+    from torch.nn.attention.flex_attention import flex_attention as flex
+
+    if not q.is_cuda and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise ValueError("attention_backend 'flex' cannot train on CPU: torch's flex_attention has no "
+                         "CPU backward. Use 'blockwise' (or 'auto') for the block_causal rule, 'sdpa' "
+                         "for full attention.")
+    if segments.total == 0:
+        return torch.empty_like(q)
+    block_mask = _FLEX_MASKS.get(segments, q.device)
+    qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))              # [1, H, L, d]
+    try:
+        if q.is_cuda:
+            out = _compiled_flex()(qs, ks, vs, block_mask=block_mask)
+        else:
+            with warnings.catch_warnings():
+                # on CPU the unfused path is chosen on purpose: compiling costs seconds per pack length
+                warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
+                out = flex(qs, ks, vs, block_mask=block_mask)
+    except NotImplementedError as e:
+        raise ValueError(f"attention_backend 'flex' cannot run these inputs (q {tuple(q.shape)} "
+                         f"{q.dtype} on {q.device}): {e}") from e
+    return out[0].transpose(0, 1)
+
+
+@functools.cache
+def _compiled_flex():
+    """torch.compile(flex_attention), made on first use (compiling is what makes flex fast)."""
+    from torch.nn.attention.flex_attention import flex_attention as flex
+
+    return torch.compile(flex, dynamic=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# varlen
+# ------------------------------------------------------------------------------------------------
+
 def varlen_attention(q: Tensor, k: Tensor, v: Tensor, segments: AttnSegments) -> Tensor:
-    """Flash varlen attention over all segments in one kernel (CUDA only)."""
+    """Flash varlen attention (CUDA only)."""
     if not q.is_cuda:
-        raise ValueError("attention_backend 'varlen' needs CUDA tensors; use 'sdpa' or 'auto' on CPU.")
-    if segments.is_causal:
-        raise ValueError("attention_backend 'varlen' cannot apply the block_causal attention rule; "
-                         "use 'sdpa' (or 'auto').")
+        raise ValueError("attention_backend 'varlen' needs CUDA tensors; use 'sdpa', 'blockwise' or "
+                         "'auto' on CPU.")
     from torch.nn.attention.varlen import varlen_attn
 
-    cu = segments.cu_seqlens.to(q.device)
-    return varlen_attn(q, k, v, cu, cu, segments.max_seqlen, segments.max_seqlen)
+    return varlen_packed(q, k, v, segments, varlen_attn)
 
+
+def varlen_packed(q: Tensor, k: Tensor, v: Tensor, segments: AttnSegments, varlen) -> Tensor:
+    """All segments in one `varlen(q, k, v, cu_q, cu_k, max_q, max_k)` call under the full rule. With
+    block-causal segments: a call per full segment, and per run of same-frame queries of a
+    block-causal one (over the keys of frames <= theirs), as blockwise does with SDPA."""
+    if not segments.is_causal:
+        cu = segments.cu_seqlens.to(q.device)
+        return varlen(q, k, v, cu, cu, segments.max_seqlen, segments.max_seqlen)
+
+    def one_sequence(qs: Tensor, ks: Tensor, vs: Tensor) -> Tensor:
+        cu_q = torch.tensor([0, qs.shape[0]], dtype=torch.int32, device=q.device)
+        cu_k = torch.tensor([0, ks.shape[0]], dtype=torch.int32, device=q.device)
+        return varlen(qs, ks, vs, cu_q, cu_k, qs.shape[0], ks.shape[0])
+
+    return _per_segment(q, k, v, segments, one_sequence,
+                        lambda qs, ks, vs, groups: frame_group_attention(qs, ks, vs, groups, one_sequence))
+
+
+_BACKENDS: dict[str, Callable[[Tensor, Tensor, Tensor, AttnSegments], Tensor]] = {
+    "sdpa": sdpa_attention, "blockwise": blockwise_attention, "flex": flex_attention,
+    "varlen": varlen_attention}
+
+
+# ------------------------------------------------------------------------------------------------
+# The swappable module
+# ------------------------------------------------------------------------------------------------
 
 class InnerAttention(nn.Module):
     """The swappable attention call of one block: (q, k, v, segments) -> out, all [L, heads, head_dim]."""

@@ -29,6 +29,42 @@ from torch import Tensor
 
 
 @dataclass(frozen=True)
+class FrameGroups:
+    """One block-causal segment's rule as a schedule of unmasked attention calls (block-sparse backends).
+
+    Keys sorted by frame (stable) put the rows of frames <= f first, so the keys a query of frame f
+    sees are a prefix of that order. Queries stay in segment order, in runs of consecutive rows of one
+    frame (a sample's video frame by frame, then its caption, frame 0): run (start, end, visible)
+    attends the first `visible` sorted keys, and the runs' outputs back to back are the segment's rows
+    in order. Built once per pack from `frames`; O(Ls) memory; host ints, so slicing needs no sync.
+    """
+    frames: Tensor                          # [Ls] int64 frame of each row (what this was built from)
+    key_order: Tensor                       # [Ls] int64 segment rows sorted by frame (stable)
+    key_inverse: Tensor                     # [Ls] int64 place in `key_order` of each segment row
+    keys_in_order: bool                     # key_order is the identity (no gather needed)
+    runs: tuple[tuple[int, int, int], ...]  # (start, end, visible keys) of each run of same-frame rows
+
+    @classmethod
+    def of(cls, frames: Tensor) -> FrameGroups:
+        """The schedule of one segment from the frame of each of its rows ([Ls] integers)."""
+        cpu = frames.cpu()
+        order = torch.sort(cpu, stable=True).indices
+        values, counts = torch.unique_consecutive(cpu[order], return_counts=True)
+        visible_of_value = torch.cumsum(counts, 0)                  # keys of frames <= each value
+        run_values, run_lengths = torch.unique_consecutive(cpu, return_counts=True)
+        run_ends = torch.cumsum(run_lengths, 0)
+        visible = visible_of_value[torch.searchsorted(values, run_values)]
+        runs = tuple(zip((run_ends - run_lengths).tolist(), run_ends.tolist(), visible.tolist()))
+        in_order = bool(torch.equal(order, torch.arange(len(order))))
+        return cls(frames, order.to(frames.device), torch.argsort(order).to(frames.device), in_order, runs)
+
+    def moved(self, frames: Tensor) -> FrameGroups:
+        """The same schedule beside `frames` (this schedule's frames on another device)."""
+        return dataclasses.replace(self, frames=frames, key_order=self.key_order.to(frames.device),
+                                   key_inverse=self.key_inverse.to(frames.device))
+
+
+@dataclass(frozen=True)
 class AttnSegments:
     """The full sequences one attention call covers, and which of their rows this process holds.
 
@@ -42,8 +78,26 @@ class AttnSegments:
     local_index: Tensor | None = None  # [L_local] int64 rows held here (strictly increasing)
     # The block-causal rule, per segment: the frame of each of its rows ([Ls] int64; a row attends to
     # rows of frames <= its own), or None where the segment attends fully. O(L) memory: backends
-    # build whatever mask or block schedule they need from it, segment by segment.
+    # build whatever mask they need from it, segment by segment.
     frames: tuple[Tensor | None, ...] | None = None
+    # The same rule as a schedule of unmasked calls (FrameGroups), per segment: derived from `frames`
+    # when the segments are made (once per pack) and carried along by unsharded() and to(), so no
+    # attention call rebuilds it. Rebuilt only if `frames` is replaced by other tensors.
+    frame_groups: tuple[FrameGroups | None, ...] | None = None
+
+    def __post_init__(self):
+        if self._groups_match_frames():
+            return
+        groups = None if self.frames is None else tuple(None if f is None else FrameGroups.of(f)
+                                                        for f in self.frames)
+        object.__setattr__(self, "frame_groups", groups)
+
+    def _groups_match_frames(self) -> bool:
+        if self.frames is None or self.frame_groups is None:
+            return self.frames is None and self.frame_groups is None
+        return len(self.frame_groups) == len(self.frames) and all(
+            (g is None and f is None) or (g is not None and g.frames is f)
+            for g, f in zip(self.frame_groups, self.frames))
 
     @classmethod
     def from_lengths(cls, seqlens: list[int] | tuple[int, ...], device=None) -> AttnSegments:
@@ -70,9 +124,12 @@ class AttnSegments:
 
     def to(self, device) -> AttnSegments:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
-        frames = None if self.frames is None else tuple(move(f) for f in self.frames)
+        frames = groups = None
+        if self.frames is not None:
+            frames = tuple(move(f) for f in self.frames)
+            groups = tuple(None if g is None else g.moved(f) for g, f in zip(self.frame_groups, frames))
         return dataclasses.replace(self, cu_seqlens=self.cu_seqlens.to(device),
-                                   local_index=move(self.local_index), frames=frames)
+                                   local_index=move(self.local_index), frames=frames, frame_groups=groups)
 
 
 AttentionRule = Literal["full", "block_causal"]

@@ -98,7 +98,7 @@ class PanVideoDiffusionTransformer(nn.Module):
     """Flow-matching MMDiT on packed video + caption tokens.
 
     Build on the meta device, parallelize from outside, then `to_empty` and `init_weights()`.
-    `attention_backend` (`auto|sdpa|varlen`) sets every block's `inner_attention`; change it later
+    `attention_backend` (see `pan.models.attention.ATTENTION_BACKENDS`) sets every block's `inner_attention`; change it later
     with `pan.models.attention.set_attention_backend`.
     """
 

@@ -13,8 +13,11 @@ from torch import Tensor
 
 def rope_frequencies(positions: Tensor, axes_dim: list[int] | tuple[int, ...], theta: float,
                      frame_scale: float) -> Tensor:
-    """[N, 3] integer (t, h, w) positions -> [N, head_dim / 2] complex64 rotations e^(i * angle)."""
-    pos = positions.to(torch.float64)
+    """[N, 3] (t, h, w) positions (integer, or float for clips interpolated onto a reference grid)
+    -> [N, head_dim / 2] complex64 rotations e^(i * angle)."""
+    # A copy even for float64 positions: scaling in place would rescale the pack's own positions
+    # on every call.
+    pos = positions.to(torch.float64, copy=True)
     pos[:, 0] *= frame_scale
     angles = []
     for axis, dim in enumerate(axes_dim):
