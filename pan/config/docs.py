@@ -30,28 +30,54 @@ def _rows(cls, prefix: str = ""):
             f.metadata.get("help", "")
 
 
-def render(recipe_name: str = "pan") -> str:
+def shipped_recipes() -> list[str]:
+    """The recipes pan ships (plugins from PAN_RECIPE_MODULES are not documented here), the
+    default one first."""
+    from pan.config.job import DEFAULT_RECIPE
+    from pan.recipes import get_recipe, recipe_names
+
+    names = [n for n in recipe_names() if get_recipe(n).job_config.__module__.startswith("pan.")]
+    return sorted(names, key=lambda n: (n != DEFAULT_RECIPE, n))
+
+
+def render_recipe(recipe_name: str) -> list[str]:
+    """One recipe's section: its keys, grouped by the YAML section each is listed under."""
     from pan.recipes import get_recipe
 
-    job_cls = get_recipe(recipe_name).job_config
+    recipe = get_recipe(recipe_name)
     by_section: dict[str, list] = {}
-    for cls in components(job_cls).values():
+    for cls in components(recipe.job_config).values():
         by_section.setdefault(cls.SECTION, []).extend(_rows(cls))
+    lines = [f"## Recipe `{recipe_name}`", "", f"{recipe.description}. `recipe: {recipe_name}`.", ""]
+    for section, rows in by_section.items():
+        lines += [f"### `{section}`", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        lines += [f"| `{k}` | {t} | `{d}` | {h} |" for k, t, d, h in rows]
+        lines.append("")
+    return lines
+
+
+def render() -> str:
+    """docs/config.md: every shipped recipe's keys, each recipe in its own section."""
+    from pan.config.job import DEFAULT_RECIPE
+    from pan.recipes import get_recipe
+
+    recipes = shipped_recipes()
     lines = [
-        f"# Config reference (recipe `{recipe_name}`)",
+        "# Config reference",
         "",
         "Generated from the schema by `make docs` (`python -m pan.config.docs --write docs/config.md`);",
         "a test fails when this file is stale. Section names in a YAML file only group keys: any key may",
         "sit in any section (or at the top level), but only once. Any key can be overridden on the",
         "command line: `--key value`, nested `--transformer_config_overrides.num_layers 4`.",
         "",
-        "Top-level key `recipe` (default `pan`) selects the recipe.",
+        f"Top-level key `recipe` (default `{DEFAULT_RECIPE}`) selects the recipe, and the recipe decides "
+        "which keys exist:",
         "",
     ]
-    for section, rows in by_section.items():
-        lines += [f"## `{section}`", "", "| key | type | default | meaning |", "|---|---|---|---|"]
-        lines += [f"| `{k}` | {t} | `{d}` | {h} |" for k, t, d, h in rows]
-        lines.append("")
+    lines += [f"- [`{name}`](#recipe-{name}): {get_recipe(name).description}" for name in recipes]
+    lines.append("")
+    for name in recipes:
+        lines += render_recipe(name)
     return "\n".join(lines)
 
 

@@ -20,9 +20,13 @@ Under torchrun (`torchrun --nproc_per_node 8 -m pan.cli data precompute ...`) ea
 every WORLD_SIZE-th missing row on its own GPU (cuda:LOCAL_RANK); rank 0 writes the CSVs and the
 merged failures once all are done. The output is the same as one process's.
 
-`precompute_pyramid` writes Pyramid-Flow's format instead (unnormalised latent `.pt` files, text
-feature `.pt` files, the empty caption's features and a JSONL per source pointing at them) with
-encoders given as callables; see its docstring.
+For a Pyramid-Flow job (`recipe: pyramid_flow`, or a recipe whose job extends it) the command
+writes Pyramid-Flow's format instead, with `precompute_pyramid`: unnormalised latent `.pt` files,
+text feature `.pt` files, the empty caption's features and a JSONL per source (video CSVs and
+annotation files) pointing at them; train from those with `annotation_paths`. Its encoders are the
+recipe's own (`pyramid_encoders`): the latents are what online training computes
+(`vae.unnormalize(vae.encode(frames))`), the text features the released encoders'
+(`PyramidTextEncoder`). It runs in one process.
 """
 
 from __future__ import annotations
@@ -114,11 +118,16 @@ def latent_file(source: VideoCsvSource, row: int) -> str:
 
 def settings_of(job) -> dict:
     """Every key a latent or text feature depends on: a rerun into DIR must match them."""
+    return {**latent_settings(job), "text_encoder": dataclasses.asdict(job.text_encoder)}
+
+
+def latent_settings(job) -> dict:
+    """The data and VAE keys a latent depends on."""
     data = job.data
     return {"data": {k: getattr(data, k) for k in ("resolution_buckets", "allow_upscale", "target_fps",
                                                    "min_frames", "max_frames", "frames_mod",
                                                    "frames_remainder")},
-            "vae": dataclasses.asdict(job.vae), "text_encoder": dataclasses.asdict(job.text_encoder)}
+            "vae": dataclasses.asdict(job.vae)}
 
 
 def check_settings(out_dir: Path, settings: dict) -> None:
@@ -465,11 +474,12 @@ def print_report(report: PrecomputeReport, out_dir: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """`pan data precompute --config X.yaml [--key value ...] --out DIR [--limit N] [--device D]`;
-    exit 0 when some row has a latent, 1 when none has."""
+    exit 0 when some row has a latent, 1 when none has, 2 when the precompute cannot start."""
     parser = argparse.ArgumentParser(
         prog="pan data precompute", allow_abbrev=False,
-        description="Encode the run's video CSVs into latents + text features (see docs/data.md). "
-                    "Other options are the run's config (--config X.yaml) and key overrides.")
+        description="Encode the run's video CSVs (and, for a Pyramid-Flow job, its annotation files) "
+                    "into latents + text features (see docs/data.md). Other options are the run's "
+                    "config (--config X.yaml) and key overrides.")
     parser.add_argument("--out", required=True, help="folder for the latents and precomputed CSVs")
     parser.add_argument("--limit", type=int, default=None, help="only the first N rows of each CSV")
     parser.add_argument("--device", default=None, help="encoder device (default: cuda if present, else cpu)")
@@ -489,6 +499,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(job, args, share: Share) -> int:
+    if is_pyramid_job(job):
+        return _run_pyramid(job, args, share)
     if job.data.image_tar_paths and share.rank == 0:
         print("precompute: image tars are not precomputed; keep image_tar_paths in the training "
               "config and they are decoded online.", file=sys.stderr)
@@ -499,6 +511,93 @@ def _run(job, args, share: Share) -> int:
         return 2
     if share.rank == 0:
         print_report(report, Path(args.out))
+    return 0 if report.written + report.existing > 0 else 1
+
+
+# ----------------------------------------------------------------------------------------------
+# `pan data precompute` for a Pyramid-Flow job
+# ----------------------------------------------------------------------------------------------
+
+def is_pyramid_job(job) -> bool:
+    from pan.recipes.pyramid_flow import PyramidJobConfig
+    return isinstance(job, PyramidJobConfig)
+
+
+@dataclass
+class _Frames:
+    """What `PyramidFlowTask.raw_latent` reads of a decoded sample."""
+    frames: torch.Tensor
+
+
+def pyramid_encoders(job, device: torch.device | str) -> PyramidEncoders:
+    """The recipe's frozen VAE and text encoders as a precompute's callables, used through the
+    recipe's own code so that a precomputed row trains exactly as the online one: the latent is
+    `PyramidFlowTask.raw_latent` of the frames (vae.unnormalize(vae.encode(frames))), the text
+    features the recipe's `PyramidTextEncoder`'s."""
+    from pan.encoders.pyramid_text import FEATURE_KEYS
+    from pan.parallel.dims import ParallelDims
+    from pan.parallel.world import World
+    from pan.recipes import get_recipe
+
+    device = torch.device(device)
+    world = World(rank=0, size=1, local_rank=0, local_size=1, device=device)
+    one_process = ParallelDims(world_size=1, local_world_size=1, cp=1, dp_replicate=1, dp_shard=1)
+    task = get_recipe(job.recipe).task(job, world, one_process)
+    task.load_encoders()
+
+    def latent(frames: torch.Tensor) -> torch.Tensor:
+        task.vae.geometry.check_clip_shape(frames.shape[0], frames.shape[2], frames.shape[3])  # ValueError
+        return task.raw_latent(_Frames(frames))
+
+    def text(caption: str) -> dict[str, torch.Tensor]:
+        return dict(zip(FEATURE_KEYS, task.text_encoder.encode([caption])[0].tensors()))
+
+    return PyramidEncoders(latent=latent, text=text)
+
+
+def pyramid_settings(job) -> dict:
+    """What a Pyramid-Flow latent or text feature depends on (a rerun into DIR must match)."""
+    m = job.model
+    encoders = "pyramid_flux" if m.model_name == "pan" else m.model_name  # as the recipe loads them
+    return {**latent_settings(job),
+            "text": {**dataclasses.asdict(job.text), "encoders": encoders, "model_path": m.model_path}}
+
+
+def precompute_pyramid_job(job, out_dir: str | Path, *, limit: int | None = None,
+                           device: torch.device | str | None = None) -> PrecomputeReport:
+    """Every row of the job's video CSVs and annotation files, in Pyramid-Flow's format."""
+    from pan.data.sources import read_annotations
+    sources: list[RowSource] = [read_video_csv(p) for p in job.data.video_csv_paths]
+    for source in sources:
+        if source.precomputed:
+            raise PrecomputeError(f"{source.path} is already precomputed (pan's format: a latent_path "
+                                  "column): list the CSVs of the clips in video_csv_paths.")
+    sources += [read_annotations(p) for p in job.data.annotation_paths]
+    out_dir, settings = Path(out_dir), pyramid_settings(job)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    check_settings(out_dir, settings)  # before the encoders load: a refusal costs nothing
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    encoders = pyramid_encoders(job, device)
+    return precompute_pyramid(sources, rules_of(job.data), encoders, out_dir, limit=limit,
+                              workers=job.data.packed_dataloader_num_workers,
+                              prefetch=job.data.packed_dataloader_prefetch_factor, settings=settings)
+
+
+def _run_pyramid(job, args, share: Share) -> int:
+    if share.world > 1:
+        print("pan data precompute: a Pyramid-Flow precompute runs in one process; start it without "
+              "torchrun.", file=sys.stderr)
+        return 2
+    if job.data.image_tar_paths:
+        print("precompute: image tars are not precomputed; keep image_tar_paths in the training "
+              "config and they are decoded online.", file=sys.stderr)
+    try:
+        report = precompute_pyramid_job(job, args.out, limit=args.limit, device=args.device)
+    except (PrecomputeError, SourceError) as e:
+        print(f"pan data precompute: {e}", file=sys.stderr)
+        return 2
+    print_report(report, Path(args.out))
     return 0 if report.written + report.existing > 0 else 1
 
 

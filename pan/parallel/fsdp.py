@@ -96,7 +96,9 @@ def parallelize_model(model: nn.Module, mesh: DeviceMesh | None, dims: ParallelD
     """
     blocks = declared_blocks(model)
     if parallel_cfg.enable_gradient_checkpointing:
-        apply_activation_checkpointing(blocks, parallel_cfg.use_dedicated_gradient_checkpointing)
+        # A model may checkpoint only some of its blocks (Pyramid-Flow's gradient_checkpointing_ratio).
+        chosen = model.checkpointed_blocks() if hasattr(model, "checkpointed_blocks") else blocks
+        apply_activation_checkpointing(chosen, parallel_cfg.use_dedicated_gradient_checkpointing)
     if trainer_cfg.compile_transformer:
         for block in blocks:
             block.compile()  # in place: parameter names stay the same

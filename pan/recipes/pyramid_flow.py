@@ -245,7 +245,12 @@ def build_dit(job: PyramidJobConfig) -> nn.Module:
             causal = True if m.use_temporal_causal is None else m.use_temporal_causal
             model = PanForPyramid(m.transformer_config_overrides, causal)
         else:
-            model = dit_class(m.model_name)(dit_config(m))
+            # The run's enable_gradient_checkpointing decides whether blocks are checkpointed (the
+            # variant's use_gradient_checkpointing was the original's command-line flag); the
+            # variant's gradient_checkpointing_ratio decides which (pan.parallel.fsdp).
+            config = dataclasses.replace(dit_config(m), use_gradient_checkpointing=
+                                         job.parallel.enable_gradient_checkpointing)
+            model = dit_class(m.model_name)(config)
     if m.attention_backend is not None:
         set_attention_backend(model, m.attention_backend)
     return model
@@ -594,3 +599,6 @@ def sample_main(job: PyramidJobConfig, argv: list[str]) -> int:
         write_gif(out.with_suffix(".gif"), frames, args.fps)
         print(f"{out}  <- {prompt!r}")
     return 0
+
+
+import pan.recipes.pyramid_checks  # noqa: E402, F401 - registers the launch workflow and `pan check` rows

@@ -1,0 +1,539 @@
+"""Launch workflow and `pan check` rows of the `pyramid_flow` recipe (imported by its module).
+
+The workflow `pyramid-flow-no-ar` is the original's `scripts/train_pyramid_flow_without_ar.sh`:
+full-sequence spatial-pyramid fine-tuning of a released DiT. `pan launch-command` refuses it, after
+the layout checks every workflow gets, for the launch rules below (config only, nothing is read but
+the variant's config.json):
+
+- placeholder paths left from a template (`/path/to/...`, the original's `/PATH/...`, `<...>`);
+- `max_samples_per_batch` not a multiple of sum(sample_ratios): pan's form of the original's
+  `batch_size % 4 == 0` (see `check_stage_batch`);
+- resolution buckets of another resolution than the variant's (a 384p variant with 768p buckets),
+  and for the SD3 DiT buckets its position table cannot hold;
+- buckets whose latent, taken down the pyramid, no longer divides into patches.
+
+`pan check` runs the same rules as rows, and reads what a launch will read: the variant's weights
+(shapes from the safetensors headers), the text encoders (configs and tokenizer files, their widths
+against the DiT's), the VAE against the DiT's latent channels, and a sample of every data source's
+rows (annotation rows parse, their files exist, precomputed latents and text features fit the DiT).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pan import preflight
+from pan.config.core import ConfigError, ErrorCollector, require
+from pan.config.job import components
+from pan.launch_command import Workflow, register_workflow
+from pan.preflight import Preflight, Row, register_check
+from pan.recipes.pyramid_flow import dit_config, variant_folder
+
+RECIPE = "pyramid_flow"
+
+# The resolution each released DiT variant was trained at, as the original's --resolution names
+# it (its non-AR script trains the image variant at 768p), and that resolution's pixel area
+# (H x W): 384p video is 640x384 (images 512x512, 384x640), 768p video 1280x768 (images 1024x1024).
+RELEASED_RESOLUTIONS = {"diffusion_transformer_384p": "384p", "diffusion_transformer_768p": "768p",
+                        "diffusion_transformer_image": "768p"}
+RESOLUTION_AREAS = {"384p": 384 * 640, "768p": 768 * 1280}
+
+# Template values a run YAML must not keep: `/path/to/...`, a path starting at `/PATH/` (the
+# original's scripts), or an `<angle bracket>` blank.
+PLACEHOLDER = re.compile(r"(^|/)path/to(/|$)|^/path(/|$)|<[^<>/]+>", re.IGNORECASE)
+
+
+# ------------------------------------------------------------------------------------------------
+# What the DiT takes, from its config alone
+# ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DiTShape:
+    """The latent and text features a job's DiT takes (no model is built)."""
+    latent_channels: int
+    patch: tuple[int, int]          # latent cells per token along (H, W)
+    caption_width: int              # D of the caption features
+    pooled_width: int | None        # P of the pooled text feature (None: the model takes none)
+    grid_limit: int | None          # largest token grid side (SD3's sin-cos table), None: any
+
+
+def dit_shape(job) -> DiTShape:
+    m = job.model
+    if m.model_name == "pan":
+        arch = m.transformer_config_overrides
+        return DiTShape(arch.out_channels, tuple(arch.patch_size[1:]), arch.text_embed_dim, None, None)
+    c = dit_config(m)
+    if m.model_name == "pyramid_flux":  # 2x2 patches whatever the config says (quirk F1)
+        return DiTShape(c.in_channels // 4, (2, 2), c.joint_attention_dim, c.pooled_projection_dim, None)
+    return DiTShape(c.in_channels, (c.patch_size, c.patch_size), c.joint_attention_dim,
+                    c.pooled_projection_dim, c.pos_embed_max_size)
+
+
+def stage_unit(job) -> tuple[int, int]:
+    """Latent H and W must be multiples of these: every stage halves them (stages - 1 times) and the
+    smallest stage must still cut into whole patches."""
+    ph, pw = dit_shape(job).patch
+    down = 2 ** (job.pyramid.stages - 1)
+    return down * ph, down * pw
+
+
+def stage_cycle(job) -> list[int]:
+    """The stages samples take in turn: sample_ratios [1, 2, 1] -> [0, 1, 1, 2]."""
+    return [stage for stage, count in enumerate(job.pyramid.sample_ratios) for _ in range(count)]
+
+
+def resolution_class(height: int, width: int) -> str:
+    """The released resolution nearest a pixel size, by area on a log scale (the boundary between
+    384p and 768p is ~0.5 MP)."""
+    area = height * width
+    return min(RESOLUTION_AREAS, key=lambda name: abs(math.log(area / RESOLUTION_AREAS[name])))
+
+
+def _bucket_text(height: int, width: int) -> str:
+    return f"{width}x{height}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Launch rules: config only, each raises ConfigError naming the key and the fix
+# ------------------------------------------------------------------------------------------------
+
+def path_keys(job) -> dict[str, object]:
+    """Every key naming a path (`*_path`, `*_paths`, `*_dir`) -> its value."""
+    found = {}
+    for attr in components(type(job)):
+        component = getattr(job, attr)
+        for f in dataclasses.fields(component):
+            if f.name.endswith(("_path", "_paths", "_dir")):
+                found[f.name] = getattr(component, f.name)
+    return found
+
+
+def refuse_placeholders(job) -> None:
+    problems = ErrorCollector()
+    for key, value in path_keys(job).items():
+        values = value if isinstance(value, list) else [value]
+        left = [v for v in values if isinstance(v, str) and PLACEHOLDER.search(v)]
+        if left:
+            problems.add(ConfigError(key, f"is still the template's placeholder {', '.join(left)}: set it "
+                                          f"to your own path (in the YAML, or --{key} <path>)."))
+    problems.raise_any()
+
+
+def check_stage_batch_rule(job) -> None:
+    """The original asserts that its per-device batch (`--batch_size`) is a multiple of
+    sum(sample_ratios), so that each batch splits into the stage columns. A pan batch is packed to a
+    token budget and holds a varying number of samples; the stages rotate over each rank's samples
+    in the cycle [0, 1, 1, 2], continuing across batches, so any run of 4 consecutive samples holds
+    every stage in the 1:2:1 ratio. The rule that keeps the original's guarantee: the per-rank cap
+    `max_samples_per_batch` (what `--batch_size` becomes) is a multiple of the cycle, so a full batch
+    holds whole cycles."""
+    cycle = stage_cycle(job)
+    n = job.data.max_samples_per_batch
+    require(n % len(cycle) == 0, "max_samples_per_batch",
+            f"is {n}, but each rank's samples take the pyramid stages in turn, in cycles of "
+            f"sum(sample_ratios {job.pyramid.sample_ratios}) = {len(cycle)} (stages {cycle}): a full "
+            f"packed batch must hold whole cycles to train every stage in that ratio (the original's "
+            f"per-device --batch_size % {len(cycle)} == 0). Use a multiple of {len(cycle)}, e.g. "
+            f"{max(len(cycle), n - n % len(cycle))}.")
+
+
+def check_variant_resolution_rule(job) -> None:
+    """Buckets of the variant's resolution (384p variant, 384p buckets); SD3 token grids that fit its
+    position table."""
+    m = job.model
+    if m.model_name == "pan":
+        return
+    buckets = job.data.buckets()
+    trained = RELEASED_RESOLUTIONS.get(m.model_variant)
+    if trained is not None:
+        other = [_bucket_text(h, w) for h, w in buckets if resolution_class(h, w) != trained]
+        require(not other, "resolution_buckets",
+                f"{', '.join(other)} {'is' if len(other) == 1 else 'are'} not {trained}, the resolution "
+                f"{m.model_variant} was trained at (384p: ~640x384 = 0.25 MP, 768p: ~1280x768 = 1 MP "
+                f"pixels). Use {trained} buckets (as the original's --resolution {trained}), or the "
+                f"variant of that resolution (model_variant diffusion_transformer_"
+                f"{'768p' if trained == '384p' else '384p'}).")
+    shape = dit_shape(job)
+    if shape.grid_limit is None:
+        return
+    from pan.encoders.vae import vae_geometry
+    factor = vae_geometry(job.vae).spatial_factor
+    too_big = [_bucket_text(h, w) for h, w in buckets
+               if max(h // factor // shape.patch[0], w // factor // shape.patch[1]) > shape.grid_limit]
+    require(not too_big, "resolution_buckets",
+            f"{', '.join(too_big)} give token grids wider than the {shape.grid_limit} x {shape.grid_limit} "
+            f"position table of {variant_folder(m)} (pos_embed_max_size): the SD3 DiT cannot place "
+            "them. Use smaller buckets.")
+
+
+def check_stage_sizes_rule(job) -> None:
+    """Every bucket's latent, halved stages - 1 times, still cuts into whole patches."""
+    from pan.encoders.vae import vae_geometry
+    geometry = vae_geometry(job.vae)
+    uh, uw = stage_unit(job)
+    bad = []
+    for h, w in job.data.buckets():
+        error = geometry.clip_shape_error(1, h, w)
+        if error:
+            bad.append(f"{_bucket_text(h, w)}: {error}")
+            continue
+        lh, lw = h // geometry.spatial_factor, w // geometry.spatial_factor
+        if lh % uh or lw % uw:
+            bad.append(f"{_bucket_text(h, w)} has a {lw}x{lh} latent")
+    require(not bad, "resolution_buckets",
+            f"{'; '.join(bad)}: with {job.pyramid.stages} stages and {dit_shape(job).patch} patches the "
+            f"latent height must be a multiple of {uh} and its width of {uw} (each stage halves it, and "
+            f"the smallest must still cut into patches), i.e. buckets of multiples of "
+            f"{uw * geometry.spatial_factor} x {uh * geometry.spatial_factor} pixels (W x H).")
+
+
+LAUNCH_RULES = (refuse_placeholders, check_stage_batch_rule, check_variant_resolution_rule,
+                check_stage_sizes_rule)
+
+
+def check_launch(job) -> None:
+    """The workflow's own refusals, all reported together."""
+    problems = ErrorCollector()
+    for rule in LAUNCH_RULES:
+        with problems.gather():
+            rule(job)
+    problems.raise_any()
+
+
+WORKFLOW = register_workflow(Workflow(
+    "pyramid-flow-no-ar", RECIPE, "config/pyramid_flow_384p.yaml", "scripts/train_pyramid_flow_without_ar.sh",
+    "Pyramid-Flow full-sequence (non-AR) fine-tuning of a released DiT", check=check_launch))
+
+
+# ------------------------------------------------------------------------------------------------
+# `pan check`: the launch rules as rows, then what the run will read
+# ------------------------------------------------------------------------------------------------
+
+register_check(RECIPE)(preflight.check_layout)
+
+
+def task_of(ctx: Preflight):
+    """The recipe's task for the planned layout (built once; it holds a meta-device DiT)."""
+    if "pyramid_task" not in ctx.notes:
+        from pan.parallel.world import World
+        from pan.recipes.pyramid_flow import PyramidFlowTask
+        world = World(rank=0, size=ctx.world_size, local_rank=0, local_size=ctx.gpus_per_node,
+                      device=torch.device("cpu"))
+        ctx.notes["pyramid_task"] = PyramidFlowTask(ctx.job, world, ctx.dims, None)
+    return ctx.notes["pyramid_task"]
+
+
+@register_check(RECIPE)
+def check_placeholders(ctx: Preflight) -> list[Row]:
+    refuse_placeholders(ctx.job)
+    return [Row("placeholders", "pass", f"no template path left in the {len(path_keys(ctx.job))} path keys.")]
+
+
+@register_check(RECIPE)
+def check_stage_batch(ctx: Preflight) -> list[Row]:
+    """The batch rule, streams with a share per data-parallel rank, and whether a full stage cycle of
+    the largest clips fits the token budget."""
+    check_stage_batch_rule(ctx.job)
+    job, task, rows = ctx.job, task_of(ctx), []
+    cycle = stage_cycle(job)
+    for name, size in _source_sizes(job).items():
+        if size < ctx.dims.dp:
+            rows.append(Row("stage batch", "fail", f"{name} has {size} samples, fewer than the "
+                            f"{ctx.dims.dp} data-parallel ranks that share it.", "add samples or use fewer ranks."))
+    budget = job.data.max_tokens_per_batch
+    summary = (f"stages rotate in cycles of {len(cycle)} ({cycle}); max_samples_per_batch "
+               f"{job.data.max_samples_per_batch} holds whole cycles")
+    if not _sources_encoded_online(job):  # precomputed latents: the data row checks each one's size
+        return rows or [Row("stage batch", "pass", summary + "; every source is precomputed.")]
+    frames = job.data.frame_count_range()[-1]
+    largest = max(job.data.buckets(), key=lambda hw: hw[0] * hw[1])
+    per_stage = [_stage_tokens(task, frames, *largest, stage, len(job.pyramid.sample_ratios)) for stage in cycle]
+    summary += (f"; a cycle of {frames}-frame {_bucket_text(*largest)} clips is {sum(per_stage)} tokens "
+                f"({per_stage})")
+    if sum(per_stage) > budget:
+        rows.append(Row("stage batch", "warn", summary + f", over max_tokens_per_batch {budget}: batches "
+                        "of such clips hold less than a cycle, so a step may miss a stage (the ratio "
+                        "still holds over consecutive batches).", "raise max_tokens_per_batch to a "
+                        "cycle's tokens, or use smaller clips."))
+    if not rows:
+        rows.append(Row("stage batch", "pass", summary + f", within max_tokens_per_batch {budget}."))
+    return rows
+
+
+def _stage_tokens(task, frames: int, height: int, width: int, stage: int, stages: int) -> int:
+    """Tokens of one clip at a pyramid stage (the full-resolution latent halved stages-1-stage times)."""
+    _, t, h, w = task.geometry.latent_shape(frames, height, width)
+    down = 2 ** (stages - 1 - stage)
+    gt, gh, gw = task.model.patch_grid((0, t, h // down, w // down))
+    return gt * gh * gw
+
+
+def _source_sizes(job) -> dict[str, int]:
+    """Samples per row source and of the image tars; unreadable ones are left to the data row."""
+    from pan.data.sources import SourceError, read_annotations, read_image_tars, read_video_csv
+    readers = [(Path(p).name, lambda p=p: read_video_csv(p)) for p in job.data.video_csv_paths]
+    readers += [(Path(p).name, lambda p=p: read_annotations(p)) for p in job.data.annotation_paths]
+    if job.data.image_tar_paths:
+        readers.append(("image tars", lambda: read_image_tars(job.data.image_tar_paths)))
+    sizes = {}
+    for name, read in readers:
+        try:
+            sizes[name] = len(read())
+        except (SourceError, OSError, UnicodeDecodeError):
+            continue
+    return sizes
+
+
+@register_check(RECIPE)
+def check_variant_resolution(ctx: Preflight) -> list[Row]:
+    check_variant_resolution_rule(ctx.job)
+    m = ctx.job.model
+    trained = RELEASED_RESOLUTIONS.get(m.model_variant)
+    if m.model_name == "pan":
+        return [Row("variant resolution", "pass", "pan's transformer: no released resolution to keep.")]
+    if trained is None:
+        return [Row("variant resolution", "warn", f"{m.model_variant} is not a released variant name, so "
+                    "its training resolution is unknown and the buckets are not compared with it.",
+                    "make sure resolution_buckets are the resolution this DiT was trained at.")]
+    return [Row("variant resolution", "pass", f"{m.model_variant} was trained at {trained}; every bucket "
+                f"({', '.join(ctx.job.data.resolution_buckets)}) is {trained}.")]
+
+
+@register_check(RECIPE)
+def check_stage_sizes(ctx: Preflight) -> list[Row]:
+    check_stage_sizes_rule(ctx.job)
+    uh, uw = stage_unit(ctx.job)
+    return [Row("stage sizes", "pass", f"every bucket's latent is a multiple of {uw}x{uh} (W x H): "
+                f"{ctx.job.pyramid.stages} stages of {dit_shape(ctx.job).patch} patches.")]
+
+
+@register_check(RECIPE)
+def check_model_folder(ctx: Preflight) -> list[Row]:
+    """The variant's config.json (read when the config loaded) and its weights' recorded shapes
+    against the DiT built from it; no tensor data is read."""
+    m = ctx.job.model
+    if m.model_name == "pan":
+        return [Row("model folder", "pass", "pan's transformer starts from its own init "
+                    "(transformer_config_overrides); model_path only provides the text encoders.")]
+    folder = variant_folder(m)
+    stored = _weight_shapes(folder)
+    model = ctx.model_shapes
+    missing = [n for n in model if n not in stored]
+    unexpected = [n for n in stored if n not in model]
+    mismatched = [f"{n} {stored[n]} vs model {model[n]}" for n in model if n in stored and stored[n] != model[n]]
+    if missing or unexpected or mismatched:
+        detail = "; ".join(f"{label}: {', '.join(items[:4])}{' ...' if len(items) > 4 else ''}"
+                           for label, items in (("missing", missing), ("unexpected", unexpected),
+                                                ("other shape", mismatched)) if items)
+        return [Row("model folder", "fail", f"{folder}'s weights do not fit the {m.model_name} its "
+                    f"config.json describes ({detail}).", "copy the variant folder of the release whole "
+                    "(config.json and its safetensors together).")]
+    rows = [Row("model folder", "pass", f"{folder}: config.json and {len(stored)} tensors of the shapes "
+                f"it describes ({sum(math.prod(s) for s in stored.values()) / 1e6:,.1f}M parameters).")]
+    config = dit_config(m)
+    if config.use_gradient_checkpointing and not ctx.job.parallel.enable_gradient_checkpointing:
+        rows.append(Row("model folder", "warn", f"{folder}/config.json sets use_gradient_checkpointing "
+                        "(the original's command-line flag), but in pan enable_gradient_checkpointing "
+                        "decides and it is false: the run keeps every activation.",
+                        "set enable_gradient_checkpointing: true to checkpoint the blocks the variant's "
+                        "gradient_checkpointing_ratio names (the original's docs ask for it at 768p)."))
+    return rows
+
+
+def _weight_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """name -> shape from the safetensors headers of a released folder (one file or shards)."""
+    from safetensors import safe_open
+
+    from pan.models.pyramid_io import WEIGHTS_INDEX_NAME, WEIGHTS_NAME
+    if (folder / WEIGHTS_NAME).is_file():
+        files = [folder / WEIGHTS_NAME]
+    elif (folder / WEIGHTS_INDEX_NAME).is_file():
+        index = json.loads((folder / WEIGHTS_INDEX_NAME).read_text())
+        files = [folder / f for f in sorted(set(index["weight_map"].values()))]
+    else:
+        raise ConfigError("model_variant", f"{folder} holds neither {WEIGHTS_NAME} nor {WEIGHTS_INDEX_NAME}: "
+                                           "copy the variant folder of the release whole.")
+    shapes = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})  # noqa: SIM118
+    return shapes
+
+
+@register_check(RECIPE)
+def check_text_encoders(ctx: Preflight) -> list[Row]:
+    """The released text encoders: every file, config and tokenizer length (no weights loaded), and
+    their feature widths against the DiT's."""
+    from pan.encoders.pyramid_text import check_dit_widths
+    from pan.encoders.pyramid_text import check_text_encoders as released_layout
+    m = ctx.job.model
+    name = "pyramid_flux" if m.model_name == "pan" else m.model_name
+    layout = released_layout(ctx.job.text, name, m.model_path or "")
+    shape = dit_shape(ctx.job)
+    if shape.pooled_width is None:
+        require(layout.caption_width == shape.caption_width, "transformer_config_overrides.text_embed_dim",
+                f"is {shape.caption_width}, but the T5 in {layout.folder} gives {layout.caption_width}-wide "
+                f"features: set text_embed_dim: {layout.caption_width}.")
+    else:
+        check_dit_widths(layout, joint_attention_dim=shape.caption_width, pooled_projection_dim=shape.pooled_width)
+    roles = ", ".join(f"{s.role} ({s.model_dir})" for s in layout.slots)
+    return [Row("text encoders", "pass", f"{roles} in {layout.folder}: captions {layout.caption_width} wide, "
+                f"pooled {layout.pooled_width}; they fit the DiT.")]
+
+
+@register_check(RECIPE)
+def check_vae(ctx: Preflight) -> list[Row]:
+    """The VAE's latent channels against the DiT's: a must where rows are encoded online, else only
+    validation samples (and `pan sample`) decode with it."""
+    from pan.encoders.vae import vae_geometry
+    geometry = vae_geometry(ctx.job.vae)
+    channels = dit_shape(ctx.job).latent_channels
+    detail = (f"{ctx.job.vae.vae_type}: {geometry.latent_channels} latent channels, {geometry.temporal_factor}x "
+              f"temporal, {geometry.spatial_factor}x spatial; the DiT takes {channels}")
+    if geometry.latent_channels == channels:
+        return [Row("vae", "pass", detail + ".")]
+    online = _sources_encoded_online(ctx.job)
+    if online:
+        return [Row("vae", "fail", detail + f": {', '.join(online)} would be encoded by it and could not "
+                    "train.", "use the VAE the DiT was trained with, or precompute the latents (annotation "
+                    "rows with `latent`; `pan data precompute`).")]
+    return [Row("vae", "warn", detail + ": every data source is precomputed, but validation samples and "
+                "`pan sample` decode with this VAE.", "keep validation_interval: 0 until the DiT's VAE is "
+                "configured.")]
+
+
+def _sources_encoded_online(job) -> list[str]:
+    """Data files some rows of which go through the VAE (no precomputed latent)."""
+    from pan.data.sources import SourceError, read_annotations, read_video_csv
+    online = list(job.data.image_tar_paths)
+    for path in job.data.video_csv_paths:
+        try:
+            if not read_video_csv(path).precomputed:
+                online.append(path)
+        except (SourceError, OSError, UnicodeDecodeError):
+            continue
+    for path in job.data.annotation_paths:
+        try:
+            rows = read_annotations(path).rows
+        except (SourceError, OSError):
+            continue
+        if any(b'"latent"' not in row for row in rows):
+            online.append(path)
+    return online
+
+
+@register_check(RECIPE)
+def check_data(ctx: Preflight) -> list[Row]:
+    """Parse every source; read a sample of each one's rows as training will (files exist, latents
+    and text features load or media decode) and check them against the DiT."""
+    from pan.data.loader import IMAGE_STREAM, SampleReader, rules_of, stream_name
+    from pan.data.sources import SourceError, read_annotations, read_image_tars, read_video_csv
+
+    job, rows, sources = ctx.job, [], {}
+    readers = [(p, read_video_csv) for p in job.data.video_csv_paths]
+    readers += [(p, read_annotations) for p in job.data.annotation_paths]
+    for path, read in readers:
+        try:
+            source = read(path)
+            sources[stream_name(source)] = (path, source)
+        except (SourceError, OSError, UnicodeDecodeError) as e:
+            rows.append(Row("data", "fail", f"{path}: {e}", "fix or remove the file."))
+    tars = None
+    if job.data.image_tar_paths:
+        try:
+            tars = read_image_tars(job.data.image_tar_paths)
+        except (SourceError, OSError) as e:
+            rows.append(Row("data", "fail", str(e), "fix or remove the tar(s)."))
+    reader = SampleReader({name: src for name, (_, src) in sources.items()}, tars, rules_of(job.data))
+    streams = [(path, name, len(src)) for name, (path, src) in sources.items()]
+    if tars is not None:
+        streams.append((", ".join(job.data.image_tar_paths), IMAGE_STREAM, len(tars)))
+    for label, stream, size in streams:
+        rows.append(_sample_rows(ctx, reader, label, stream, size))
+    return rows
+
+
+def _sample_rows(ctx: Preflight, reader, label: str, stream: str, size: int) -> Row:
+    """Read `sample_rows` rows spread over a source (first, last, between) and judge them."""
+    from pan.data.loader import Ref
+    n = min(ctx.sample_rows, size)
+    picks = sorted({round(i * (size - 1) / max(n - 1, 1)) for i in range(n)})
+    good, skipped, unfit = 0, [], []
+    for index in picks:
+        got = reader[Ref(seq=0, stream=stream, epoch=0, pos=0, index=index)]
+        if got.sample is None:
+            skipped.append(f"#{index} {got.reason}: {got.detail}")
+            continue
+        problem = _unfit(ctx, got.sample)
+        over = _over_budget(ctx, got.sample) if problem is None else None
+        if problem:
+            unfit.append(f"#{index} {problem}")
+        elif over:
+            skipped.append(f"#{index} over_budget: {over}")
+        else:
+            good += 1
+    detail = f"{label}: {size} rows; {good}/{len(picks)} of rows {picks} fit the DiT"
+    if unfit:
+        return Row("data", "fail", detail + ". " + "; ".join(unfit + skipped) + ".",
+                   "such rows would stop training: recompute them for this model (`pan data precompute`) "
+                   "or fix the buckets.")
+    if skipped and not good:
+        return Row("data", "fail", detail + ". Skipped: " + "; ".join(skipped) + ".",
+                   "fix the paths, files or frame rules named above.")
+    if skipped:
+        return Row("data", "warn", detail + ". Skipped: " + "; ".join(skipped) + ".",
+                   "such rows are skipped in training; fix or remove them.")
+    return Row("data", "pass", detail + ".")
+
+
+def _latent_of(sample) -> torch.Tensor | None:
+    return sample.raw_latent if sample.raw_latent is not None else sample.latent
+
+
+def _unfit(ctx: Preflight, sample) -> str | None:
+    """Why a loaded sample would stop training this DiT (None when it would not): latent channels
+    and stage divisibility, decoded clip shapes, text feature widths."""
+    job, task, shape = ctx.job, task_of(ctx), dit_shape(ctx.job)
+    uh, uw = stage_unit(job)
+    latent = _latent_of(sample)
+    if latent is not None:
+        c, _, h, w = latent.shape
+        if c != shape.latent_channels:
+            return f"its latent has {c} channels, the DiT takes {shape.latent_channels} (another VAE's latent?)"
+    else:
+        t, h, w = sample.grid
+        error = task.geometry.clip_shape_error(t, h, w)
+        if error:
+            return f"decodes to {t}x{h}x{w} but {error}"
+        _, _, h, w = task.geometry.latent_shape(t, h, w)
+    if h % uh or w % uw:
+        return (f"its latent is {w}x{h} (W x H), not a multiple of {uw}x{uh} that {job.pyramid.stages} stages "
+                f"of {shape.patch} patches need")
+    features = sample.text_features
+    if features is not None:
+        wide = features["prompt_embed"].shape[-1]
+        if wide != shape.caption_width:
+            return f"its text features are {wide} wide, the DiT takes {shape.caption_width}"
+        pooled = features["pooled_prompt_embed"].shape[-1]
+        if shape.pooled_width is not None and pooled != shape.pooled_width:
+            return f"its pooled text feature is {pooled} wide, the DiT takes {shape.pooled_width}"
+    return None
+
+
+def _over_budget(ctx: Preflight, sample) -> str | None:
+    """The budgeted tokens of a sample when over max_tokens_per_batch (training skips it)."""
+    task, budget = task_of(ctx), ctx.job.data.max_tokens_per_batch
+    latent = _latent_of(sample)
+    tokens = task.latent_tokens_of(*latent.shape[1:]) if latent is not None else task.tokens_of(*sample.grid)
+    return f"{tokens} tokens > max_tokens_per_batch {budget}" if tokens > budget else None
+
+
+for _shared in (preflight.check_cpu, preflight.check_output_dir, preflight.check_resume):
+    register_check(RECIPE)(_shared)
