@@ -1,6 +1,7 @@
 """`pan launch-command`: print the validated torchrun / srun / sbatch commands of a workflow.
 
     pan launch-command --workflow pretrain --nodes 30 --gpus-per-node 8 [--config X.yaml] [--key value ...]
+    pan launch-command --workflow causal-video-vae --stage both --nodes 1 --gpus-per-node 8
 
 The config (with the overrides) is loaded exactly as train.py will load it, and the layout is checked
 for world = nodes x gpus-per-node (cp_size divides the processes per node and the attention heads;
@@ -35,7 +36,10 @@ class Workflow:
     default_config: str              # repository-relative YAML
     script: str                      # the Slurm launch script (scripts/<name>.sh)
     description: str
-    check: Callable[[object], None] | None = None   # workflow-specific rule: raise ConfigError
+    # workflow-specific rule, given the job and the planned ParallelDims: raise ConfigError
+    check: Callable[[object, object], None] | None = None
+    # A workflow run in stages (the causal VAE's): stage name -> its default YAML, in order.
+    stages: dict[str, str] | None = None
 
 
 WORKFLOWS: dict[str, Workflow] = {}
@@ -77,7 +81,7 @@ def validate(workflow: Workflow, config: str, overrides: list[str], nodes: int, 
             f"({', '.join(w.name for w in all_workflows().values() if w.recipe == job.recipe) or 'none'}).")
     dims = ParallelDims.from_config(job.parallel, nodes * gpus_per_node, gpus_per_node)
     if workflow.check is not None:
-        workflow.check(job)
+        workflow.check(job, dims)
     return job, dims
 
 
@@ -130,6 +134,42 @@ def render(commands: LaunchCommands) -> str:
     return "\n".join(lines)
 
 
+def stage_configs(workflow: Workflow, stage: str | None, config: str | None) -> list[tuple[str | None, str]]:
+    """(stage, config) of each run the command prints: the workflow's one run, one stage, or every
+    stage in order (`--stage both`)."""
+    if stage is None:
+        return [(None, config or workflow.default_config)]
+    if not workflow.stages:
+        raise ConfigError(None, f"--stage applies to workflows run in stages "
+                                f"({', '.join(w.name for w in all_workflows().values() if w.stages) or 'none'}); "
+                                f"{workflow.name} is one run: drop --stage.")
+    if stage == "both":
+        if config is not None:
+            raise ConfigError(None, "--stage both prints every stage with its own YAML; --config names "
+                                    "one: pick a stage with --stage, or drop --config.")
+        return list(workflow.stages.items())
+    if stage not in workflow.stages:
+        raise ConfigError(None, f"workflow {workflow.name} has the stages {list(workflow.stages)} (or both), "
+                                f"not {stage!r}.")
+    return [(stage, config or workflow.stages[stage])]
+
+
+def render_stages(runs: list[tuple[str | None, LaunchCommands]]) -> str:
+    """One run's commands, or each stage's, then one line submitting them all, each stage waiting
+    for the previous one to succeed."""
+    if len(runs) == 1:
+        return render(runs[0][1])
+    blocks = [f"# ---- stage {stage} ----\n" + render(commands) for stage, commands in runs]
+    chain = []
+    for i, (_, commands) in enumerate(runs):
+        env, sbatch, *rest = commands.sbatch
+        dependency = [] if i == 0 else ["--dependency=afterok:$JOB"]
+        submit = shell_join([env, sbatch, "--parsable", *dependency, *rest])
+        chain.append(f"JOB=$({submit})")
+    blocks.append("# every stage through Slurm, each after the previous one succeeded:\n" + " && \\\n  ".join(chain))
+    return "\n\n".join(blocks)
+
+
 def main_launch_command(argv: list[str]) -> int:
     """`pan launch-command`: print the commands, or the reason they are refused (exit 2)."""
     workflows = all_workflows()
@@ -146,17 +186,20 @@ def main_launch_command(argv: list[str]) -> int:
     parser.add_argument("--nodes", type=int, required=True)
     parser.add_argument("--gpus-per-node", type=int, required=True, help="processes per node")
     parser.add_argument("--config", default=None, help="run YAML (default: the workflow's)")
+    parser.add_argument("--stage", default=None,
+                        help="for workflows run in stages: one stage (its default YAML), or `both` "
+                             "(every stage, chained)")
     parser.add_argument("--master-port", type=int, default=DEFAULT_MASTER_PORT)
     args, overrides = parser.parse_known_args(argv)
     workflow = workflows[args.workflow]
-    config = args.config or workflow.default_config
     try:
-        commands = build_commands(workflow, config, overrides, args.nodes, args.gpus_per_node,
-                                  args.master_port)
+        runs = [(stage, build_commands(workflow, config, overrides, args.nodes, args.gpus_per_node,
+                                       args.master_port))
+                for stage, config in stage_configs(workflow, args.stage, args.config)]
     except ConfigError as e:
         print(f"pan launch-command: refused: {e}", file=sys.stderr)
         return EXIT_INVALID
-    print(render(commands))
+    print(render_stages(runs))
     return 0
 
 

@@ -550,3 +550,75 @@ def noise_temporal_pyramid(latents: Sequence[Tensor], schedule: PyramidSchedule,
             ratios=r.to(start.dtype), target=start - end,
             timesteps=schedule.timesteps_per_stage[stage][idx].to(start.device, start.dtype)))
     return columns
+
+
+# ----------------------------------------------------------------------------------------------
+# One sample of autoregressive training (packed batches: each sample has its own stage and unit)
+# ----------------------------------------------------------------------------------------------
+
+def unit_frames(units: int, frame_per_unit: int) -> int:
+    """Latent frames of the first `units` units: the first unit is frame 0 alone (an image)."""
+    return 1 + (units - 1) * frame_per_unit
+
+
+def history_spans(stage: int, units: int, frames: int, frame_per_unit: int) -> list[tuple[int, int, int]]:
+    """(pyramid level, first frame, end frame) of each history clip of a column of `stage` that
+    trains its `units`-th unit, newest first; `frames` = frames up to and including that unit.
+
+    The temporal pyramid: the previous unit at the column's own stage, then one older unit per lower
+    stage down to stage 1, then every older frame as one clip at stage 0. Units are counted back
+    from the end, so any prefix (a truncated history at sampling time) works the same.
+    """
+    if units < 2:
+        return []
+
+    def unit_back(k: int) -> tuple[int, int]:  # the k-th unit before the trained one (k = 0: it)
+        return max(frames - (k + 1) * frame_per_unit, 0), frames - k * frame_per_unit
+
+    spans = [(stage, *unit_back(1))]
+    taken, level = 2, stage
+    while taken < units:
+        level = max(level - 1, 0)
+        if level == 0:
+            break
+        spans.append((level, *unit_back(taken)))
+        taken += 1
+    if level == 0 and taken < units:
+        spans.append((0, 0, frames - taken * frame_per_unit))
+    return spans
+
+
+def history_clips(latents: Sequence[Tensor], stage: int, units: int, frames: int,
+                  frame_per_unit: int) -> list[Tensor]:
+    """The clean history clips (see `history_spans`) of pyramid levels [b, C, T, h_k, w_k], newest first."""
+    return [latents[level][:, :, start:end]
+            for level, start, end in history_spans(stage, units, frames, frame_per_unit)]
+
+
+def noise_unit(latents: Sequence[Tensor], stage: int, units: int, schedule: PyramidSchedule,
+               draws: Draws, *, frame_per_unit: int = 1, flow: FlowConfig | None = None) -> NoisedColumn:
+    """Temporal-pyramid noising of one sample that trains its `units`-th unit at `stage`.
+
+    `latents` are its normalised pyramid levels [1, C, T, h_k, w_k], lowest first, with
+    T >= unit_frames(units). The same arithmetic as a column of `noise_temporal_pyramid`, for one
+    sample: only the trained unit is noised (on the stage's line) and regressed; the history is
+    clean latents corrupted with one level sigma ~ U(0, corrupt_ratio). Draw order: the trained
+    unit's full-resolution noise, its table index, sigma, then one normal draw per history clip,
+    newest first. Returns the clips oldest first, the noisy unit last.
+    """
+    _check_position_source(schedule, draws, flow)
+    frames = unit_frames(units, frame_per_unit)
+    if latents[-1].shape[2] < frames:
+        raise ValueError(f"unit {units} needs {frames} latent frames, the clip has {latents[-1].shape[2]}")
+    trained = [x[:, :, max(frames - frame_per_unit, 0):frames] for x in latents]
+    noises = noise_pyramid(draws.randn(trained[-1].shape).to(trained[-1]), schedule.stages)
+    start, end = _stage_points(trained, noises, schedule, stage, slice(None))
+    idx = _draw_table_indices(schedule, 1, draws, flow)
+    r = schedule.sigmas_per_stage[stage][idx].to(start.device)                   # [1] f64
+    sigma = (draws.rand((1,)) * schedule.config.corrupt_ratio).to(start).reshape(1, 1, 1, 1, 1)
+    history = [_corrupt(clip, sigma, draws)
+               for clip in history_clips(latents, stage, units, frames, frame_per_unit)]
+    return NoisedColumn(column=0, stage=stage, rows=slice(None),
+                        clips=history[::-1] + [_noised_point(start, end, r)],
+                        ratios=r.to(start.dtype), target=start - end,
+                        timesteps=schedule.timesteps_per_stage[stage][idx].to(start.device, start.dtype))

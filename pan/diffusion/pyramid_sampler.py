@@ -8,8 +8,9 @@ The last stage ends at sigma 0, at full resolution.
 
 `denoise_unit` is that loop for one unit and takes the velocity per stage, `velocity_at(stage)`: a
 full-sequence model uses one velocity function for all stages (`sample_full_sequence`); the
-autoregressive driver (one unit after another, each stage's velocity closing over that stage's
-history clips, as the original's `generate`) is to be built on the same function.
+autoregressive driver `sample_autoregressive` runs it one unit after another, each stage's velocity
+closing over that stage's clean history clips (the temporal pyramid of the frames generated so far),
+as the original's `generate`.
 
 A velocity function is `velocity(x, t) -> v` with x [b, C, T, h, w] at the stage's resolution and
 t [b] float32 the DiT's timesteps (0..num_train_timesteps scale, the values it was trained on); v is
@@ -23,10 +24,13 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from pan.diffusion.pyramid import Draws, PyramidSchedule, noise_pyramid, upsample_nearest
+from pan.diffusion.pyramid import (Draws, PyramidSchedule, history_clips, latent_pyramid, noise_pyramid,
+                                   unit_frames, upsample_nearest)
 from pan.diffusion.sampler import guided_velocity
 
 VelocityFn = Callable[[Tensor, Tensor], Tensor]
+# (history clips [b, C, t_j, h_j, w_j] oldest first, stage) -> the stage's velocity for the next unit
+HistoryVelocityFn = Callable[[list[Tensor], int], VelocityFn]
 
 
 def block_noise(shape: Sequence[int], gamma: float, draws: Draws) -> Tensor:
@@ -103,3 +107,81 @@ def sample_full_sequence(velocity: VelocityFn, noise: Tensor, schedule: PyramidS
         raise ValueError("guidance_scale needs an uncond_velocity")
     start = noise_pyramid(noise, schedule.stages)[0]
     return denoise_unit(lambda stage: velocity, start, schedule, steps, draws)[-1]
+
+
+# ----------------------------------------------------------------------------------------------
+# Autoregressive sampling: one unit after another, each through the spatial pyramid
+# ----------------------------------------------------------------------------------------------
+
+def unit_span(unit: int, frame_per_unit: int) -> tuple[int, int]:
+    """Latent frames [start, end) of unit `unit` (0-based): unit 0 is frame 0 alone."""
+    if unit == 0:
+        return 0, 1
+    start = unit_frames(unit, frame_per_unit)
+    return start, start + frame_per_unit
+
+
+def stage_histories(generated: Tensor, stages: int, frame_per_unit: int,
+                    max_history_units: int | None) -> list[list[Tensor]]:
+    """Per stage, the clean history clips (oldest first) for the unit after `generated`
+    [b, C, T, H, W] (whole units), keeping only its last `max_history_units` units when given."""
+    units = 1 + (generated.shape[2] - 1) // frame_per_unit
+    if max_history_units is not None and units > max_history_units:
+        keep = max_history_units * frame_per_unit
+        generated, units = generated[:, :, -keep:], max_history_units
+    levels = latent_pyramid(generated, stages)
+    frames = generated.shape[2] + frame_per_unit  # the history and the unit being generated
+    return [history_clips(levels, stage, units + 1, frames, frame_per_unit)[::-1] for stage in range(stages)]
+
+
+@torch.no_grad()
+def sample_autoregressive(velocity_given: HistoryVelocityFn, noise: Tensor, schedule: PyramidSchedule,
+                          steps: int | Sequence[int], draws: Draws, *, frame_per_unit: int = 1,
+                          video_steps: int | Sequence[int] | None = None, context: Tensor | None = None,
+                          max_history_units: int | None = None,
+                          uncond_given: HistoryVelocityFn | None = None, guidance_scale: float = 1.0,
+                          video_guidance_scale: float | None = None) -> Tensor:
+    """Generate a clip unit by unit with an autoregressive pyramid model.
+
+    `noise` [b, C, T, H, W] (T = 1 + k * frame_per_unit) is drawn at full resolution for the whole
+    clip; each unit starts from its frames' lowest-resolution level (as in training) and is
+    denoised stage by stage (`denoise_unit`), every stage seeing the clean frames generated so far
+    as its temporal-pyramid history (`velocity_given(history, stage)`). `context` [b, C, Tc, H, W]
+    (whole units: an image, or a clip to continue) replaces the first units instead of being
+    generated. `max_history_units` keeps only the last units as history (long clips); None keeps all.
+    The first unit uses `steps` and `guidance_scale`, later ones `video_steps` and
+    `video_guidance_scale` (default: the same). Returns the clip [b, C, T, H, W], sigma 0.
+    """
+    if (noise.shape[2] - 1) % frame_per_unit:
+        raise ValueError(f"{noise.shape[2]} latent frames are not 1 + a multiple of frame_per_unit "
+                         f"({frame_per_unit})")
+    if max_history_units is not None and max_history_units < 1:
+        raise ValueError(f"max_history_units must be >= 1 (or None), got {max_history_units}")
+    video_steps = steps if video_steps is None else video_steps
+    video_guidance_scale = guidance_scale if video_guidance_scale is None else video_guidance_scale
+    units = 1 + (noise.shape[2] - 1) // frame_per_unit
+    starts = noise_pyramid(noise, schedule.stages)[0]
+    out = noise.new_zeros(noise.shape)
+    done = 0
+    if context is not None:
+        done = 1 + (context.shape[2] - 1) // frame_per_unit
+        if context.shape[2] != unit_frames(done, frame_per_unit) or done > units:
+            raise ValueError(f"context of {context.shape[2]} latent frames must be whole units and "
+                             f"at most the clip's {noise.shape[2]}")
+        out[:, :, :context.shape[2]] = context
+    for unit in range(done, units):
+        first, end = unit_span(unit, frame_per_unit)
+        histories = (stage_histories(out[:, :, :first], schedule.stages, frame_per_unit, max_history_units)
+                     if unit else [[] for _ in range(schedule.stages)])
+        scale = guidance_scale if unit == 0 else video_guidance_scale
+
+        def velocity_at(stage: int, histories=histories, scale=scale) -> VelocityFn:
+            cond = velocity_given(histories[stage], stage)
+            if uncond_given is None or scale == 1.0:
+                return cond
+            return guided_velocity(cond, uncond_given(histories[stage], stage), scale)
+
+        ends = denoise_unit(velocity_at, starts[:, :, first:end], schedule,
+                            steps if unit == 0 else video_steps, draws)
+        out[:, :, first:end] = ends[-1]
+    return out

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 _MODULES = {
     "pan": "pan.recipes.pan",
     "pyramid_flow": "pan.recipes.pyramid_flow",
+    "pyramid_flow_ar": "pan.recipes.pyramid_flow_ar",
 }
 _plugins_loaded = False
 

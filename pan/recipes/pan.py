@@ -406,7 +406,7 @@ RECIPE = Recipe(name="pan", job_config=PanJobConfig, task=PanTask,
 
 # -- launch workflows ----------------------------------------------------------------------------
 
-def _sft_warm_starts(job) -> None:
+def _sft_warm_starts(job, dims=None) -> None:
     require(job.warm_start.load_transformer_weights, "load_transformer_weights",
             "is false, but the sft workflow continues a pretrain run: set "
             "pretrained_transformer_path to the pretrain run's checkpoint-N/ directory and "

@@ -198,7 +198,7 @@ LAUNCH_RULES = (refuse_placeholders, check_stage_batch_rule, check_variant_resol
                 check_stage_sizes_rule)
 
 
-def check_launch(job) -> None:
+def check_launch(job, dims=None) -> None:
     """The workflow's own refusals, all reported together."""
     problems = ErrorCollector()
     for rule in LAUNCH_RULES:

@@ -1,0 +1,194 @@
+"""Launch workflow and `pan check` rows of the `pyramid_flow_ar` recipe (imported by its module).
+
+The workflow `pyramid-flow-ar` is the original's `scripts/train_pyramid_flow.sh`: autoregressive
+temporal-pyramid fine-tuning of a released DiT with video sync groups. `pan launch-command` refuses
+it for the full-sequence workflow's launch rules (template placeholders, a variant of another
+resolution than the buckets, buckets whose pyramid stages do not cut into patches) and for the
+autoregressive invariants: those of the config alone are refused when it loads
+(`(latent frames of max_frames - 1) % frame_per_unit == 0`, units of max_frames a multiple of
+video_sync_group, max_samples_per_batch a multiple of sum(sample_ratios)); the one of the layout,
+data-parallel size x gradient_accumulation_steps a multiple of video_sync_group, by `pan check`
+and by the trainer before anything is built (see `sync_group_rule`).
+
+`pan check` adds to the full-sequence recipe's rows: the sync groups of the planned world, the unit
+rule, and for annotation files whether a sample of rows has a `latent` and `text` or `text_fea`,
+and how their latent frame counts compare with the latent frames of max_frames.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pan import preflight
+from pan.config.core import ErrorCollector
+from pan.launch_command import Workflow, register_workflow
+from pan.preflight import Preflight, Row, register_check
+from pan.recipes import pyramid_checks as shared
+
+RECIPE = "pyramid_flow_ar"
+
+
+# ------------------------------------------------------------------------------------------------
+# Launch rules
+# ------------------------------------------------------------------------------------------------
+
+def sync_group_rule(job, dims) -> None:
+    """Data-parallel ranks x micro-batches must split into whole sync groups (raises ConfigError)."""
+    from pan.recipes.pyramid_flow_ar import SyncPlan
+    SyncPlan.of(job.ar.video_sync_group, dims.dp, 0, job.trainer.gradient_accumulation_steps)
+
+
+def check_launch(job, dims=None) -> None:
+    """The workflow's refusals, all reported together (the sync-group rule when the layout is known)."""
+    problems = ErrorCollector()
+    rules = [shared.refuse_placeholders, shared.check_variant_resolution_rule, shared.check_stage_sizes_rule]
+    if dims is not None:
+        rules.append(lambda j: sync_group_rule(j, dims))
+    for rule in rules:
+        with problems.gather():
+            rule(job)
+    problems.raise_any()
+
+
+WORKFLOW = register_workflow(Workflow(
+    "pyramid-flow-ar", RECIPE, "config/pyramid_flow_ar_384p.yaml", "scripts/train_pyramid_flow.sh",
+    "Pyramid-Flow autoregressive temporal-pyramid fine-tuning of a released DiT", check=check_launch))
+
+
+# ------------------------------------------------------------------------------------------------
+# `pan check`
+# ------------------------------------------------------------------------------------------------
+
+def ar_task_of(ctx: Preflight):
+    """The recipe's task for the planned layout, also where the full-sequence rows look for it."""
+    if not isinstance(ctx.notes.get("pyramid_task"), _task_class()):
+        from pan.parallel.world import World
+        world = World(rank=0, size=ctx.world_size, local_rank=0, local_size=ctx.gpus_per_node,
+                      device=torch.device("cpu"))
+        ctx.notes["pyramid_task"] = _task_class()(ctx.job, world, ctx.dims, None)
+    return ctx.notes["pyramid_task"]
+
+
+def _task_class():
+    from pan.recipes.pyramid_flow_ar import PyramidFlowARTask
+    return PyramidFlowARTask
+
+
+register_check(RECIPE)(preflight.check_layout)
+
+
+@register_check(RECIPE)
+def check_sync_group(ctx: Preflight) -> list[Row]:
+    """GPU count and accumulation against video_sync_group: how the groups are laid out."""
+    from pan.recipes.pyramid_flow_ar import window_units
+    job = ctx.job
+    sync_group_rule(job, ctx.dims)
+    plan = ar_task_of(ctx).plan
+    group, units = job.ar.video_sync_group, window_units(job)
+    micro = job.trainer.gradient_accumulation_steps
+    detail = (f"{ctx.dims.dp} data-parallel rank(s) x {micro} micro-batch(es) = {plan.loader_size} sync "
+              f"group(s) per batch read, each {plan.ranks} rank(s) x {group // plan.ranks} micro-batch(es) "
+              f"= video_sync_group {group}")
+    if group < units:
+        return [Row("sync group", "warn", detail + f"; each video trains {group} of its {units} units (the "
+                    f"rotation moves the group's units batch by batch).", f"set video_sync_group: {units} "
+                    f"(with gradient_accumulation_steps so that ranks x micro-batches is a multiple of it) "
+                    "to train every unit of every video.")]
+    return [Row("sync group", "pass", detail + f"; every unit of every video is trained once per group.")]
+
+
+@register_check(RECIPE)
+def check_units(ctx: Preflight) -> list[Row]:
+    from pan.recipes.pyramid_flow_ar import latent_window, window_units
+    job = ctx.job
+    task = ar_task_of(ctx)
+    largest = max(job.data.buckets(), key=lambda hw: hw[0] * hw[1])
+    _, t, h, w = task.geometry.latent_shape(job.data.frame_count_range()[-1], *largest)
+    tokens = task.latent_tokens_of(t, h, w)
+    row = Row("units", "pass", f"max_frames {job.data.max_frames} = {latent_window(job)} latent frames = "
+              f"{window_units(job)} units of {job.ar.frame_per_unit} frame(s); a {t}-frame "
+              f"{largest[1]}x{largest[0]} clip packs at most {tokens} tokens (its last unit at full "
+              f"resolution with its history)")
+    budget = job.data.max_tokens_per_batch
+    if tokens > budget:
+        return [Row("units", "fail", row.detail + f", over max_tokens_per_batch {budget}: such clips are "
+                    "skipped.", f"raise max_tokens_per_batch to at least {tokens} or use smaller clips.")]
+    return [Row("units", "pass", row.detail + f", within max_tokens_per_batch {budget}.")]
+
+
+for _shared in (shared.check_placeholders, shared.check_variant_resolution, shared.check_stage_sizes,
+                shared.check_model_folder, shared.check_text_encoders, shared.check_vae, shared.check_data):
+    register_check(RECIPE)(_shared)
+
+
+@register_check(RECIPE)
+def check_annotation_rows(ctx: Preflight) -> list[Row]:
+    """A sample of each annotation file's video rows: a `latent` (the original's AR training reads
+    precomputed latents) and a caption (`text`, encoded online unless `text_fea` is given); latent
+    frame counts against the latent frames of max_frames."""
+    from pan.data.loader import read_raw_latent
+    from pan.data.decode import SkipSample
+    from pan.data.sources import SourceError, read_annotations
+    from pan.recipes.pyramid_flow_ar import latent_window
+
+    job, rows = ctx.job, []
+    window, fpu = latent_window(job), job.ar.frame_per_unit
+    for path in job.data.annotation_paths:
+        try:
+            source = read_annotations(path)
+        except (SourceError, OSError) as e:
+            rows.append(Row("annotation rows", "fail", f"{path}: {e}", "fix or remove the file."))
+            continue
+        size = len(source)
+        n = min(ctx.sample_rows, size)
+        picks = sorted({round(i * (size - 1) / max(n - 1, 1)) for i in range(n)})   # first, last, between
+        no_text, no_latent, short, frames = [], [], [], []
+        for index in picks:
+            try:
+                row = source.parse(index)
+            except SkipSample as e:
+                no_text.append(f"#{index} {e.reason}")
+                continue
+            if row.kind != "video":
+                continue
+            if row.latent is None:
+                no_latent.append(index)
+                continue
+            try:
+                t = read_raw_latent(row.latent).shape[1]
+            except Exception as e:  # noqa: BLE001 - reported as the row's problem
+                rows.append(Row("annotation rows", "fail", f"{path} row {index}: {e}", "fix the latent file."))
+                continue
+            frames.append(t)
+            if t < window:
+                short.append(f"#{index} ({t})")
+        detail = f"{path}: rows {picks}, latent frames {frames or 'none'} against {window} (max_frames)"
+        if no_text:
+            rows.append(Row("annotation rows", "fail", detail + f"; rows {', '.join(no_text)} cannot be "
+                            "read (a row needs a caption `text`, with `text_fea` optional, and a `latent` "
+                            "or `video`).", "fix those rows; `pan data precompute` writes `latent` and "
+                            "`text_fea` beside `text`."))
+        elif no_latent and job.vae.vae_type == "identity":
+            rows.append(Row("annotation rows", "fail", detail + f"; rows {no_latent} have no `latent` and "
+                            "vae_type is identity, so they would train on pixels.", "precompute the latents "
+                            "(`pan data precompute`) or set vae_type: causal_video_vae."))
+        elif short or no_latent:
+            notes = []
+            if short:
+                notes.append(f"rows {', '.join(short)} are shorter: slots whose unit they lack skip them")
+            if no_latent:
+                notes.append(f"rows {no_latent} have no `latent` and are encoded online by the VAE")
+            rows.append(Row("annotation rows", "warn", detail + "; " + "; ".join(notes) + ".",
+                            "precompute latents of max_frames for every row to train every unit."))
+        else:
+            cut = any((t - 1) % fpu for t in frames)
+            rows.append(Row("annotation rows", "pass", detail + ("; frames past the last whole unit are "
+                            "dropped." if cut else "; every sampled row fills the window.")))
+    if not rows:
+        rows.append(Row("annotation rows", "pass", "no annotation files (video CSVs / image tars only)."))
+    return rows
+
+
+for _shared in (preflight.check_cpu, preflight.check_output_dir, preflight.check_resume):
+    register_check(RECIPE)(_shared)
+
