@@ -21,3 +21,18 @@ def get_logger() -> logging.Logger:
         logger.setLevel(logging.WARNING if quiet else logging.INFO)
         logger.propagate = False
     return logger
+
+
+def quiet_library_progress_bars() -> None:
+    """Off a terminal (a pipe, Slurm's output file, tee), the progress bars of transformers and
+    diffusers (loading and writing weights) would interleave their carriage returns with pan's log
+    lines: switch them off there. On a terminal they stay."""
+    import sys
+
+    if sys.stderr.isatty():
+        return
+    import importlib.util
+
+    for name in ("transformers", "diffusers"):
+        if importlib.util.find_spec(name) is not None:
+            __import__(f"{name}.utils.logging", fromlist=["disable_progress_bar"]).disable_progress_bar()

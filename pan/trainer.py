@@ -15,7 +15,7 @@ from typing import ClassVar, Literal
 import torch
 
 from pan.config.core import knob, require
-from pan.logging import get_logger
+from pan.logging import get_logger, quiet_library_progress_bars
 from pan.recipes.contract import Part, PartSpec, StepContext, global_sums
 
 
@@ -283,6 +283,7 @@ def build_trainer(job) -> Trainer:
     from pan.recipes import get_recipe
 
     log = get_logger()
+    quiet_library_progress_bars()
     world = init_world()
     dims = ParallelDims.from_config(job.parallel, world.size, world.local_size)
     cfg = job.trainer

@@ -194,3 +194,22 @@ def test_report_to_wandb_without_the_package_is_refused_at_load(tmp_path, monkey
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     with pytest.raises(ConfigError, match="pip install wandb"):
         tiny_job(tmp_path, "--report_to", "wandb")
+
+
+def test_piped_output_has_log_lines_and_no_progress_bars(tmp_path):
+    """Through a pipe (CI, Slurm's output file, tee) the log is lines: no carriage returns from
+    pan's bar or the libraries' loading bars, one line per logged step."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TQDM_DISABLE"}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    run = subprocess.run([sys.executable, str(REPO / "train.py"), "--config", str(REPO / "config/tiny_cpu.yaml"),
+                          "--output_dir", str(tmp_path / "run"), "--video_csv_paths", str(one_clip_csv(tmp_path)),
+                          "--max_tokens_per_batch", "320", "--max_samples_per_batch", "1", "--max_steps", "3",
+                          "--log_interval", "1", "--save_interval", "100"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    output = run.stdout + run.stderr
+    assert "\r" not in output, output[-2000:]
+    assert [line for line in output.splitlines() if "| loss " in line][-1].split("step ")[1].startswith("3 |")
