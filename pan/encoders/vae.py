@@ -4,7 +4,10 @@ Types (`vae_type`):
 - `identity`: latents are the pixels (C = 3, no compression), for debugging in pixel space.
 - `diffusers`: any diffusers video autoencoder loaded offline from a local dir; production uses Wan 2.2
   (`AutoencoderKLWan`: z_dim 48, 16x spatial and 4x temporal compression).
-pan's own causal VAE will be one more entry of `_BUILDERS` (a `FrozenVAE` subclass).
+- `causal_video_vae`: Pyramid-Flow's causal video VAE (pan/models/causal_vae.py), from a released
+  `causal_video_vae` folder or from a checkpoint-N/ of pan's `causal_vae` recipe; latents are
+  normalised per frame as Pyramid-Flow does (the first latent frame, which holds the first frame
+  alone, with image statistics; every later one with video statistics).
 
 The geometry (channels, compression factors) is known from the config alone (`vae_geometry`), without
 loading weights, so the data pipeline and `pan check` can validate clip shapes before anything is built.
@@ -28,11 +31,14 @@ _FACTOR_KEYS = ("vae_latent_channels", "vae_temporal_factor", "vae_spatial_facto
 class VAEConfig:
     SECTION: ClassVar[str] = "model"
 
-    vae_type: Literal["identity", "diffusers"] = knob(
-        "identity", "frozen VAE: `identity` (pixels as latents, debugging) or `diffusers` (a diffusers "
-                    "autoencoder from `vae_path`)")
-    vae_path: str | None = knob(None, "local dir of the diffusers autoencoder (config.json + weights); "
-                                      "never downloaded", non_empty=True)
+    vae_type: Literal["identity", "diffusers", "causal_video_vae"] = knob(
+        "identity", "frozen VAE: `identity` (pixels as latents, debugging), `diffusers` (a diffusers "
+                    "autoencoder from `vae_path`) or `causal_video_vae` (Pyramid-Flow's causal VAE: a "
+                    "released folder, or a checkpoint-N/ of a causal_vae run, at `vae_path`)")
+    vae_path: str | None = knob(None, "local dir of the diffusers autoencoder (config.json + weights), "
+                                      "or of the causal video VAE (a released causal_video_vae folder or "
+                                      "a checkpoint-N/ of a causal_vae run); never downloaded",
+                                non_empty=True)
     vae_class: str = knob("AutoencoderKLWan", "diffusers class name of the autoencoder at `vae_path`",
                           non_empty=True)
     vae_latent_channels: int | None = knob(
@@ -42,8 +48,26 @@ class VAEConfig:
         None, "frames per latent frame after the first; null = read from the VAE config", gt=0)
     vae_spatial_factor: int | None = knob(
         None, "pixels per latent pixel along H and W; null = read from the VAE config", gt=0)
+    vae_frame_latent_mean: list[float] = knob(
+        [-0.04, -0.2343], "causal_video_vae: latent mean of the first latent frame (an image's) and of "
+                          "every later one (normalised = (raw - mean) / std); defaults: the released "
+                          "VAE's statistics as Pyramid-Flow's miniFLUX uses them", length=2)
+    vae_frame_latent_std: list[float] = knob(
+        [1.8726, 3.0986], "causal_video_vae: latent std of the first latent frame and of every later one",
+        length=2, gt=0)
 
     def check(self, job) -> None:
+        explicit = getattr(job, "explicit_keys", set())
+        if self.vae_type != "causal_video_vae":
+            for key in ("vae_frame_latent_mean", "vae_frame_latent_std"):
+                require(key not in explicit, key, f"applies to `vae_type: causal_video_vae` only; remove "
+                                                  f"it with `vae_type: {self.vae_type}`.")
+        else:
+            for key in _FACTOR_KEYS:
+                require(getattr(self, key) is None, key, "is read from the causal video VAE's config "
+                                                         "(`vae_type: causal_video_vae`); remove it.")
+            require("vae_class" not in explicit, "vae_class", "does nothing with `vae_type: "
+                                                              "causal_video_vae`; remove it.")
         if self.vae_type == "identity":
             explicit = getattr(job, "explicit_keys", set())
             for key in ("vae_path", *_FACTOR_KEYS):
@@ -101,6 +125,10 @@ def vae_geometry(cfg: VAEConfig) -> VAEGeometry:
     """The geometry named by the config, reading only the VAE's config.json (no weights)."""
     if cfg.vae_type == "identity":
         return IDENTITY_GEOMETRY
+    if cfg.vae_type == "causal_video_vae":
+        config = causal_vae_config(cfg)
+        return VAEGeometry(latent_channels=config.latent_channels, temporal_factor=config.temporal_factor,
+                           spatial_factor=config.spatial_factor)
     path = vae_dir(cfg)
     require(any(path.glob("*.safetensors")) or any(path.glob("*.bin")), "vae_path",
             f"{path} has a config.json but no weights (*.safetensors or *.bin).")
@@ -278,9 +306,95 @@ def _latent_stats(config: dict[str, Any], channels: int) -> tuple[torch.Tensor, 
     return as_column(mean), as_column(std)
 
 
+# ----------------------------------------------------------------------------------------------
+# Pyramid-Flow's causal video VAE (a released folder, or a checkpoint of pan's causal_vae recipe)
+# ----------------------------------------------------------------------------------------------
+
+RUN_VAE_CONFIG = "vae_config.json"   # what the causal_vae recipe writes in its output_dir
+
+
+def causal_vae_config(cfg: VAEConfig):
+    """The CausalVAEConfig at `vae_path`: a released folder's config.json, or for a checkpoint-N/ of a
+    causal_vae run, the run's output_dir/vae_config.json (ConfigError on `vae_path` otherwise)."""
+    import json
+
+    from pan.models.causal_vae import CONFIG_NAME, WEIGHTS_NAME, CausalVAEConfig
+
+    require(cfg.vae_path is not None, "vae_path", "is required with `vae_type: causal_video_vae`: a "
+            "released causal_video_vae folder or a checkpoint-N/ of a causal_vae run.")
+    path = Path(cfg.vae_path).expanduser()
+    if (path / CONFIG_NAME).is_file() and (path / WEIGHTS_NAME).is_file():
+        config_path = path / CONFIG_NAME
+    elif (path / "vae" / ".metadata").is_file():
+        config_path = path.parent / RUN_VAE_CONFIG
+        require(config_path.is_file(), "vae_path", f"{path} holds a `vae` part but {config_path} (the "
+                "architecture the causal_vae recipe writes beside its checkpoints) is missing.")
+    else:
+        raise ConfigError("vae_path", f"{path} is neither a released causal_video_vae folder ({CONFIG_NAME} + "
+                                      f"{WEIGHTS_NAME}) nor a checkpoint-N/ of a causal_vae run (with vae/).")
+    try:
+        config, _ = CausalVAEConfig.from_json_dict(json.loads(config_path.read_text()), str(config_path))
+    except ConfigError as e:
+        raise ConfigError("vae_path", str(e)) from None
+    return config
+
+
+class CausalVideoVAEEncoder(FrozenVAE):
+    """A frozen causal video VAE; latents are the posterior mean, normalised per latent frame:
+    frame 0 (the first pixel frame alone) with the image statistics, later frames with the video ones."""
+
+    def __init__(self, cfg: VAEConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        from pan.models.causal_vae import CausalVideoVAE, check_state_dict
+
+        config = causal_vae_config(cfg)
+        super().__init__(vae_geometry(cfg))
+        path = Path(cfg.vae_path).expanduser()
+        if (path / "vae" / ".metadata").is_file():
+            from pan.recipes.causal_vae import read_dcp_weights
+            state = read_dcp_weights(path / "vae")
+            state.pop("logvar", None)   # the loss's log-variance, trained with the VAE
+            with torch.device("meta"):
+                model = CausalVideoVAE(config)
+            check_state_dict(model, state, str(path / "vae"))
+            model.load_state_dict(state, assign=True)
+        else:
+            model = CausalVideoVAE.from_pretrained(path)
+        self.model = model.to(device, dtype).eval().requires_grad_(False)
+        self.device, self.dtype = torch.device(device), dtype
+        column = lambda v: torch.tensor(v, dtype=torch.float32, device=self.device).view(2, 1, 1, 1)  # noqa: E731
+        self.mean, self.std = column(cfg.vae_frame_latent_mean), column(cfg.vae_frame_latent_std)
+
+    def _per_frame(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, std) [1, t, 1, 1]: image statistics for latent frame 0, video ones after."""
+        index = torch.ones(t, dtype=torch.long, device=self.device)
+        index[0] = 0
+        return self.mean[index].view(1, t, 1, 1), self.std[index].view(1, t, 1, 1)
+
+    @torch.no_grad()
+    def encode(self, frames: torch.Tensor) -> torch.Tensor:
+        self.geometry.check_clip_shape(*_clip_dims(frames))
+        video = frames.to(self.device, self.dtype).permute(1, 0, 2, 3).unsqueeze(0)  # [1, 3, T, H, W]
+        return self.normalize(self.model.encode(video).mode()[0].float())
+
+    def normalize(self, raw: torch.Tensor) -> torch.Tensor:
+        mean, std = self._per_frame(raw.shape[1])
+        return (raw.to(self.device, torch.float32) - mean) / std
+
+    def unnormalize(self, latent: torch.Tensor) -> torch.Tensor:
+        mean, std = self._per_frame(latent.shape[1])
+        return latent.to(self.device, torch.float32) * std + mean
+
+    @torch.no_grad()
+    def decode(self, latent: torch.Tensor) -> torch.Tensor:
+        raw = self.unnormalize(latent)
+        video = self.model.decode(raw.to(self.dtype).unsqueeze(0))[0]  # [3, T, H, W]
+        return video.float().clamp(-1, 1).permute(1, 0, 2, 3).contiguous()
+
+
 _BUILDERS = {
     "identity": lambda cfg, device, dtype: IdentityVAE(device),
     "diffusers": DiffusersVAE,
+    "causal_video_vae": CausalVideoVAEEncoder,
 }
 
 
