@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -36,9 +37,35 @@ class MetricsConfig:
                 f"pip install {package}, or set report_to: none.")
 
 
-# Dense bf16 tensor-core peaks (FLOP/s) for MFU on GPUs; CPUs are measured at start-up instead.
-GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12, "GB200": 2500e12,
-                  "L40S": 362e12, "A10": 125e12}
+# Dense (no sparsity) bf16 tensor-core peaks in FLOP/s, from NVIDIA's datasheets, for MFU on GPUs; CPUs
+# are measured at start-up instead. Matched against torch.cuda.get_device_name() in this order, as
+# whole words ("NVIDIA H100 PCIe", "NVIDIA GB200"): a form factor before its chip's SXM entry (PCIe
+# and NVL parts run at lower clocks and power), and GB200 is not B200.
+GPU_PEAK_FLOPS: list[tuple[str, float]] = [
+    (r"\bGB200\b", 2500e12),
+    (r"\bB200\b", 2250e12),
+    (r"\bH200\b.*\bNVL\b", 835e12),
+    (r"\bH200\b", 989e12),
+    (r"\bH100\b.*\bNVL\b", 835e12),
+    (r"\bH100\b.*\bPCIe\b", 756e12),
+    (r"\bH100\b", 989e12),            # SXM ("NVIDIA H100 80GB HBM3")
+    (r"\bH800\b.*\bPCIe\b", 756e12),
+    (r"\bH800\b", 989e12),
+    (r"\bA100\b", 312e12),            # SXM and PCIe alike
+    (r"\bA800\b", 312e12),
+    (r"\bL40S\b", 362e12),
+    (r"\bL40\b", 181e12),
+    (r"\bL4\b", 121e12),
+    (r"\bA10\b", 125e12),
+]
+
+
+def datasheet_bf16_peak(name: str) -> float | None:
+    """The dense bf16 peak of the GPU called `name` (torch.cuda.get_device_name), None if unknown."""
+    for pattern, peak in GPU_PEAK_FLOPS:
+        if re.search(pattern, name):
+            return peak
+    return None
 
 
 def measured_matmul_peak(device: torch.device, n: int = 1024, repeats: int = 5) -> float:
@@ -57,11 +84,15 @@ def measured_matmul_peak(device: torch.device, n: int = 1024, repeats: int = 5) 
 
 
 def peak_flops(device: torch.device, dtype: str) -> tuple[float, str]:
+    """The FLOP/s MFU is measured against, and where the number comes from. fp32 runs on a GPU: half
+    the bf16 peak with TF32 on (allow_tf32), else a measured fp32 matmul."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for key, value in GPU_PEAK_FLOPS.items():
-            if key in name:
-                return (value if dtype == "bf16" else value / 2), f"{name} datasheet"
+        peak = datasheet_bf16_peak(name)
+        if peak is not None and dtype == "bf16":
+            return peak, f"{name} datasheet, dense bf16"
+        if peak is not None and torch.backends.cuda.matmul.fp32_precision == "tf32":
+            return peak / 2, f"{name} datasheet, dense TF32"
         return measured_matmul_peak(device, 4096), f"{name} measured matmul"
     return measured_matmul_peak(device), "measured fp32 matmul"
 

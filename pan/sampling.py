@@ -140,15 +140,150 @@ def main(argv: list[str] | None = None) -> int:
     return getattr(importlib.import_module(module), function)(job, argv)
 
 
+# ------------------------------------------------------------------------------------------------
+# Placing the transformer: one device in bf16, its blocks offloaded to host memory, or sharded
+# ------------------------------------------------------------------------------------------------
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+GIB = 2 ** 30
+# CUDA context, cuBLAS / attention workspaces and the allocator's slack, beside weights and activations
+RUNTIME_RESERVE = 2 * GIB
+
+
+def sample_dtype(choice: str, device: torch.device) -> torch.dtype:
+    """Weights and compute of `pan sample`: `auto` is bf16 on a GPU (as training computes), fp32 on
+    the CPU (whose bf16 matmuls are slow)."""
+    if choice == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[choice]
+
+
+def activation_bytes(arch, tokens: int, dtype: torch.dtype) -> int:
+    """Rough peak of one forward without gradients over `tokens` joint rows: a block's widest
+    intermediates (q, k, v and the MLP's inner rows) and the residual streams, in `dtype`."""
+    width = arch.hidden_size * (5 + arch.mlp_ratio)
+    return int(2 * tokens * width * dtype.itemsize)
+
+
+def memory_plan(weights: int, activations: int, free: int, *, shards: int, offload: bool) -> str | None:
+    """None when the transformer fits the device as placed; else why not and what to do instead."""
+    resident = 0 if offload else weights // shards
+    need = resident + activations + RUNTIME_RESERVE
+    if need <= free:
+        return None
+    where = "with --offload" if offload else f"over {shards} GPU(s)" if shards > 1 else "on one GPU"
+    return (f"pan sample: the transformer needs about {need / GIB:.1f} GiB {where} (weights "
+            f"{weights / GIB:.1f} GiB, activations {activations / GIB:.1f} GiB, {RUNTIME_RESERVE / GIB:.0f} "
+            f"GiB runtime), but {free / GIB:.1f} GiB is free. Options: --dtype bf16 (if it ran in fp32; "
+            "half the weights); several GPUs: `torchrun --nproc_per_node N -m pan.cli sample ...` shards "
+            f"the weights (about {weights / GIB / 8:.1f} GiB per GPU on 8); --offload keeps the blocks in "
+            f"host memory ({weights / GIB:.1f} GiB of RAM) and moves one at a time to the GPU (slower); "
+            "fewer --num-frames or a smaller --height/--width for the activations.")
+
+
+def offload_blocks(model: torch.nn.Module, device: torch.device) -> None:
+    """Keep the blocks' weights in (pinned) host memory and give each block its weights on `device`
+    for its forward only; the rest of the model (embeddings, output layer) moves to `device`."""
+    in_blocks = set()
+    for block in model.fsdp_blocks():
+        params = list(block.parameters())
+        in_blocks.update(params)
+        host = [p.data.pin_memory() if device.type == "cuda" else p.data for p in params]
+        for p, h in zip(params, host):
+            p.data = h                    # the pinned copy replaces the pageable one
+
+        def load(module, args, params=params, host=host):
+            for p, h in zip(params, host):
+                p.data = h.to(device, non_blocking=True)
+
+        def unload(module, args, output, params=params, host=host):
+            for p, h in zip(params, host):
+                p.data = h
+
+        block.register_forward_pre_hook(load)
+        block.register_forward_hook(unload, always_call=True)
+    for p in model.parameters():
+        if p not in in_blocks:
+            p.data = p.data.to(device)
+
+
+def shard_over_gpus(model: torch.nn.Module, weights: dict[str, Tensor], world) -> None:
+    """FSDP2 over every process of the launch: each holds 1/N of the weights, which rank 0 reads
+    from the checkpoint and sends out (the others pass no weights); each forward all-gathers one
+    block at a time."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(world.device.type, (world.size,))
+    for block in model.fsdp_blocks():
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device=world.device)
+    set_model_state_dict(model, weights, options=StateDictOptions(
+        full_state_dict=True, broadcast_from_rank0=True, strict=True))
+
+
+def place_transformer(job, weights: dict[str, Tensor], world, dtype: torch.dtype, offload: bool,
+                      tokens: int) -> torch.nn.Module:
+    """The transformer with `weights` (every rank's are rank 0's when sharded), in `dtype`, placed
+    on the device: whole, with offloaded blocks, or sharded over the launch's GPUs. Built on the
+    meta device: a 29B model is never initialised in fp32 on the host just to be overwritten."""
+    from pan.models.pan_dit import PanVideoDiffusionTransformer
+
+    arch = job.model.transformer_config_overrides
+    with torch.device("meta"):
+        model = PanVideoDiffusionTransformer(arch, job.model.zero_init_modulation,
+                                             job.model.attention_backend).to(dtype)
+    device = world.device
+    if device.type == "cuda":
+        size = sum(p.numel() for p in model.parameters()) * dtype.itemsize
+        problem = memory_plan(size, activation_bytes(arch, tokens, dtype), torch.cuda.mem_get_info(device)[0],
+                              shards=world.size, offload=offload)
+        if problem:
+            raise SystemExit(problem)
+    for name in list(weights):  # one tensor at a time: the host never holds two copies of the model
+        weights[name] = weights[name].to(dtype)
+    if world.size > 1:
+        shard_over_gpus(model, weights, world)
+        return model.eval()
+    model.load_state_dict(weights, assign=True)
+    if offload:
+        offload_blocks(model, device)
+    else:
+        model.to(device)
+    return model.eval()
+
+
+def compute_dtype(dtype: torch.dtype, device: torch.device):
+    """bf16 weights compute under bf16 autocast (inputs, latents and the sampler stay fp32)."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16,
+                          cache_enabled=False)
+
+
 def sample_pan(job, argv: list[str]) -> int:
-    """`pan sample` for the Pan recipe (`job`: the run's config when `main` found it)."""
+    """`pan sample` for the Pan recipe (`job`: the run's config when `main` found it). Under torchrun
+    the transformer is sharded over the launch's GPUs (every process samples, rank 0 writes)."""
+    import torch.distributed as dist
+
+    from pan.parallel.world import close_world
+
+    started_here = not dist.is_initialized()
+    try:
+        return _sample_pan(job, argv)
+    finally:
+        if started_here:
+            close_world()
+
+
+def _sample_pan(job, argv: list[str]) -> int:
     import argparse
 
     from pan.cli import load_config_or_exit
     from pan.encoders.text import TextEncoder
     from pan.encoders.vae import build_vae
     from pan.media import to_uint8_frames, write_gif, write_mp4
-    from pan.models.pan_dit import PanVideoDiffusionTransformer
+    from pan.parallel.world import init_world
 
     parser = argparse.ArgumentParser(prog="pan sample", description="Generate videos from a checkpoint.")
     parser.add_argument("--checkpoint", required=True, type=Path,
@@ -169,15 +304,24 @@ def sample_pan(job, argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fps", type=float, default=8.0)
     parser.add_argument("--ema", action="store_true", help="use the EMA weights of the checkpoint")
+    parser.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                        help="transformer weights and compute: auto = bf16 on a GPU, fp32 on the CPU")
+    parser.add_argument("--offload", action="store_true",
+                        help="keep the transformer's blocks in host memory, each moved to the GPU for "
+                             "its forward (a model larger than the GPU, on one GPU; slower)")
     args = parser.parse_args(argv)
     if args.image and args.video:
         parser.error("give --image or --video, not both")
 
-    weights, run_dir = resolve_weights(args.checkpoint, args.ema)
+    world = init_world()
+    if args.offload and world.size > 1:
+        parser.error("--offload is for one process; under torchrun the weights are sharded instead")
+    # Sharded: rank 0 alone reads the weights and sends every rank its shard.
+    weights, run_dir = resolve_weights(args.checkpoint, args.ema) if world.rank == 0 else ({}, None)
     if job is None:
         config = args.config or (run_dir / "config.yaml" if run_dir else None)
         if config is None:
-            parser.error("--config is needed with an exported .safetensors")
+            parser.error("--config is needed with an exported .safetensors (and under torchrun)")
         job = load_config_or_exit(["--config", str(config)])
     v = job.validation
     settings = SampleSettings(
@@ -185,14 +329,21 @@ def sample_pan(job, argv: list[str]) -> int:
         width=args.width or v.sample_width, steps=args.steps or v.sample_steps,
         guidance_scale=v.sample_guidance_scale if args.guidance_scale is None else args.guidance_scale,
         shift=args.shift or v.sample_shift, seed=args.seed)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device, dtype = world.device, sample_dtype(args.dtype, world.device)
     arch = job.model.transformer_config_overrides
-    model = PanVideoDiffusionTransformer(arch, job.model.zero_init_modulation, job.model.attention_backend)
-    model.load_state_dict(weights)
-    model.to(device).eval()
+    # The text encoder first, and gone before the transformer comes: they never share the GPU.
     text_encoder = TextEncoder(job.text_encoder, device=device)
+    texts = [t.float() for t in text_encoder.encode(args.prompt)]
+    empty = text_encoder.empty_embedding().float()
+    del text_encoder
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     vae = build_vae(job.vae, device=device)
     shape = vae.latent_shape(settings.num_frames, settings.height, settings.width)
+    pt, ph, pw = arch.patch_size
+    tokens = 2 * (shape[1] // pt) * (shape[2] // ph) * (shape[3] // pw) + 2 * max(t.shape[0] for t in texts)
+    model = place_transformer(job, weights, world, dtype, args.offload, tokens)
+    del weights
     known, given = None, 0
     if args.image or args.video:
         cond = load_condition(args.image or args.video, 1 if args.image else args.video_frames,
@@ -200,13 +351,16 @@ def sample_pan(job, argv: list[str]) -> int:
         given = cond.shape[1]
         known = torch.zeros(shape, device=device)
         known[:, :given] = cond
-    empty = text_encoder.empty_embedding().float()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    for i, (prompt, text) in enumerate(zip(args.prompt, text_encoder.encode(args.prompt))):
-        latent = sample_latent(model, schema=job.tasks.conditioning_schema, patch=arch.patch_size,
-                               latent_shape=shape, text=text.float(), empty_text=empty,
-                               settings=SampleSettings(**{**vars(settings), "seed": settings.seed + i}),
-                               known=known, given=given, device=device)
+    if world.is_main:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+    for i, (prompt, text) in enumerate(zip(args.prompt, texts)):
+        with compute_dtype(dtype, device):
+            latent = sample_latent(model, schema=job.tasks.conditioning_schema, patch=arch.patch_size,
+                                   latent_shape=shape, text=text, empty_text=empty,
+                                   settings=SampleSettings(**{**vars(settings), "seed": settings.seed + i}),
+                                   known=known, given=given, device=device)
+        if not world.is_main:
+            continue
         frames = to_uint8_frames(vae.decode(latent))
         out = args.out if len(args.prompt) == 1 else args.out.with_name(f"{args.out.stem}_{i:02d}.mp4")
         write_mp4(out, frames, args.fps)

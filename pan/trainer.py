@@ -284,7 +284,7 @@ def build_trainer(job) -> Trainer:
 
     log = get_logger()
     quiet_library_progress_bars()
-    world = init_world()
+    world = init_world(getattr(job, "process", None))  # recipes without process keys: defaults
     dims = ParallelDims.from_config(job.parallel, world.size, world.local_size)
     cfg = job.trainer
     if cfg.gradient_accumulation_steps > 1:

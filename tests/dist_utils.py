@@ -4,6 +4,8 @@
 
 `fn(*args)` runs in every process after the default process group is up, with RANK, WORLD_SIZE,
 LOCAL_RANK and LOCAL_WORLD_SIZE set as torchrun would (so `pan.parallel.world.init_world()` works).
+The processes are CPU ones, also where GPUs are visible: a gloo group of CPU tensors, compared
+with CPU references (on a one-GPU machine, rank 1 would otherwise ask for a cuda:1 that is not there).
 `fn` must be importable by the children (a module-level function). An exception in any process
 fails the call with that process's traceback. Results come back through files, in rank order.
 """
@@ -32,6 +34,8 @@ def free_port() -> int:
 
 def _worker(rank: int, fn, world_size: int, local_world_size: int, port: int, args: tuple,
             out_dir: str) -> None:
+    # Before anything initialises CUDA in this fresh (spawned) process: init_world() then picks the CPU.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank % local_world_size), LOCAL_WORLD_SIZE=str(local_world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

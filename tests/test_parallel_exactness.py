@@ -24,6 +24,7 @@ from pan.parallel.dims import ParallelConfig, ParallelDims
 from pan.parallel.fsdp import clip_grad_norm, materialize_and_init, parallelize_model, set_gradient_sync
 from pan.parallel.mesh import build_mesh, cp_group, cp_rank
 from pan.parallel.world import init_world
+from pan.recipes.contract import autocast_context
 from pan.trainer import TrainerConfig
 
 ARCH = PanDiTConfig(in_channels=9, out_channels=4, patch_size=[1, 2, 2], hidden_size=32,
@@ -48,6 +49,7 @@ class Layout:
     accumulation: int = 1
     muon: bool = True
     dtype: str = "fp32"           # bf16: FSDP's mixed precision (bf16 parameters, fp32 reduction)
+                                  # under the trainer's bf16 autocast
 
 
 def make_samples(step: int) -> list[dict]:
@@ -125,7 +127,8 @@ def train_two_steps(layout: Layout, world_size: int, local_world_size: int) -> d
             dist.all_reduce(count)
         for i, mb in enumerate(micro):
             set_gradient_sync(model, i == len(micro) - 1)
-            loss = loss_sum(model, mb)
+            with autocast_context(layout.dtype, world.device):  # as StepContext.backward_mean
+                loss = loss_sum(model, mb)
             (loss / count.item()).backward()
             sse += loss.detach().double()
         if mesh is not None:
@@ -172,6 +175,10 @@ LAYOUTS_2 = [
            checkpointing="selective"),
     Layout("ddp2-accum2", mode="ddp", accumulation=2),
     Layout("cp2-bf16", cp=2, dtype="bf16"),
+    # FSDP's bf16 policy with each checkpointing mode (the selective one used to fail in the first
+    # backward: FSDP's input cast ran inside the recompute only)
+    Layout("dp2-adamw-full-ac-bf16", muon=False, checkpointing="full", dtype="bf16"),
+    Layout("cp2-accum2-selective-ac-bf16", cp=2, accumulation=2, checkpointing="selective", dtype="bf16"),
 ]
 # bf16 parameters in the forward: only close to the fp32 reference, not equal.
 BF16_TOL = {"loss": 2e-2, "grad_norm": 5e-2}

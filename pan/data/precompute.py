@@ -253,6 +253,18 @@ def write_failures(failures: list[Failure], out_dir: Path) -> Path:
     return path
 
 
+def encoder_device(device: torch.device | str | None) -> torch.device:
+    """The device this process encodes on: `device`, or by default cuda:LOCAL_RANK (the CPU without a
+    GPU). A GPU is made the current device, so that everything the encoders allocate or launch
+    without naming a device (and every process's CUDA context) is on this process's GPU, not GPU 0."""
+    if device is None:
+        device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+    return device
+
+
 def precompute(job, out_dir: str | Path, *, limit: int | None = None,
                device: torch.device | str | None = None, share: Share = Share()) -> PrecomputeReport:
     """Encode every row of the job's video CSVs (the first `limit` rows of each) into `out_dir`;
@@ -276,9 +288,7 @@ def precompute(job, out_dir: str | Path, *, limit: int | None = None,
     refusal = share.from_rank0(refusal)
     if refusal:
         raise PrecomputeError(refusal)
-    if device is None:
-        device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
-    encoders = Encoders(job, torch.device(device))
+    encoders = Encoders(job, encoder_device(device))
     reader = SampleReader({f"video:{s.name}": s for s in sources}, None, rules_of(job.data))
     # One list of missing rows, taken by rank 0 before anyone writes, so the shares agree.
     missing = share.from_rank0([missing_rows(s, out_dir, limit) for s in sources] if share.rank == 0 else None)

@@ -49,12 +49,30 @@ def _is_meta(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
 
 
-def _init_weights(model: nn.Module, seed: int) -> None:
+def _init_weights(model: nn.Module, seed: int, device: torch.device = torch.device("cpu")) -> None:
     # A private RNG stream: the init is a function of the seed alone, and the caller's RNG state
-    # (data order, noise) is left as it was.
-    with torch.random.fork_rng(devices=[]):
+    # (data order, noise; on CUDA too) is left as it was.
+    cuda = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda, device_type="cuda"):
         torch.manual_seed(seed)
         model.init_weights()
+
+
+def shard_init_seed(seed: int, shard_mesh: DeviceMesh) -> int:
+    """The seed a rank initialises its parameter shards from, shard by shard (models over
+    FULL_INIT_MAX_PARAMS).
+
+    CUDA: `seed` on every rank. DTensor's RNG tracker places each shard's draw at its own offset of
+    one Philox stream, so the shards are the slices of one draw of the whole tensor.
+    CPU: DTensor has no RNG tracker there; every rank draws its local shard from its own CPU
+    generator, so ranks seeded alike would hold identical shards (every weight a repeated block of
+    rows). Each shard gets its own seed instead: independent draws of the same distributions, which
+    is what the unsharded init gives. Replicas of a shard (HSDP, ddp) share its seed and stay equal.
+    """
+    if shard_mesh.device_type == "cuda":
+        return seed
+    shard = shard_mesh.get_coordinate()[-1]   # the last mesh dimension is the one FSDP shards over
+    return seed + 1_000_003 * shard
 
 
 def materialize_and_init(model: nn.Module, device: torch.device, seed: int,
@@ -79,10 +97,39 @@ def materialize_and_init(model: nn.Module, device: torch.device, seed: int,
 
 
 def mixed_precision_policy(dtype: str) -> MixedPrecisionPolicy:
-    """bf16: parameters all-gathered in bf16, gradients reduced in fp32 (fp32 master weights kept)."""
+    """bf16: parameters all-gathered in bf16, gradients reduced in fp32 (fp32 master weights kept).
+
+    Forward inputs are left as they are (`cast_forward_inputs=False`); autocast picks each op's dtype,
+    as it does for the unsharded model (`autocast_forward`). FSDP's own cast would (1) turn fp32
+    inputs such as the timesteps into bf16 before the model sees them (sigma 0.5012 -> 0.5, so t =
+    500 after the x1000 instead of 501.2), and (2) run, in a profiler range, inside the recompute of
+    a selectively checkpointed block but outside its forward, which the recompute refuses
+    ("_record_function_enter_new ... not found in storage").
+    """
     if dtype == "bf16":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                    cast_forward_inputs=False)
     return MixedPrecisionPolicy()
+
+
+def autocast_forward(model: nn.Module, device_type: str) -> None:
+    """Run every forward of `model` under bf16 autocast (without its weight cache, as the train step).
+
+    With bf16 parameters and fp32 inputs, ops outside autocast would mix dtypes; the trainer's step
+    already runs under autocast (nesting it changes nothing), and this covers the other callers:
+    validation, sampling during training, benchmarks.
+    """
+    active: list[torch.autocast] = []
+
+    def enter(module, args):
+        active.append(torch.autocast(device_type, dtype=torch.bfloat16, cache_enabled=False))
+        active[-1].__enter__()
+
+    def leave(module, args, output):
+        active.pop().__exit__(None, None, None)
+
+    model.register_forward_pre_hook(enter, prepend=True)
+    model.register_forward_hook(leave, always_call=True)
 
 
 def parallelize_model(model: nn.Module, mesh: DeviceMesh | None, dims: ParallelDims,
@@ -118,10 +165,19 @@ def parallelize_model(model: nn.Module, mesh: DeviceMesh | None, dims: ParallelD
             # factor otherwise becomes ReduceOp.PREMUL_SUM, which gloo lacks.
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+    if trainer_cfg.dtype == "bf16":
+        autocast_forward(model, mesh.device_type)
     if _is_meta(model):
         model.to_empty(device=mesh.device_type)
-        _init_weights(model, trainer_cfg.seed)
+        _init_weights(model, shard_init_seed(trainer_cfg.seed, shard_mesh), _device_of(mesh))
     return model
+
+
+def _device_of(mesh: DeviceMesh) -> torch.device:
+    """This rank's device of the mesh (its current CUDA device, or the CPU)."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from pan.checkpoint.manager import CheckpointConfig
@@ -26,9 +27,10 @@ from pan.models.packing import PackInfo, patchify
 from pan.models.pan_dit import PanDiTConfig, PanVideoDiffusionTransformer
 from pan.optim.config import OptimConfig
 from pan.parallel.dims import ParallelConfig
+from pan.parallel.world import ProcessConfig
 from pan.launch_command import Workflow, register_workflow
 from pan.recipes import Recipe
-from pan.recipes.contract import PartSpec, Task, global_sums
+from pan.recipes.contract import PartSpec, Task, autocast_context, global_sums
 from pan.trainer import TrainerConfig
 from pan.validation import ValidationConfig
 
@@ -111,6 +113,7 @@ class PanJobConfig(JobConfig):
     data: DataConfig = knob(DataConfig(), "")
     tasks: TaskConfig = knob(TaskConfig(), "")
     parallel: ParallelConfig = knob(ParallelConfig(), "")
+    process: ProcessConfig = knob(ProcessConfig(), "")
     checkpoint: CheckpointConfig = knob(CheckpointConfig(), "")
     logging: MetricsConfig = knob(MetricsConfig(), "")
     validation: ValidationConfig = knob(ValidationConfig(), "")
@@ -145,8 +148,18 @@ class ModelInputs:
     bad_samples: int    # samples this rank's data loader has skipped so far
 
     def to(self, device) -> ModelInputs:
-        moved = {k: getattr(self, k).to(device) for k in self.CP_FIELDS}
+        moved = {k: to_device(getattr(self, k), device) for k in self.CP_FIELDS}
         return dataclasses.replace(self, pack=self.pack.to(device), **moved)
+
+
+def to_device(t: Tensor, device: torch.device | str) -> Tensor:
+    """`t` on `device`. A host tensor bound for a GPU is staged in pinned memory and copied without
+    blocking the host, which goes on preparing the batch while the copy runs (the caching host
+    allocator keeps the pinned buffer until the copy is done)."""
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 class PanTask(Task):
@@ -187,14 +200,16 @@ class PanTask(Task):
         return self.model
 
     def load_encoders(self) -> None:
-        """Frozen text encoder and VAE, on the processes that read data."""
+        """Frozen text encoder and VAE, on the processes that read data: in bf16 on a GPU (their
+        outputs are used in fp32), in fp32 on the CPU."""
         if not self.reads_data:
             return
-        from pan.encoders.text import TextEncoder
+        from pan.encoders.text import TextEncoder, frozen_dtype
         from pan.encoders.vae import build_vae
 
-        self.text_encoder = TextEncoder(self.job.text_encoder, device=self.world.device)
-        self.vae = build_vae(self.job.vae, device=self.world.device)
+        device = self.world.device
+        self.text_encoder = TextEncoder(self.job.text_encoder, device=device)
+        self.vae = build_vae(self.job.vae, device=device, dtype=frozen_dtype(device))
         self._empty_text = self.text_encoder.empty_embedding().float()
 
     def tokens_of(self, num_frames: int, height: int, width: int) -> int:
@@ -215,27 +230,31 @@ class PanTask(Task):
 
     # -- one micro-batch -------------------------------------------------------------------------
     def sample_latent(self, sample) -> Tensor:
-        """A sample's clean latent [C, T, H, W] (fp32): precomputed, or encoded from its frames."""
+        """A sample's clean latent [C, T, H, W] (fp32) on this process's device: precomputed (read
+        on the host), or encoded from its frames by the VAE."""
         if getattr(sample, "latent", None) is not None:
-            return sample.latent.float()
+            return to_device(sample.latent, self.world.device).float()
         if getattr(sample, "raw_latent", None) is not None:
             raise ValueError(f"{sample.sample_id} carries a Pyramid-Flow latent (unnormalised, for that "
                              "model's VAE): the Pan recipe encodes frames with its own VAE or reads pan's "
                              "precomputed CSVs. Remove annotation rows with `latent` from this run.")
-        frames = sample.frames.to(self.world.device).float().div(127.5).sub(1.0)  # uint8 -> [-1, 1]
+        frames = to_device(sample.frames, self.world.device).float().div(127.5).sub(1.0)  # uint8 -> [-1, 1]
         with torch.no_grad():
             return self.vae.encode(frames).float()
 
     def caption_features(self, samples, drop: bool = True) -> list[Tensor]:
-        """Caption features per sample; with probability cfg_drop_prob, the empty caption's."""
+        """Caption features per sample (fp32, on this process's device: precomputed rows arrive on
+        the host, encoded ones on the encoder's device); with probability cfg_drop_prob, the empty
+        caption's."""
+        device = self.world.device
         texts = [getattr(s, "text", None) for s in samples]
         need = [i for i, t in enumerate(texts) if t is None]
         if need:
             encoded = self.text_encoder.encode([samples[i].caption for i in need])
             for i, features in zip(need, encoded):
-                texts[i] = features.float()
+                texts[i] = features
         p = self.job.tasks.cfg_drop_prob if drop else 0.0
-        return [self._empty_text.to(t.device) if self.rng.random() < p else t.float() for t in texts]
+        return [to_device(self._empty_text if self.rng.random() < p else t, device).float() for t in texts]
 
     def prepare(self, batch, fixed_sigma: float | None = None, training: bool = True) -> ModelInputs:
         """Raw packed batch -> noisy inputs, targets and loss weights (all samples, all tokens).
@@ -254,7 +273,7 @@ class PanTask(Task):
             sigmas = torch.full((len(samples),), float(fixed_sigma))
         xs, targets, weights = [], [], []
         for x0, sigma in zip(latents, sigmas):
-            noise = torch.randn(x0.shape, generator=self.generator).to(x0.device)
+            noise = to_device(torch.randn(x0.shape, generator=self.generator), x0.device)
             given = condition_frames(self.job.tasks, x0.shape[1], self.rng) if training else 0
             x_t = add_noise(x0, noise, sigma.item())
             xs.append(patchify(model_input_latent(x_t, x0, given, self.job.tasks.conditioning_schema), patch))
@@ -321,6 +340,12 @@ class PanTask(Task):
             self.write_samples(model, step, Path(output_dir) / "samples" / f"step-{step:08d}")
         return results
 
+    def validation_precision(self):
+        """The training step's precision for the transformer's forwards in validation (bf16
+        autocast with `dtype: bf16`), on one process as under FSDP; the frozen encoders run as in
+        `prepare`."""
+        return autocast_context(self.job.trainer.dtype, self.world.device)
+
     def heldout_loss(self, model) -> dict:
         """Loss on the first held-out batch of this rank at each of validation_timesteps, with the
         same clips and noise every time, so values are comparable across a run."""
@@ -350,20 +375,30 @@ class PanTask(Task):
             if self.cp is not None:
                 inputs = self.cp.distribute(inputs)
             inputs = inputs.to(self.world.device)
-            sse, count = global_sums([self.loss_sum(model, inputs).item(), self.loss_count(inputs)])
+            with self.validation_precision():
+                sse = self.loss_sum(model, inputs).item()
+            sse, count = global_sums([sse, self.loss_count(inputs)])
             out[f"heldout_loss@{sigma:g}"] = sse / count
         return out
 
     def prompt_features(self, prompts: list[str]) -> tuple[list[Tensor], Tensor]:
-        """Caption features of `prompts` and of the empty caption on every rank of the cp group."""
+        """Caption features of `prompts` and of the empty caption on every rank of the cp group
+        (only cp rank 0 holds the text encoder; it sends them, on the host, to the others)."""
         feats = None
         if self.reads_data:
             feats = ([t.float().cpu() for t in self.text_encoder.encode(prompts)], self._empty_text.cpu())
-        if self.cp is not None:
-            feats = self.cp.broadcast_object(feats)
+        if self.cp is not None and self.cp.size > 1:
+            box = [feats]
+            dist.broadcast_object_list(box, group=self.cp.group, group_src=0, device=self.cp.device)
+            feats = box[0]
         return [t.to(self.world.device) for t in feats[0]], feats[1].to(self.world.device)
 
     def write_samples(self, model, step: int, out_dir: Path) -> list[Path]:
+        """Sample every validation prompt (all ranks together: the model is sharded), then decode and
+        write the videos, the prompts shared out over the data-reading ranks (each holds a VAE and
+        every sampled latent). Decoding and video encoding are the long single-rank work of a
+        validation; split this way no rank keeps the others waiting in the next collective for
+        more than its share. Returns the videos this rank wrote."""
         from pan.media import to_uint8_frames, write_gif, write_mp4
         from pan.sampling import SampleSettings, sample_latent
 
@@ -372,20 +407,21 @@ class PanTask(Task):
         shape = self.geometry.latent_shape(v.sample_num_frames, v.sample_height, v.sample_width)
         settings = SampleSettings(v.sample_num_frames, v.sample_height, v.sample_width, v.sample_steps,
                                   v.sample_guidance_scale, v.sample_shift, seed=self.job.trainer.seed)
+        with self.validation_precision():
+            latents = [sample_latent(model, schema=self.job.tasks.conditioning_schema,
+                                     patch=self.arch.patch_size, latent_shape=shape, text=text,
+                                     empty_text=empty, settings=dataclasses.replace(settings, seed=settings.seed + i),
+                                     device=self.world.device)
+                       for i, text in enumerate(texts)]
         written = []
-        for i, (prompt, text) in enumerate(zip(v.validation_prompts, texts)):
-            latent = sample_latent(model, schema=self.job.tasks.conditioning_schema,
-                                   patch=self.arch.patch_size, latent_shape=shape, text=text,
-                                   empty_text=empty, settings=dataclasses.replace(settings, seed=settings.seed + i),
-                                   device=self.world.device)
-            if self.world.is_main:
-                out_dir.mkdir(parents=True, exist_ok=True)
-                frames = to_uint8_frames(self.vae.decode(latent))
-                stem = out_dir / f"{i:02d}"
-                write_mp4(stem.with_suffix(".mp4"), frames, fps=v.sample_fps)
-                write_gif(stem.with_suffix(".gif"), frames, fps=v.sample_fps)
-                (out_dir / f"{i:02d}.txt").write_text(prompt + "\n")
-                written.append(stem.with_suffix(".mp4"))
+        for i in prompts_written_by(len(latents), self.dp_rank, self.dims.dp) if self.reads_data else ():
+            out_dir.mkdir(parents=True, exist_ok=True)
+            frames = to_uint8_frames(self.vae.decode(latents[i]))
+            stem = out_dir / f"{i:02d}"
+            write_mp4(stem.with_suffix(".mp4"), frames, fps=v.sample_fps)
+            write_gif(stem.with_suffix(".gif"), frames, fps=v.sample_fps)
+            stem.with_suffix(".txt").write_text(v.validation_prompts[i] + "\n")
+            written.append(stem.with_suffix(".mp4"))
         return written
 
     # -- what a checkpoint keeps of the task ------------------------------------------------------
@@ -397,6 +433,11 @@ class PanTask(Task):
         self.generator.set_state(state["generator"])
         self.rng.setstate(state["rng"])
         self.bad_samples = state["bad_samples"]
+
+
+def prompts_written_by(num_prompts: int, reader: int, readers: int) -> range:
+    """The validation prompts data-reading rank `reader` (its dp rank) of `readers` decodes and writes."""
+    return range(reader, num_prompts, readers)
 
 
 RECIPE = Recipe(name="pan", job_config=PanJobConfig, task=PanTask,
