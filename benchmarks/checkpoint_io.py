@@ -1,4 +1,5 @@
-"""Checkpoint save and load throughput against the disk's own sequential write and read speed.
+"""Checkpoint save and load throughput against the disk's own sequential write and read speed, with
+the checksums (CRC32 of every file) on and off.
 
     python -m benchmarks.checkpoint_io [--size-mb 400] [--repeats 3] [--dir /some/disk] [--out benchmarks/results/checkpoint_io.json]
 
@@ -6,12 +7,15 @@ One process, a model of `--size-mb` MB of fp32 weights with AdamW state (so a ch
 that). Each repeat, side by side in one run:
   - disk write: one file of the checkpoint's size, written in 8 MiB blocks and fsynced (like dd
     conv=fsync); disk read: that file read back in 8 MiB blocks;
-  - save: `Checkpointer.save` (DCP shards, fsync of every file, marker, rename);
-  - load: `Checkpointer.resume` (verification, DCP read, optimizer/model state set).
+  - save: `Checkpointer.save` (DCP shards, fsync of every file, marker, rename), once with
+    save_checksums off and once on (the CRC32s computed while writing), in alternating order;
+  - load: `Checkpointer.resume` (verification, DCP read, optimizer/model state set), once with
+    verify_checksums off and once on (every file read and hashed before the load).
 Reported as MB/s and as a ratio to the disk's speed measured in the same repeat (medians over
-repeats). Before each read (the dd-like read and the checkpoint load) the page cache is dropped
-when this process may (root: /proc/sys/vm/drop_caches), so both read the disk; otherwise both are
-likely served from memory, the load ratio then compares software overhead, and the table says so.
+repeats), and the share of the save (and load) time the checksums cost. Before each read (the
+dd-like read and the checkpoint loads) the page cache is dropped when this process may (root:
+/proc/sys/vm/drop_caches), so both read the disk; otherwise both are likely served from memory, the
+load ratio then compares software overhead, and the table says so.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ try:
     from benchmarks.common import write_json
 except ModuleNotFoundError:  # run as `python benchmarks/checkpoint_io.py`: its folder is on the path
     from common import write_json
-from pan.checkpoint.dcp import folder_size
+from pan.checkpoint.dcp import CRC32_LIBRARY, HASH_THREADS, crc32_parallel, folder_size
 from pan.checkpoint.manager import CheckpointConfig, Checkpointer
 from pan.parallel.dims import ParallelConfig, ParallelDims
 from pan.parallel.world import World
@@ -86,30 +90,50 @@ def drop_page_cache() -> bool:
         return False
 
 
-def one_repeat(root: Path, size_mb: int, step: int) -> dict:
+def checkpointer(output_dir: Path, checksums: bool) -> Checkpointer:
     world = World(rank=0, size=1, local_rank=0, local_size=1, device=torch.device("cpu"))
     dims = ParallelDims.from_config(ParallelConfig(), world_size=1, local_world_size=1)
-    ckpt = Checkpointer(CheckpointConfig(output_dir=str(root / "run"), save_total_limit=1), world, dims)
-    parts = build_parts(size_mb)
+    cfg = CheckpointConfig(output_dir=str(output_dir), save_total_limit=1, save_checksums=checksums,
+                           verify_checksums=checksums)
+    return Checkpointer(cfg, world, dims)
 
+
+def save_and_load(ckpt: Checkpointer, size_mb: int, step: int) -> tuple[float, float, int, bool]:
+    """(save seconds, load seconds, checkpoint bytes, page cache dropped before the load)."""
+    parts = build_parts(size_mb)
     t0 = time.perf_counter()
     path = ckpt.save(step, parts)
     save_s = time.perf_counter() - t0
-    size = folder_size(path)
-
     fresh = build_parts(size_mb, seed=1)
     dropped = drop_page_cache()
     t0 = time.perf_counter()
     assert ckpt.resume(fresh) == step
-    load_s = time.perf_counter() - t0
+    return save_s, time.perf_counter() - t0, folder_size(path), dropped
+
+
+def one_repeat(root: Path, size_mb: int, step: int) -> dict:
+    times = {}
+    # Alternate which goes first, so that neither always meets the other's dirty pages.
+    for checksums in ((False, True) if step % 2 else (True, False)):
+        times[checksums] = save_and_load(checkpointer(root / f"run_{int(checksums)}", checksums), size_mb, step)
+    (save_s, load_s, size, dropped), (plain_save_s, plain_load_s, _, plain_dropped) = times[True], times[False]
+
+    block = os.urandom(256 << 20)
+    t0 = time.perf_counter()
+    crc32_parallel(block)
+    crc_s = (time.perf_counter() - t0) * size / len(block)  # the whole checkpoint's CRC32, in memory
 
     probe = root / "dd.bin"
     write_s = disk_write(probe, size)
-    dropped = drop_page_cache() and dropped
+    dropped = drop_page_cache() and dropped and plain_dropped
     read_s = disk_read(probe)
     probe.unlink()
     mb = size / 1e6
     return {"bytes": size, "cache_dropped": dropped, "save_MBps": mb / save_s, "load_MBps": mb / load_s,
+            "save_no_checksums_MBps": mb / plain_save_s, "load_no_verify_MBps": mb / plain_load_s,
+            "checksum_share_of_save": (save_s - plain_save_s) / save_s,
+            "verify_share_of_load": (load_s - plain_load_s) / load_s,
+            "crc32_MBps": mb / crc_s, "crc32_share_of_save_if_serial": crc_s / save_s,
             "disk_write_MBps": mb / write_s, "disk_read_MBps": mb / read_s,
             "save_vs_disk_write": write_s / save_s, "load_vs_disk_read": read_s / load_s}
 
@@ -132,16 +156,27 @@ def main() -> None:
 
     print(f"checkpoint of a {args.size_mb} MB model + AdamW state: {median['bytes'] / 1e6:.0f} MB on disk, "
           f"median of {args.repeats}")
-    print(f"{'':<8}{'pan MB/s':>12}{'disk MB/s':>12}{'pan / disk':>12}")
+    # The checksums' share of pan's time, from the median speeds (steadier than per-repeat shares).
+    save_share = 1 - median["save_MBps"] / median["save_no_checksums_MBps"]
+    load_share = 1 - median["load_MBps"] / median["load_no_verify_MBps"]
+    print(f"{'':<8}{'pan MB/s':>12}{'disk MB/s':>12}{'pan / disk':>12}{'no crc MB/s':>14}{'crc share':>12}")
     print(f"{'save':<8}{median['save_MBps']:>12.0f}{median['disk_write_MBps']:>12.0f}"
-          f"{median['save_vs_disk_write']:>12.2f}")
+          f"{median['save_vs_disk_write']:>12.2f}{median['save_no_checksums_MBps']:>14.0f}"
+          f"{100 * save_share:>11.1f}%")
     print(f"{'load':<8}{median['load_MBps']:>12.0f}{median['disk_read_MBps']:>12.0f}"
-          f"{median['load_vs_disk_read']:>12.2f}")
+          f"{median['load_vs_disk_read']:>12.2f}{median['load_no_verify_MBps']:>14.0f}"
+          f"{100 * load_share:>11.1f}%")
+    print("(pan: with checksums, CRC32s computed while writing and verified by reading every file "
+          "before a load; no crc: save_checksums and verify_checksums off; crc share: the part of "
+          "pan's time the checksums cost)")
+    print(f"CRC32 alone, in memory: {median['crc32_MBps']:.0f} MB/s ({CRC32_LIBRARY}, {HASH_THREADS} threads): "
+          f"even not overlapped with the writes it would add {100 * median['crc32_share_of_save_if_serial']:.0f}% "
+          "to the save")
     dropped = all(r["cache_dropped"] for r in runs)
     print("(disk: one file of the same size, 8 MiB blocks, fsync after writing; page cache "
           + ("dropped before every read)" if dropped else "NOT dropped: reads may come from memory)"))
     write_json(args.out, {"benchmark": "checkpoint_io", "size_mb": args.size_mb, "repeats": runs,
-                          "median": median})
+                          "median": median, "crc32_library": CRC32_LIBRARY})
 
 
 if __name__ == "__main__":

@@ -98,8 +98,8 @@ def peak_flops(device: torch.device, dtype: str) -> tuple[float, str]:
 
 
 # The trainer's own numbers in each step's values; every other key is a recipe metric.
-TRAINER_KEYS = {"loss", "grad_norm", "finite", "samples", "tokens", "flops", "bad_samples", "packing",
-                "lr", "step_time", "data_wait", "skipped_steps"}
+TRAINER_KEYS = {"loss", "grad_norm", "finite", "samples", "tokens", "flops", "bad_samples",
+                "bad_samples_distinct", "packing", "lr", "step_time", "data_wait", "skipped_steps"}
 
 
 def recipe_metrics(finite_steps: list[dict], last: dict) -> dict[str, float]:
@@ -182,6 +182,7 @@ class Metrics:
             "packing": sum(v["packing"] for v in w) / len(w),
             "skipped_steps": w[-1]["skipped_steps"],
             "bad_samples": w[-1].get("bad_samples", 0),
+            "bad_samples_distinct": w[-1].get("bad_samples_distinct", 0),
         }
         extra = recipe_metrics(finite, w[-1])
         row.update(extra)
@@ -191,7 +192,8 @@ class Metrics:
                    f"lr {row['lr']:.2e} | {row['step_time']:.2f} s/step | "
                    f"{row['samples_per_s']:.1f} samples/s | {row['tokens_per_s']:.0f} tok/s | "
                    f"MFU {100 * row['mfu']:.1f}% | data wait {100 * row['data_wait']:.1f}% | "
-                   f"packing {100 * row['packing']:.1f}% | bad samples {row['bad_samples']}")
+                   f"packing {100 * row['packing']:.1f}% | bad samples {row['bad_samples']} "
+                   f"({row['bad_samples_distinct']} distinct)")
         message += "".join(f" | {k} {v:.4g}" for k, v in extra.items())
         self._write(message)
         self.jsonl.write(json.dumps(row) + "\n")

@@ -40,6 +40,20 @@ class TrainerConfig:
     max_nonfinite_steps: int = knob(
         5, "stop the run after this many consecutive steps with a NaN/inf loss or gradient (each "
            "such step is skipped)", ge=1)
+    watchdog: bool = knob(
+        True, "declare a hang when a step, save or validation runs far longer than usual: every rank "
+              "then writes its Python stacks to the log and the run exits 3 (pan/watchdog.py)")
+    watchdog_factor: float = knob(
+        10.0, "a phase (step, save, validation) is hung after this many times the median of its "
+              "recent runs (never before watchdog_min_timeout)", gt=1)
+    watchdog_min_timeout: float = knob(
+        300.0, "seconds: no phase is declared hung sooner, however fast its median", gt=0)
+    watchdog_first_timeout: float = knob(
+        1800.0, "seconds allowed to the first run of each phase in a launch (no median yet: "
+                "compilation, the first save, data that is read again after a resume)", gt=0)
+    exit_when_launcher_dies: bool = knob(
+        True, "a rank whose launcher (torchrun, srun, the parent process) is gone stops at once "
+              "instead of training on or waiting forever")
 
     def check(self, job) -> None:
         require(self.legacy_eager_mode, "legacy_eager_mode",
@@ -71,6 +85,10 @@ class TrainState:
 
 class NonFiniteLossError(RuntimeError):
     pass
+
+
+class LeaseLostError(RuntimeError):
+    """Another launch took over output_dir's lease: this run stops without writing anything more."""
 
 
 class StoppedBySignal(RuntimeError):
@@ -110,6 +128,10 @@ class Trainer:
         self.loader, self.checkpointer, self.metrics = loader, checkpointer, metrics
         self.state = TrainState()
         self._consumed = None  # the file of sample ids seen (record_samples)
+        self._bad_listed = 0   # distinct bad samples in output_dir/bad_samples/ (record_bad_samples)
+        self._bad_logged = 0   # ... over all ranks, when last logged
+        self.lease = None      # rank 0's RunLease of output_dir, when train() holds one
+        self.watchdog = None   # this rank's Watchdog, when train() runs one
         self.log = get_logger()
 
     # The main part (the first declared): what `loss`, `grad_norm`, export and samples refer to.
@@ -165,18 +187,27 @@ class Trainer:
         self.metrics.start(self.state.step, cfg.max_steps)
         with sigterm_recorded(ckpt_cfg.save_on_sigterm) as signalled:
             while self.state.step < cfg.max_steps:
-                stop_asked = self.step_and_log(signalled[0])
+                with self.watched("step", f"step {self.state.step + 1}"):
+                    stop_asked = self.step_and_log(signalled[0])
                 last = self.state.step == cfg.max_steps
                 stop = stop_asked and not last
                 # Validation is skipped when stopping: the grace period before SIGKILL is for the save.
                 if self.task.wants_validation(self.state.step) and not stop:
-                    self.validate()
+                    with self.watched("validation", f"the validation at step {self.state.step}"):
+                        self.validate()
                 if self.state.step % ckpt_cfg.save_interval == 0 or last or stop:
-                    self.checkpointer.save(self.state.step, self.checkpoint_parts())
+                    with self.watched("save", f"the save of step {self.state.step}"):
+                        self.checkpointer.save(self.state.step, self.checkpoint_parts())
                 if stop:
                     self.metrics.close()
                     raise StoppedBySignal(signal.SIGTERM, self.state.step)
         self.metrics.close()
+
+    def watched(self, phase: str, what: str):
+        """The watchdog's timing of one phase of the loop (nothing when no watchdog runs)."""
+        if self.watchdog is None:
+            return contextlib.nullcontext()
+        return self.watchdog.watching(phase, what)
 
     def validate(self) -> dict:
         """The recipe's validation, with every part's EMA weights swapped in (they are what gets
@@ -197,18 +228,28 @@ class Trainer:
         out = self.train_step(micro_batches)
         self.state.step += 1
         self.record_samples(micro_batches)
+        distinct_bad = self.record_bad_samples()
         stats = self.task.batch_stats(micro_batches)  # this rank's share
-        # The signal rides on the step's sums, so every rank stops after the same step even when
-        # the signal reached them at different moments.
+        # The signal and a lost lease ride on the step's sums, so every rank stops after the same
+        # step even when the signal reached them at different moments.
+        lease_lost = self.lease is not None and self.lease.lost
         totals = global_sums([stats["samples"], stats["tokens"], stats["flops"], stats["bad_samples"],
-                              signal_received])
+                              signal_received, lease_lost, distinct_bad])
+        if totals[5] > 0:
+            raise LeaseLostError(f"another launch took over the lease of {self.checkpointer.output_dir} "
+                                 f"after step {self.state.step}: this run stopped without saving")
         self.state.samples_seen += int(totals[0])
         self.state.tokens_seen += int(totals[1])
+        if int(totals[6]) > self._bad_logged:
+            self._bad_logged = int(totals[6])
+            self.log.info("%d distinct bad samples so far, each read once (skips: %d); listed in %s",
+                          self._bad_logged, int(totals[3]), self.checkpointer.output_dir / "bad_samples")
         lrs = {f"lr/{name}": part.scheduler.get_last_lr()[0] for name, part in self.parts.items()}
         lrs = {"lr": lrs.pop(f"lr/{self.main.name}"), **lrs}
         self.metrics.step(self.state.step, {
             **out, "samples": totals[0], "tokens": totals[1], "flops": totals[2],
-            "bad_samples": int(totals[3]), "packing": stats["packing"], **lrs,
+            "bad_samples": int(totals[3]), "bad_samples_distinct": int(totals[6]),
+            "packing": stats["packing"], **lrs,
             "step_time": time.perf_counter() - t0, "data_wait": data_wait,
             "skipped_steps": self.state.skipped_steps})
         return totals[4] > 0
@@ -228,6 +269,23 @@ class Trainer:
         ids = [i for mb in micro_batches for i in mb.sample_ids]
         self._consumed.write(f"{self.state.step} {' '.join(ids)}\n")
         self._consumed.flush()
+
+    def record_bad_samples(self) -> int:
+        """Rewrite output_dir/bad_samples/<dp rank>.tsv (sample id, reason, detail) whenever this
+        rank's record of distinct bad samples grows; returns its size (0 on ranks without data)."""
+        record = getattr(self.loader, "known_bad", None) if self.checkpointer.cp_rank == 0 else None
+        if not self.task.reads_data or record is None:
+            return 0
+        if len(record) != self._bad_listed:
+            path = self.checkpointer.output_dir / "bad_samples" / f"{self.task.dp_rank}.tsv"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            lines = [f"{sample_id}\t{reason}\t{' '.join(detail.split())}\n"
+                     for sample_id, (reason, detail) in sorted(self.loader.bad_samples.items())]
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("sample_id\treason\tdetail\n" + "".join(lines))
+            tmp.replace(path)
+            self._bad_listed = len(record)
+        return len(record)
 
     def checkpoint_parts(self) -> dict:
         """Everything a resume restores, by name (the checkpointer decides how each is stored)."""
@@ -284,7 +342,7 @@ def build_trainer(job) -> Trainer:
 
     log = get_logger()
     quiet_library_progress_bars()
-    world = init_world(getattr(job, "process", None))  # recipes without process keys: defaults
+    world = init_world()
     dims = ParallelDims.from_config(job.parallel, world.size, world.local_size)
     cfg = job.trainer
     if cfg.gradient_accumulation_steps > 1:
@@ -347,16 +405,30 @@ def train(job) -> int:
     """Entry point of `train.py` / `pan train`: build everything from the job config and train."""
     import torch.distributed as dist
 
+    from pan.checkpoint.lease import LeaseHeldError, run_lease
     from pan.checkpoint.manager import UnreadableRunError
     from pan.config import ConfigError
     from pan.data.loader import DataResumeError
     from pan.data.sources import SourceError
-    from pan.parallel.world import close_world, is_main_process
+    from pan.parallel.world import close_world, init_world, is_main_process
+    from pan.watchdog import exit_when_launcher_dies, watchdog_running
 
     log = get_logger()
     trainer = None
+    guards = contextlib.ExitStack()
     try:
+        if job.trainer.exit_when_launcher_dies:
+            exit_when_launcher_dies()  # first: a rendezvous can wait for a launcher that is gone
+        world = init_world()
+        # Before anything is written to output_dir: one run per folder.
+        lease = guards.enter_context(run_lease(job.checkpoint.output_dir, job.checkpoint.lease_timeout, world))
+        log.info("lease of %s held (lease_timeout %g s)", job.checkpoint.output_dir, job.checkpoint.lease_timeout)
         trainer = build_trainer(job)
+        trainer.lease = lease
+        if job.trainer.watchdog:
+            trainer.watchdog = guards.enter_context(watchdog_running(
+                job.trainer.watchdog_factor, job.trainer.watchdog_min_timeout,
+                job.trainer.watchdog_first_timeout, world))
         trainer.fit()
         log.info("training finished at step %d", trainer.state.step)
         return 0
@@ -366,7 +438,10 @@ def train(job) -> int:
     except StoppedBySignal as e:
         log.warning("%s", e)
         return e.exit_code
-    except (DataResumeError, UnreadableRunError, ConfigError, SourceError) as e:
+    except LeaseLostError as e:
+        log.error("%s", e)
+        return 2
+    except (DataResumeError, UnreadableRunError, ConfigError, SourceError, LeaseHeldError) as e:
         # Refusals found while starting (every rank raises them together, rank 0 says why): another
         # number of data-parallel ranks than the checkpoints', checkpoints none of which can be read
         # (never silently start over them), other parts, unusable data sources. A data source that
@@ -383,4 +458,5 @@ def train(job) -> int:
     finally:
         if trainer is not None and hasattr(trainer.loader, "close"):
             trainer.loader.close()
+        guards.close()  # the watchdog stops, the lease is released
         close_world()

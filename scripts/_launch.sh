@@ -15,6 +15,8 @@
 #   PAN_NPROC_PER_NODE  processes per node (default: visible GPUs, or 1 on a CPU node)
 #   PAN_TRAIN_SCRIPT    the script torchrun starts (default: train.py)
 #   MASTER_PORT         rendezvous port on the first node (default: 29500)
+#   PAN_REQUEUE         1 (default): after Slurm's warning signal (USR1) the run saves and the job
+#                       requeues itself; 0: it saves and exits 143 (resubmit it yourself)
 #   HF_HOME, PAN2_CACHE_ROOT, WANDB_PROJECT, WANDB_RUN_ID, WANDB_API_KEY
 set -euo pipefail
 
@@ -144,9 +146,44 @@ pan_quote() {
   done
 }
 echo "pan launch: $(pan_quote "${pan_cmd[@]}")"
+
+# ---- warning before the time limit: save, then requeue ------------------------------------------
+# Submitted with `--signal=B:USR1@<seconds>` (and `--requeue`), Slurm sends USR1 to this shell that
+# long before the time limit. The ranks then get SIGTERM (scancel --signal=TERM reaches every
+# process of the job's steps, as a preemption does): each finishes its step, the run saves it and
+# exits 143; then this job requeues itself and its next run resumes from that checkpoint.
+pan_warned=0
+pan_on_warning() {
+  pan_warned=1
+  echo "pan launch: warning signal (USR1: time limit or preemption ahead): every rank saves and stops"
+  scancel --signal=TERM "$SLURM_JOB_ID" || true
+}
+if [[ -n "${SLURM_JOB_ID:-}" ]]; then
+  trap pan_on_warning USR1
+fi
+
 set +e
-"${pan_cmd[@]}"
-pan_rc=$?
+if [[ -n "${SLURM_JOB_ID:-}" ]]; then
+  # In the background, so that the trap runs while it trains (a foreground command defers it).
+  "${pan_cmd[@]}" &
+  pan_child=$!
+  wait "$pan_child"
+  pan_rc=$?
+  while kill -0 "$pan_child" 2>/dev/null; do # a trapped signal ends `wait` early
+    wait "$pan_child"
+    pan_rc=$?
+  done
+else
+  "${pan_cmd[@]}" # in the foreground: Ctrl-C reaches torchrun
+  pan_rc=$?
+fi
 set -e
 echo "pan launch: torchrun exited with code $pan_rc"
+if ((pan_warned)) && [[ -n "${SLURM_JOB_ID:-}" && "${PAN_REQUEUE:-1}" == 1 ]]; then
+  echo "pan launch: requeueing job $SLURM_JOB_ID: its next run resumes from the checkpoint just saved"
+  if scontrol requeue "$SLURM_JOB_ID"; then
+    exit 0 # Slurm ends this run of the job and queues it again
+  fi
+  echo "pan launch: the job cannot be requeued (submit with --requeue); resubmit it to resume" >&2
+fi
 exit "$pan_rc"

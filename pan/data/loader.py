@@ -227,6 +227,14 @@ class Loaded:
     sample: Sample | None
     reason: str = ""   # skip reason when sample is None
     detail: str = ""
+    known: bool = False  # a known-bad sample, skipped without reading it again
+
+
+@dataclass(frozen=True)
+class KnownBad:
+    """What the sampler sends instead of a reference in the run's record of bad samples."""
+    ref: Ref
+    reason: str
 
 
 class SampleReader(Dataset):
@@ -241,7 +249,9 @@ class SampleReader(Dataset):
         self.sources, self.tars, self.rules = sources, tars, rules
         self.use_precomputed = use_precomputed
 
-    def __getitem__(self, ref: Ref) -> Loaded:
+    def __getitem__(self, ref: Ref | KnownBad) -> Loaded:
+        if isinstance(ref, KnownBad):
+            return Loaded(ref.ref, None, ref.reason, known=True)
         try:
             if ref.stream == IMAGE_STREAM:
                 return Loaded(ref, self._image(ref.index))
@@ -451,15 +461,19 @@ def _close_at_exit(loader_ref: weakref.ref) -> None:
 
 
 class RefSequence:
-    """The DataLoader's sampler: buffered references to re-read first, then the plan onwards."""
+    """The DataLoader's sampler: buffered references to re-read first, then the plan onwards, in
+    which a sample of the run's record of bad samples is sent as KnownBad (not read again). It runs
+    in the training process, so it sees the record as it grows."""
 
-    def __init__(self, replay: list[Ref], planner: Planner):
-        self.replay, self.planner = replay, planner
+    def __init__(self, replay: list[Ref], planner: Planner, known_bad: dict[tuple[str, int], tuple[str, str]]):
+        self.replay, self.planner, self.known_bad = replay, planner, known_bad
 
     def __iter__(self):
         yield from self.replay
         while True:
-            yield self.planner.next_ref()
+            ref = self.planner.next_ref()
+            bad = self.known_bad.get((ref.stream, ref.index))
+            yield ref if bad is None else KnownBad(ref, bad[0])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -480,9 +494,11 @@ class PackedLoader:
         self.packer = LookaheadPacker(cfg.max_tokens_per_batch, cfg.max_samples_per_batch,
                                       cfg.packing_lookahead)  # items: (Ref, Sample)
         self.replay: list[Ref] = []         # buffered references still to be re-read after a resume
-        self.skipped_total: collections.Counter[str] = collections.Counter()
+        self.skipped_total: collections.Counter[str] = collections.Counter()  # skips, by reason
         self._skipped_since: collections.Counter[str] = collections.Counter()
-        self._logged: set[str] = set()
+        # The run's record of bad samples: (stream, index) -> (reason, detail). Each is read once
+        # per run (carried in the checkpoint); later visits are skipped without reading it.
+        self.known_bad: dict[tuple[str, int], tuple[str, str]] = {}
         self._results = None
         self._closes_at_exit = False
 
@@ -542,17 +558,26 @@ class PackedLoader:
         return int(self.tokens_of(*sample.grid))
 
     def _skip(self, got: Loaded) -> None:
+        """Count a skip; record (and log) a bad sample the first time it is found."""
         self.skipped_total[got.reason] += 1
         self._skipped_since[got.reason] += 1
-        sample_id = self._sample_id(got.ref)
-        if sample_id not in self._logged:
-            self._logged.add(sample_id)
-            logger.warning("skipping %s (%s): %s", sample_id, got.reason, got.detail)
+        key = (got.ref.stream, got.ref.index)
+        if not got.known and key not in self.known_bad:
+            self.known_bad[key] = (got.reason, got.detail[:300])  # the record travels in every cursor
+            logger.warning("skipping %s (%s): %s", self._sample_id(got.ref), got.reason, got.detail)
+
+    @property
+    def bad_samples(self) -> dict[str, tuple[str, str]]:
+        """The distinct bad samples found so far in this run: sample id -> (reason, detail)."""
+        return {self._id_of(stream, index): why for (stream, index), why in self.known_bad.items()}
 
     def _sample_id(self, ref: Ref) -> str:
-        if ref.stream == IMAGE_STREAM:
-            return self.reader.tars.sample_id(self.reader.tars.images[ref.index])
-        return f"{self.reader.sources[ref.stream].name}:{ref.index}"
+        return self._id_of(ref.stream, ref.index)
+
+    def _id_of(self, stream: str, index: int) -> str:
+        if stream == IMAGE_STREAM:
+            return self.reader.tars.sample_id(self.reader.tars.images[index])
+        return f"{self.reader.sources[stream].name}:{index}"
 
     def _start_workers(self) -> None:
         self._results = iter(self._data_loader())
@@ -564,7 +589,7 @@ class PackedLoader:
 
     def _data_loader(self) -> DataLoader:
         workers = self.cfg.packed_dataloader_num_workers
-        sampler = RefSequence(list(self.replay), self.planner.copy())
+        sampler = RefSequence(list(self.replay), self.planner.copy(), self.known_bad)
         # Our own generator: otherwise each new iterator draws its base seed from the global torch
         # RNG, and a resumed run's global RNG would be one draw away from the uninterrupted run's.
         return DataLoader(self.reader, batch_size=None, sampler=sampler, collate_fn=_keep,
@@ -591,13 +616,16 @@ class PackedLoader:
         return {"version": STATE_VERSION, "dp_rank": self.dp_rank, "dp_size": self.dp_size,
                 "seed": self.seed, "planner": self.planner.state_dict(),
                 "buffer": [[r.seq, r.stream, r.epoch, r.pos] for r in pending],
-                "skipped_total": dict(self.skipped_total)}
+                "skipped_total": dict(self.skipped_total),
+                "bad_samples": [[stream, index, reason, detail]
+                                for (stream, index), (reason, detail) in sorted(self.known_bad.items())]}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue exactly where `state` (from state_dict) left off; restarts the workers."""
         self.close()
         self.packer.buffer, self.replay = [], []
         self._skipped_since = collections.Counter()
+        self.known_bad = {}
         if state.get("version") != STATE_VERSION:
             raise DataResumeError(f"dataloader state version {state.get('version')} is not "
                                   f"{STATE_VERSION}: it was written by another pan version.")
@@ -624,6 +652,10 @@ class PackedLoader:
         for seq, stream, epoch, pos in state["buffer"]:
             if stream not in restarted:
                 self.replay.append(Ref(seq, stream, epoch, pos, self.planner.streams[stream].index(epoch, pos)))
+        # A restarted stream's rows may have changed: its bad samples are looked at again.
+        self.known_bad = {(stream, index): (reason, detail)
+                          for stream, index, reason, detail in state.get("bad_samples", [])
+                          if stream not in restarted}
 
     def _restored_planner(self, saved: dict) -> tuple[Planner, set[str]]:
         """The saved cursor applied to today's streams, and the streams that restart from the top."""

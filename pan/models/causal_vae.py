@@ -308,7 +308,8 @@ class CausalResnetBlock(nn.Module):
 
     def forward(self, x: Tensor, windows: TemporalWindows | None = None) -> Tensor:
         h = self.conv1(F.silu(self.norm1(x)), windows)
-        h = self.conv2(self.dropout(F.silu(self.norm2(h))), windows)
+        h = F.silu(self.norm2(h))  # (rebinding h frees conv1's output before conv2 runs)
+        h = self.conv2(self.dropout(h), windows)
         if self.conv_shortcut is not None:
             x = self.conv_shortcut(x, windows)
         return x + h
@@ -440,7 +441,8 @@ class Encoder(nn.Module):
         for block in self.down_blocks:
             x = block(x, windows)
         x = self.mid_block(x, windows)
-        return self.conv_out(F.silu(self.conv_norm_out(x)), windows)
+        x = F.silu(self.conv_norm_out(x))  # (rebinding x frees the mid block's output)
+        return self.conv_out(x, windows)
 
 
 class Decoder(nn.Module):
@@ -463,7 +465,8 @@ class Decoder(nn.Module):
         x = self.mid_block(x, windows)
         for block in self.up_blocks:
             x = block(x, windows)
-        return self.conv_out(F.silu(self.conv_norm_out(x)), windows)
+        x = F.silu(self.conv_norm_out(x))  # (rebinding x frees the last up block's output)
+        return self.conv_out(x, windows)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ _MODULES = {
     "pan": "pan.recipes.pan",
     "pyramid_flow": "pan.recipes.pyramid_flow",
     "pyramid_flow_ar": "pan.recipes.pyramid_flow_ar",
+    "causal_vae": "pan.recipes.causal_vae",
 }
 _plugins_loaded = False
 
