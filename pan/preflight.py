@@ -385,7 +385,9 @@ def stored_shapes(kind: str, path: Path) -> dict[str, tuple[int, ...]]:
     from pan.checkpoint import dcp as layout
     from pan.parallel.names import unwrapped_name
     if kind == "checkpoint":
-        return {k: tuple(size) for k, (size, _) in layout.dcp_tensor_shapes(path).items()}
+        from pan.checkpoint.warm_start import part_folder
+        folder = part_folder(path, layout.TRANSFORMER) or path
+        return {k: tuple(size) for k, (size, _) in layout.dcp_tensor_shapes(folder).items()}
     if path.suffix == ".safetensors":
         from safetensors import safe_open
         with safe_open(str(path), framework="pt") as f:

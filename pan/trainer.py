@@ -306,7 +306,7 @@ def build_part(spec: PartSpec, world, dims, mesh, job, warm_start, fresh: bool) 
         warm_start.before_sharding(model)
     model = parallelize_model(model, mesh, dims, job.parallel, cfg)
     if warm_start is not None and spec.warm_start:
-        warm_start.after_sharding(model)
+        warm_start.after_sharding(model, spec.name)
     if fresh and spec.pretrained is not None:
         load_full_state_dict(model, spec.pretrained())
         log.info("%s: started from its pretrained weights", spec.name)
@@ -368,8 +368,7 @@ def build_trainer(job) -> Trainer:
     specs = task.part_specs()
     # Before any model is built: a run of other parts (or another dp size) in output_dir is refused.
     latest = checkpointer.latest_step([spec.name for spec in specs])
-    warm_cfg = getattr(job, "warm_start", None)  # recipes without warm-start keys have none
-    warm_start = None if warm_cfg is None else plan_warm_start(warm_cfg, latest)
+    warm_start = plan_warm_start(task.warm_start_source(), latest)
     parts = {spec.name: build_part(spec, world, dims, mesh, job, warm_start, fresh=latest is None)
              for spec in specs}
     task.load_encoders()

@@ -61,7 +61,7 @@ def test_a_pan_checkpoint_is_read_through_dcp_after_sharding(tmp_path):
     single_process(tmp_path / "pretrain").save(2, run)
     for path in (tmp_path / "pretrain" / "checkpoint-2", tmp_path / "pretrain" / "checkpoint-2" / "transformer"):
         kind, source = resolve_source(str(path))
-        assert kind == "checkpoint" and source.name == "transformer"
+        assert kind == "checkpoint" and source == path
         torch.manual_seed(3)
         model = Toy()
         warm = WarmStart(kind, source)
@@ -72,12 +72,28 @@ def test_a_pan_checkpoint_is_read_through_dcp_after_sharding(tmp_path):
             assert torch.equal(model.state_dict()[name], value), name
 
 
+def test_each_part_reads_its_own_folder_and_a_missing_part_keeps_its_init(tmp_path):
+    run = make_parts(0)
+    train(run, 2)
+    single_process(tmp_path / "pretrain").save(2, run)
+    ckpt = tmp_path / "pretrain" / "checkpoint-2"
+    warm = WarmStart(*resolve_source(str(ckpt)))
+    torch.manual_seed(3)
+    other = Toy()
+    init = {k: v.clone() for k, v in other.state_dict().items()}
+    warm.after_sharding(other, "discriminator")   # the checkpoint holds no such part
+    assert warm.report is None
+    assert all(torch.equal(v, init[k]) for k, v in other.state_dict().items())
+
+
 def test_warm_start_applies_only_while_the_run_has_no_checkpoint(tmp_path):
     torch.save(Toy().state_dict(), tmp_path / "w.pt")
     cfg = WarmStartConfig(pretrained_transformer_path=str(tmp_path / "w.pt"), load_transformer_weights=True)
-    assert plan_warm_start(cfg, resume_step=None) == WarmStart("state_dict", tmp_path / "w.pt")
-    assert plan_warm_start(cfg, resume_step=200) is None
-    assert plan_warm_start(WarmStartConfig(), resume_step=None) is None
+    assert plan_warm_start(cfg.source, resume_step=None) == WarmStart("state_dict", tmp_path / "w.pt")
+    assert plan_warm_start(cfg.source, resume_step=200) is None
+    assert WarmStartConfig().source is None and plan_warm_start(None, resume_step=None) is None
+    # the path alone, without load_transformer_weights, is no source (the config check refuses it)
+    assert WarmStartConfig(pretrained_transformer_path=str(tmp_path / "w.pt")).source is None
 
 
 def test_unusable_sources_are_rejected_when_the_config_loads(tmp_path):

@@ -1,11 +1,15 @@
-"""Warm start: transformer weights from a plain state dict or from another run's checkpoint.
+"""Warm start: a run's parts start from a plain state dict or from another run's checkpoint.
 
-Two kinds of source (`pretrained_transformer_path`):
+The recipe names the source (`Task.warm_start_source()`: Pan's `pretrained_transformer_path`, the
+causal VAE's `warm_start_checkpoint`) and which parts it loads into (`PartSpec.warm_start`). Two kinds
+of source:
 - a plain state dict (`.pt`, `.safetensors`, or a directory holding `model_state.pt`): read whole on
   every rank and copied into the unsharded model before FSDP wrapping (`before_sharding`);
-- a checkpoint written by this trainer (`checkpoint-N/` or its `transformer/` DCP folder): read
-  through DCP after FSDP wrapping (`after_sharding`), each rank reading only its own shards, so it
-  works for any world size, whatever wrote it.
+- a checkpoint written by this trainer (`checkpoint-N/`, or one part's DCP folder such as its
+  `transformer/`): read through DCP after FSDP wrapping (`after_sharding`), each rank reading only
+  its own shards, so it works for any world size, whatever wrote it. Each part reads its own folder
+  of the checkpoint (`transformer/`, `vae/`, `discriminator/`); a part the checkpoint lacks keeps its
+  init, and the log says so.
 
 Either way only tensors whose name and shape match are copied; the report lists what was loaded,
 what had another shape and what the model has that the source lacks. Optimizer, LR schedule, step
@@ -46,6 +50,11 @@ class WarmStartConfig:
     load_transformer_weights: bool = knob(
         False, "load pretrained_transformer_path (true) or start from random init (false)")
 
+    @property
+    def source(self) -> str | None:
+        """What the run warm-starts from (None: init)."""
+        return self.pretrained_transformer_path if self.load_transformer_weights else None
+
     def check(self, job) -> None:
         require(not (self.pretrained_transformer_path and not self.load_transformer_weights),
                 "pretrained_transformer_path",
@@ -63,6 +72,12 @@ class WarmStartConfig:
 SourceKind = Literal["state_dict", "checkpoint"]
 
 
+def _holds_parts(path: Path) -> bool:
+    """A checkpoint-N/ folder with at least one part's weights."""
+    return (path / layout.META).is_file() and any(
+        (path / layout.part_dirs(part)[0] / layout.DCP_METADATA).is_file() for part in layout.saved_parts(path))
+
+
 def resolve_source(path: str) -> tuple[SourceKind, Path]:
     """What kind of warm-start source `path` is, and the file or DCP folder to read.
 
@@ -74,9 +89,7 @@ def resolve_source(path: str) -> tuple[SourceKind, Path]:
     if p.is_dir():
         if (p / PLAIN_STATE_FILE).is_file():
             return "state_dict", p / PLAIN_STATE_FILE
-        if (p / layout.TRANSFORMER / layout.DCP_METADATA).is_file():
-            return "checkpoint", p / layout.TRANSFORMER
-        if (p / layout.DCP_METADATA).is_file():
+        if (p / layout.DCP_METADATA).is_file() or _holds_parts(p):
             return "checkpoint", p
     what = "does not exist" if not p.exists() else "is neither kind of source"
     raise ConfigError("pretrained_transformer_path",
@@ -144,13 +157,19 @@ def load_state_dict_weights(model: nn.Module, path: Path) -> WarmStartReport:
     return report
 
 
-def load_checkpoint_weights(model: nn.Module, path: Path) -> WarmStartReport:
-    """Load the transformer weights of a pan checkpoint into a (possibly FSDP-sharded) model.
+def part_folder(path: Path, part: str) -> Path | None:
+    """The DCP folder of `part` in a checkpoint source: its own folder of a checkpoint-N/, or the
+    source itself when it is one part's folder; None when the checkpoint has no such part."""
+    own = path / layout.part_dirs(part)[0]
+    if (own / layout.DCP_METADATA).is_file():
+        return own
+    return path if (path / layout.DCP_METADATA).is_file() else None
 
-    `path` is a checkpoint-N/ folder or its transformer/ folder. Collective: every rank calls it.
-    DCP reads each rank's shares from whatever layout wrote them.
-    """
-    dcp_dir = path / layout.TRANSFORMER if (path / layout.TRANSFORMER).is_dir() else path
+
+def load_checkpoint_weights(model: nn.Module, dcp_dir: Path) -> WarmStartReport:
+    """Load one part's weights from a pan checkpoint's DCP folder into a (possibly FSDP-sharded)
+    model. Collective: every rank calls it. DCP reads each rank's shares from whatever layout wrote
+    them."""
     stored = layout.dcp_tensor_shapes(dcp_dir)
     state = get_model_state_dict(model)
     report = WarmStartReport(dcp_dir, "checkpoint")
@@ -174,20 +193,25 @@ class WarmStart:
             self.report = load_state_dict_weights(model, self.path)
             get_logger().info("%s", self.report.summary())
 
-    def after_sharding(self, model: nn.Module) -> None:
-        if self.kind == "checkpoint":
-            self.report = load_checkpoint_weights(model, self.path)
-            get_logger().info("%s", self.report.summary())
+    def after_sharding(self, model: nn.Module, part: str = layout.TRANSFORMER) -> None:
+        if self.kind != "checkpoint":
+            return
+        folder = part_folder(self.path, part)
+        if folder is None:
+            get_logger().info("warm start: %s holds no %s; it starts from its init", self.path, part)
+            return
+        self.report = load_checkpoint_weights(model, folder)
+        get_logger().info("%s: %s", part, self.report.summary())
 
 
-def plan_warm_start(cfg: WarmStartConfig, resume_step: int | None) -> WarmStart | None:
-    """The warm start to do, or None: none configured, or the run resumes its own checkpoint
-    (`resume_step` from `Checkpointer.latest_step()`)."""
-    if not cfg.load_transformer_weights:
+def plan_warm_start(source: str | None, resume_step: int | None) -> WarmStart | None:
+    """The warm start to do, or None: no source (`Task.warm_start_source()`), or the run resumes
+    its own checkpoint (`resume_step` from `Checkpointer.latest_step()`)."""
+    if source is None:
         return None
     if resume_step is not None:
         get_logger().info("output_dir has checkpoint-%d: resuming it, not warm starting from %s",
-                          resume_step, cfg.pretrained_transformer_path)
+                          resume_step, source)
         return None
-    kind, path = resolve_source(cfg.pretrained_transformer_path)
+    kind, path = resolve_source(source)
     return WarmStart(kind, path)

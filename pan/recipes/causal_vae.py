@@ -51,7 +51,6 @@ from pan.data.decode import FrameRules, SkipSample, centre_crop, decode_image, f
 from pan.data.loader import Ref, SampleReader, Sample, number, rules_of, stable_int
 from pan.data.sources import SourceError
 from pan.launch_command import Workflow, register_workflow
-from pan.logging import get_logger
 from pan.metrics import MetricsConfig
 from pan.models.causal_vae import (CONFIG_NAME, WEIGHTS_NAME, CausalVAEConfig, CausalVideoVAE,
                                    DiagonalGaussian, check_state_dict, renamed_legacy_attention_keys)
@@ -770,9 +769,6 @@ class CausalVAETask(Task):
         self.data_rank, self.data_size = world.rank // size, world.size // size
         self.reads_data = True              # every rank decodes its own frames of the group's clips
         self.dp_rank = world.rank           # (for the trainer: each rank's own record of what it saw)
-        # A run starts from pretrained weights only while output_dir has no checkpoint of its own
-        # (the trainer's rule for PartSpec.pretrained: a restarted job resumes itself).
-        self.fresh = not layout.complete_checkpoints(Path(job.checkpoint.output_dir))
         # Posterior noise: one stream per data rank (the ranks of a context group draw alike).
         self.generator = torch.Generator().manual_seed(job.trainer.seed * 100003 + self.data_rank)
         self.group: ContextGroup | None = None
@@ -784,19 +780,19 @@ class CausalVAETask(Task):
 
     # -- parts ----------------------------------------------------------------------------------------
     def part_specs(self) -> list[PartSpec]:
-        """`vae` (the main part), and `discriminator` when the GAN is on. A fresh run starts the VAE
-        from the stage-1 checkpoint (warm_start_checkpoint), else from the released weights
-        (model_path), else from random init; the discriminator from the stage-1 checkpoint's when it
-        has one, else from random init."""
-        model = self.job.model
-        warm = model.warm_start_checkpoint if self.fresh else None   # a resumed run reads neither
-        vae_start = self.warm_start_weights(VAE) if warm else (self.released_weights if model.model_path else None)
-        specs = [PartSpec(VAE, self.build_vae, self.job.optim, pretrained=vae_start)]
+        """`vae` (the main part), and `discriminator` when the GAN is on. A fresh run starts both from
+        the stage-1 checkpoint (`warm_start_checkpoint`, through the trainer's warm start: a part
+        that checkpoint lacks keeps its init), else the VAE from the released weights
+        (model_path), else from random init."""
+        released = self.released_weights if self.job.model.model_path and not self.warm_start_source() else None
+        specs = [PartSpec(VAE, self.build_vae, self.job.optim, warm_start=True, pretrained=released)]
         if self.job.objective.add_discriminator:
-            disc_start = self.warm_start_weights(DISCRIMINATOR) if warm else None
-            specs.append(PartSpec(DISCRIMINATOR, self.build_discriminator, self.job.disc_optim,
-                                  pretrained=disc_start))
+            specs.append(PartSpec(DISCRIMINATOR, self.build_discriminator, self.job.disc_optim, warm_start=True))
         return specs
+
+    def warm_start_source(self) -> str | None:
+        path = self.job.model.warm_start_checkpoint
+        return None if path is None else str(resolve_warm_start(path))
 
     def build_vae(self) -> TrainedCausalVAE:
         with torch.device("meta"):
@@ -820,18 +816,6 @@ class CausalVAETask(Task):
             check_state_dict(CausalVideoVAE(self.vae_cfg), state, str(path))
         state["logvar"] = torch.full((1,), float(self.job.loss.logvar_init))
         return state
-
-    def warm_start_weights(self, part: str) -> Callable[[], dict[str, Tensor]] | None:
-        """A part's weights in the stage-1 checkpoint, read when the part is built (None: the
-        checkpoint holds no such part, and it starts from random init)."""
-        source = resolve_warm_start(self.job.model.warm_start_checkpoint)
-        if not (source / part / layout.DCP_METADATA).is_file():
-            return None
-
-        def read() -> dict[str, Tensor]:
-            get_logger().info("%s: warm start from %s", part, source)
-            return read_dcp_weights(source / part)
-        return read
 
     def load_encoders(self) -> None:
         """The frozen LPIPS, the context group, the discriminator's scoring copy; the run's VAE

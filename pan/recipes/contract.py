@@ -148,6 +148,13 @@ class Task(abc.ABC):
         by one; may be empty), and optionally `hidden_matrices()` (Muon) and `inner_attention`
         submodules (Ulysses context parallel wraps them)."""
 
+    def warm_start_source(self) -> str | None:
+        """Where a fresh run's `warm_start` parts start from (see pan/checkpoint/warm_start.py): a
+        state dict or another run's checkpoint; None: their init. Default: the job's `warm_start`
+        keys (Pan's `pretrained_transformer_path`), when it has them."""
+        keys = getattr(self.job, "warm_start", None)
+        return None if keys is None else keys.source
+
     def load_encoders(self) -> None:
         """Frozen encoders (text encoder, VAE), on the processes that need them."""
 
