@@ -8,6 +8,9 @@
 #SBATCH --exclusive
 #SBATCH --exclude=
 #SBATCH --output=%x-%j.out
+#SBATCH --signal=B:USR1@300   # 5 min before the time limit: save, then requeue (scripts/_launch.sh)
+#SBATCH --requeue
+#SBATCH --open-mode=append     # a requeued job appends to the same output file
 ##SBATCH --partition=<partition>
 ##SBATCH --qos=<qos>
 ##SBATCH --account=<account>

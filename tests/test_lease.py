@@ -276,3 +276,13 @@ def test_a_warned_slurm_job_saves_requeues_itself_and_resumes(slurm_cluster, tmp
     for part, weights in final.items():
         resumed = consolidated_weights(warned / f"checkpoint-{steps}" / part)
         assert all(torch.equal(weights[k], resumed[k]) for k in weights), part
+
+
+def test_every_sbatch_script_asks_for_the_warning_signal_and_requeue():
+    """The save-and-requeue path only runs when the job asks Slurm for USR1 before its time limit and
+    may be requeued; a requeued job appends to its output file instead of truncating it."""
+    scripts = [p for p in (ROOT / "scripts").glob("*.sh") if "#SBATCH --job-name" in p.read_text()]
+    assert len(scripts) >= 5
+    for script in scripts:
+        header = [line.split()[1] for line in script.read_text().splitlines() if line.startswith("#SBATCH ")]
+        assert {"--signal=B:USR1@300", "--requeue", "--open-mode=append"} <= set(header), script.name
