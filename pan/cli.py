@@ -74,12 +74,26 @@ COMMANDS = {
 }
 
 
+# After `make demo`: the README's "Train on your own videos", on CPU (tests/test_newcomer_path.py
+# checks that each line is a command of that section).
+FIRST_RUN = """\
+train on your own videos (README, "Train on your own videos"; a CSV with path,caption columns):
+  pan check --config config/tiny_cpu.yaml --video_csv_paths my_videos/train.csv --output_dir runs/mine
+  pan data precompute --config config/tiny_cpu.yaml --video_csv_paths my_videos/train.csv --out my_videos/latents
+  python train.py --config config/tiny_cpu.yaml --video_csv_paths my_videos/latents/train.csv --output_dir runs/mine
+  pan sample --checkpoint runs/mine --prompt "a red square moving left" --num-frames 5 --height 32 --width 32 --out mine.mp4
+
+a refusal, an error or a run that stops: docs/troubleshooting.md (by symptom: the message, why, the fix)"""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
-        prog="pan", description="pan: train video diffusion transformers.",
+        prog="pan", description="pan: train video diffusion transformers. New here? `make demo`, then "
+                                "the commands below.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="commands:\n" + "\n".join(f"  {n:<15} {h}" for n, (_, h) in COMMANDS.items()))
+        epilog="commands:\n" + "\n".join(f"  {n:<15} {h}" for n, (_, h) in COMMANDS.items())
+        + "\n\n" + FIRST_RUN)
     parser.add_argument("command", choices=list(COMMANDS), metavar="command")
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()

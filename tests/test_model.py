@@ -248,16 +248,14 @@ def test_tiny_model_overfits_one_batch():
     x, sigmas, text = x.float(), sigmas.float(), text.float()
     target = torch.randn(x.shape[0], 12, generator=torch.Generator().manual_seed(5))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    start, losses = time.monotonic(), []
-    while time.monotonic() - start < 25 and len(losses) < 400:
+    losses = []
+    for _ in range(30):  # a fixed number of steps, not seconds: the result must not depend on load
         loss = F.mse_loss(model(x, sigmas, text, pack), target)
         opt.zero_grad()
         loss.backward()
         opt.step()
         losses.append(loss.item())
-        if losses[-1] < losses[0] / 20:
-            break
-    assert losses[-1] < losses[0] / 10, (len(losses), losses[0], losses[-1])
+    assert losses[-1] < losses[0] / 20, (losses[0], losses[-1])   # measured: / 250 after 30 steps
 
 
 def test_compiled_blocks_do_not_recompile_for_each_new_batch_layout():
