@@ -121,6 +121,16 @@ def test_all_rows_failing_exits_1(tmp_path):
     assert list(csv.DictReader(open(tmp_path / "pre/failures.csv")))[0]["reason"] == "missing_file"
 
 
+def test_annotation_files_are_refused_not_silently_left_out(dataset, tmp_path, capsys):
+    """The Pan recipe precomputes CSVs; a job that also lists annotation files would lose those rows."""
+    jsonl = tmp_path / "a.jsonl"
+    jsonl.write_text('{"video": "missing.mp4", "text": "a caption"}\n')
+    rc = main(["--config", str(REPO / "config/tiny_cpu.yaml"), "--video_csv_paths", str(dataset),
+               "--annotation_paths", str(jsonl), "--output_dir", str(tmp_path / "run"), "--out", str(tmp_path / "pre")])
+    assert rc == 2
+    assert "annotation_paths is set" in capsys.readouterr().err and not (tmp_path / "pre").exists()
+
+
 def test_the_loader_and_the_trainer_read_the_precomputed_csv(precomputed, tmp_path):
     _, out = precomputed
     job = tiny_job(tmp_path, out / "train.csv", "--max_steps", "1")

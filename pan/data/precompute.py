@@ -270,6 +270,10 @@ def precompute(job, out_dir: str | Path, *, limit: int | None = None,
     """Encode every row of the job's video CSVs (the first `limit` rows of each) into `out_dir`;
     with several processes (`share`), each encodes its share and all get the merged report."""
     out_dir = Path(out_dir)
+    if job.data.annotation_paths:  # silently encoding only the CSVs would lose those rows
+        raise PrecomputeError(f"annotation_paths is set ({', '.join(job.data.annotation_paths)}): the Pan "
+                              "recipe precomputes video CSVs only. Train on the annotation files "
+                              "directly, or list the clips in a CSV (path, caption) in video_csv_paths.")
     sources = [read_video_csv(p) for p in job.data.video_csv_paths]
     for source in sources:
         if source.precomputed:
