@@ -302,8 +302,9 @@ class SampleReader(Dataset):
         source_frames = round(((end if end is not None else count / fps) - start) * fps)
         selected = sum(1 for k in range(self.rules.max_frames) if round(k * step) < source_frames)
         if self.rules.usable_count(selected) < self.rules.min_frames:
+            until = "the end" if end is None else f"{end} s"
             raise SkipSample("too_short", f"the CSV says {count} frames at {fps} fps from {start} s to "
-                                          f"{end} s; min_frames is {self.rules.min_frames}")
+                                          f"{until}: {selected} usable; min_frames is {self.rules.min_frames}")
 
     def _precomputed(self, src: VideoCsvSource, row: list[str], sample_id: str, caption: str) -> Sample:
         path = src.field(row, "latent_path")
