@@ -9,15 +9,15 @@
   4 ranks, 2 ranks x 2 micro-batches, mixed clip lengths), and the same update from 1 rank x 4
   micro-batches, 2 x 2 and 4 x 1.
 - A tiny run (2 processes, sync group 2) whose loss falls, SIGKILLed and resumed bit-identically
-  through scripts/train_pyramid_flow.sh under the local Slurm; `pan sample` unit by unit; the
-  invariants at config load, in `pan check` and in `pan launch-command`.
+  through scripts/train_pyramid_flow.sh under the local Slurm; the fixture checkpoint folder trained
+  through the fixture causal VAE and exported with the run's switches; `pan sample` unit by unit;
+  the invariants at config load, in `pan check` and in `pan launch-command`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import warnings
 from pathlib import Path
 
 import pytest
@@ -25,49 +25,27 @@ import torch
 import yaml
 
 from dist_utils import run_distributed
-from pan.config import ConfigError, load_job_config
+from pan.config import ConfigError
 from pan.data.loader import RawBatch, Sample
 from pan.data.synth import synth_dataset
 from pan.models.attention import set_attention_backend
-from pan.models.pyramid_flux import PyramidFluxConfig, PyramidFluxTransformer
-from pan.models.pyramid_io import read_weights, save_pretrained
+from pan.models.pyramid_flux import PyramidFluxTransformer
+from pan.models.pyramid_io import load_pretrained, read_weights
 from pan.parallel.dims import ParallelDims
 from pan.parallel.world import World
 from pan.recipes.pyramid_flow_ar import PyramidFlowARTask
-from pyramid_reference import REFERENCE, load_fixture, needs_reference
-from pyramid_text_models import write_pyramid_text_encoders
+from pyramid_reference import load_fixture, needs_reference
+from pyramid_tiny import (FIXTURE_DIT, FIXTURE_VAE, VAE_CLIP_DATA, VARIANT, batch_loss, causal_vae_keys,
+                          final_weights, load, released_config)
+from pyramid_tiny import fixture_model_path_fixture, released_fixture, vae_videos_fixture  # noqa: F401
 from slurm_cluster import slurm_cluster  # noqa: F401 - the local Slurm, started once per session
 
-VARIANT = "diffusion_transformer_384p"
 TOL = dict(atol=1e-5, rtol=1e-4)   # fp32 DiT outputs and loss against the fixtures (README section 1)
 
 
 # ------------------------------------------------------------------------------------------------
 # Model folders, data and configs
 # ------------------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def released(tmp_path_factory) -> Path:
-    """A released-layout folder: a tiny miniFLUX for 3-channel (pixel) latents and its text encoders."""
-    root = tmp_path_factory.mktemp("pyramid_ar_model")
-    config = PyramidFluxConfig(in_channels=12, num_layers=1, num_single_layers=1, attention_head_dim=16,
-                               num_attention_heads=2, joint_attention_dim=24, pooled_projection_dim=20,
-                               axes_dims_rope=[4, 6, 6])
-    torch.manual_seed(0)
-    save_pretrained(PyramidFluxTransformer(config), root / VARIANT)
-    write_pyramid_text_encoders(root, "pyramid_flux")
-    return root
-
-
-@pytest.fixture(scope="module")
-def fixture_model_path(tmp_path_factory, released) -> Path:
-    """The fixture's miniFLUX as a model_path (its text widths are the tiny encoders')."""
-    root = tmp_path_factory.mktemp("fixture_model")
-    (root / VARIANT).symlink_to(REFERENCE / "flux_dit" / VARIANT)
-    for folder in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"):
-        (root / folder).symlink_to(released / folder)
-    return root
-
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> dict[str, Path]:
@@ -95,10 +73,6 @@ def write_config(path: Path, model_path: Path, videos, output_dir: Path, **secti
            **sections}
     path.write_text(yaml.safe_dump(cfg))
     return path
-
-
-def load(path: Path, *extra: str):
-    return load_job_config(["--config", str(path), *extra], warn=lambda m: None)
 
 
 def task_of(job, world_size: int = 1, rank: int = 0) -> PyramidFlowARTask:
@@ -156,7 +130,7 @@ def fixture_task(tmp_path, fixture_model_path, data, **model):
 def fixture_model(task) -> PyramidFluxTransformer:
     """The fixture's weights in the DiT the task builds (its switches applied), on SDPA."""
     model = PyramidFluxTransformer(task.model.config)
-    model.load_state_dict(read_weights(REFERENCE / "flux_dit" / VARIANT))
+    model.load_state_dict(read_weights(FIXTURE_DIT))
     set_attention_backend(model, "sdpa")
     return model
 
@@ -375,16 +349,6 @@ def straight_config(tmp: Path, released: Path, data: dict, name: str = "straight
                      output={"save_interval": 6})
 
 
-def final_weights(output_dir: Path, step: int) -> dict:
-    from pan.checkpoint import dcp as layout
-    from pan.checkpoint.export import consolidated_weights
-
-    ckpt = output_dir / layout.checkpoint_name(step)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return {folder: consolidated_weights(ckpt / folder) for folder in ("transformer", "optimizer")}
-
-
 def slurm_env(tmp_path: Path) -> dict[str, str]:
     import sys
 
@@ -430,6 +394,36 @@ def test_tiny_run_learns_and_a_killed_run_resumes_exactly_through_the_launch_scr
         for key, value in reference[folder].items():
             assert torch.equal(value, resumed[folder][key]), (folder, key)
     assert consumed(straight) == consumed(killed_dir)   # the same (video, unit) pairs, step by step
+
+
+@needs_reference
+def test_the_fixture_checkpoint_trains_through_the_fixture_vae_and_exports_the_runs_switches(
+        tmp_path, fixture_model_path, vae_videos):
+    """The original's miniFLUX folder and causal VAE as a release, with interp_condition_pos switched
+    off (the fixture's config.json has it on): 9-frame clips (2 latent frames, 2 units) train in a
+    sync group of 2 slots on 1 rank x 2 micro-batches, and the export says what was trained."""
+    from pan.checkpoint.export import main_export
+    from pan.trainer import build_trainer
+
+    run = tmp_path / "run"
+    config = write_config(tmp_path / "fx.yaml", fixture_model_path, vae_videos, run,
+                          model={**causal_vae_keys(fixture_model_path), "interp_condition_pos": False},
+                          data=VAE_CLIP_DATA, output={"save_interval": 6},
+                          training={"max_steps": 6, "learning_rate": 3e-3, "gradient_accumulation_steps": 2})
+    trainer = build_trainer(load(config))
+    assert not trainer.model.config.interp_condition_pos and trainer.task.vae.latent_channels == 16
+    held, _ = trainer.next_micro_batches()  # both slots' micro-batches, measured before and after training
+    before = batch_loss(trainer, held)
+    trainer.fit()
+    assert batch_loss(trainer, held) < 0.5 * before  # the fixture's random weights start far off (~1.9)
+
+    out = tmp_path / "export" / VARIANT
+    assert main_export([str(run / "checkpoint-6"), "--format", "pyramid_flow", "--out", str(out)]) == 0
+    assert released_config(out) == {**released_config(FIXTURE_DIT), "interp_condition_pos": False}
+    exported = load_pretrained(out, PyramidFluxTransformer)
+    assert not exported.config.interp_condition_pos
+    for name, p in trainer.model.named_parameters():
+        assert torch.equal(exported.state_dict()[name], p.detach()), name
 
 
 def test_the_launch_script_is_the_shared_launcher_with_the_ar_default():
@@ -590,7 +584,7 @@ def test_launch_command_prints_the_ar_workflow_or_refuses(tmp_path, released, ca
     annotations.write_text(json.dumps({"video": "v.mp4", "text": "a clip", "latent": "v.pt"}) + "\n")
     base = ["--workflow", "pyramid-flow-ar", "--nodes", "1", "--gpus-per-node", "8",
             "--config", str(REPO_ROOT / "config" / "pyramid_flow_ar_384p.yaml")]
-    paths = ["--model_path", str(released), "--vae_path", str(REFERENCE / "causal_vae" / "causal_video_vae"),
+    paths = ["--model_path", str(released), "--vae_path", str(FIXTURE_VAE),
              "--annotation_paths", f"[{annotations}]", "--output_dir", str(tmp_path / "run")]
     assert main_launch_command([*base, *paths]) == 0
     out = capsys.readouterr().out

@@ -1,7 +1,8 @@
 """The `pyramid-flow-no-ar` workflow on CPU: its YAMLs (the original script's defaults), `pan
 launch-command` and its refusals, every `pan check` row of the recipe passing and failing on tiny
-released-layout folders made here, and `pan data precompute` writing Pyramid-Flow files that train
-the recipe on exactly the inputs of the online path."""
+released-layout folders made here, `pan data precompute` writing Pyramid-Flow files that train
+the recipe on exactly the inputs of the online path, and the text encoders loaded only where
+captions are encoded."""
 
 from __future__ import annotations
 
@@ -14,14 +15,13 @@ import pytest
 import torch
 import yaml
 
-from pan.config import load_job_config
 from pan.data.loader import Ref, SampleReader, read_row_sources, rules_of
 from pan.data.precompute import main as precompute_main
 from pan.data.synth import synth_dataset
+from pan.encoders import pyramid_text
 from pan.encoders import vae as vae_module
 from pan.encoders.vae import IdentityVAE
 from pan.launch_command import main_launch_command
-from pan.models.pyramid_flux import PyramidFluxConfig, PyramidFluxTransformer
 from pan.models.pyramid_io import save_pretrained
 from pan.parallel.dims import ParallelDims
 from pan.parallel.world import World
@@ -29,32 +29,18 @@ from pan.preflight import Preflight, Row, run_preflight
 from pan.recipes.pyramid_checks import check_launch
 from pan.recipes.pyramid_flow import PyramidFlowTask
 from pan.trainer import build_trainer
-from pyramid_text_models import write_pyramid_text_encoders
+from pyramid_reference import needs_reference
+from pyramid_tiny import ENCODER_FOLDERS, FIXTURE_VAE, load, save_tiny_flux, write_released
 
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = ("diffusion_transformer_384p", "diffusion_transformer_768p", "diffusion_transformer_image")
-# A tiny miniFLUX for 3-channel latents (the identity VAE's pixels), with the text widths of
-# pyramid_text_models' tiny encoders (captions 24, pooled 20).
-TINY_FLUX = dict(in_channels=12, num_layers=1, num_single_layers=1, attention_head_dim=16,
-                 num_attention_heads=2, joint_attention_dim=24, pooled_projection_dim=20,
-                 axes_dims_rope=[4, 6, 6])
-ENCODER_FOLDERS = ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
-
-
-def save_flux(folder: Path, seed: int = 0, **changes) -> None:
-    torch.manual_seed(seed)
-    save_pretrained(PyramidFluxTransformer(PyramidFluxConfig(**{**TINY_FLUX, **changes})), folder)
 
 
 @pytest.fixture(scope="module")
 def released(tmp_path_factory) -> Path:
     """A released-layout model folder: the tiny DiT under every released variant name, and its text
     encoders, as `model_path` expects them."""
-    root = tmp_path_factory.mktemp("pyramid_model")
-    for variant in VARIANTS:
-        save_flux(root / variant)
-    write_pyramid_text_encoders(root, "pyramid_flux")
-    return root
+    return write_released(tmp_path_factory.mktemp("pyramid_model"), VARIANTS)
 
 
 def model_path_with(tmp_path: Path, released: Path, variant: str, **changes) -> Path:
@@ -63,7 +49,7 @@ def model_path_with(tmp_path: Path, released: Path, variant: str, **changes) -> 
     for folder in ENCODER_FOLDERS:
         (root / folder).parent.mkdir(parents=True, exist_ok=True)
         (root / folder).symlink_to(released / folder)
-    save_flux(root / variant, **changes)
+    save_tiny_flux(root / variant, **changes)
     return root
 
 
@@ -93,10 +79,6 @@ def write_config(path: Path, released: Path, output_dir: Path, *, csv: Path | No
     return path
 
 
-def load(path: Path, *extra):
-    return load_job_config(["--config", str(path), *map(str, extra)], warn=lambda m: None)
-
-
 @pytest.fixture(scope="module")
 def precomputed(tmp_path_factory, released, data) -> Path:
     """`pan data precompute` of the synthetic CSV for the tiny run: the JSONL it writes."""
@@ -109,11 +91,13 @@ def precomputed(tmp_path_factory, released, data) -> Path:
 # ---- the YAMLs and `pan launch-command` ----------------------------------------------------------
 
 def filled_in(released: Path, jsonl: Path, output_dir: Path) -> list[str]:
-    """Overrides that replace the YAMLs' placeholders with this test's folders."""
-    return ["--model_path", str(released), "--annotation_paths", json.dumps([str(jsonl)]),
-            "--output_dir", str(output_dir)]
+    """Overrides that replace the YAMLs' placeholders with this test's folders (the released VAE:
+    the fixture's)."""
+    return ["--model_path", str(released), "--vae_path", str(FIXTURE_VAE),
+            "--annotation_paths", json.dumps([str(jsonl)]), "--output_dir", str(output_dir)]
 
 
+@needs_reference
 def test_the_yamls_are_the_original_scripts_defaults_per_variant(tmp_path, released, precomputed):
     raw = {name: yaml.safe_load((REPO / f"config/pyramid_flow_{name}.yaml").read_text())
            for name in ("384p", "768p", "image")}
@@ -130,6 +114,7 @@ def test_the_yamls_are_the_original_scripts_defaults_per_variant(tmp_path, relea
             (4, 0.1, [1, 2, 1])
         assert (job.checkpoint.save_interval, job.logging.log_interval, job.logging.report_to) == \
             (2000, 40, "tensorboard")
+        assert job.vae.vae_type == "causal_video_vae"  # the released workflow's VAE, as the AR YAMLs
     sections = [s for s, keys in raw["384p"].items() if isinstance(keys, dict)]
     differing = {(s, k) for s in sections for k in raw["384p"][s]
                  if any(raw[n][s].get(k) != raw["384p"][s][k] for n in raw)}
@@ -156,6 +141,7 @@ def test_the_launch_script_is_the_shared_launcher_with_the_384p_default():
     assert "PAN_DEFAULT_CONFIG=config/pyramid_flow_384p.yaml" in script and "#SBATCH --nodes=1" in script
 
 
+@needs_reference
 def test_launch_command_refuses_the_template_and_prints_the_filled_in_run(tmp_path, released, precomputed,
                                                                           capsys, monkeypatch):
     monkeypatch.chdir(REPO)  # the workflow's YAML and script are repository paths
@@ -259,7 +245,7 @@ def test_model_folder_weights_must_fit_the_config(tmp_path, released, precompute
     assert worst == "fail" and "unexpected: single_transformer_blocks.1." in detail
 
     # A config.json asking for activation checkpointing: the trainer applies only its own key.
-    save_flux(model / VARIANTS[0], use_gradient_checkpointing=True)
+    save_tiny_flux(model / VARIANTS[0], use_gradient_checkpointing=True)
     assert status(check_rows(config), "model folder")[0] == "warn"
     assert status(check_rows(config, "--enable_gradient_checkpointing", "true"), "model folder")[0] == "pass"
 
@@ -389,6 +375,43 @@ def test_precomputed_files_train_the_recipe_on_the_online_inputs(tmp_path, relea
     build_trainer(b_job).fit()  # trains from annotation_paths alone
     logged = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged] == [1, 2] and all(torch.isfinite(torch.tensor(r["loss"])) for r in logged)
+
+
+def test_text_encoders_load_only_where_captions_are_encoded(tmp_path, released, precomputed, monkeypatch):
+    loads = []
+    build = pyramid_text.build_text_encoder
+    monkeypatch.setattr(pyramid_text, "build_text_encoder", lambda *a: loads.append(a) or build(*a))
+
+    def task_and_loads(jsonl: Path, *extra) -> tuple[PyramidFlowTask, int]:
+        loads.clear()
+        task = task_for(load(write_config(tmp_path / "t.yaml", released, tmp_path / "run", jsonl=jsonl), *extra))
+        return task, len(loads)
+
+    def write_rows(path: Path, rows: list[dict]) -> Path:
+        path.parent.mkdir(exist_ok=True)
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        return path
+
+    first, *rest = [json.loads(line) for line in precomputed.read_text().splitlines()]
+    empty = pyramid_text.load_features(precomputed.parent / "text_fea" / "empty.pt")
+    # Every row has its text_fea and the precompute wrote the empty caption's beside them: no encoder,
+    # and each dropped caption (all of them here) takes the written empty caption.
+    task, n = task_and_loads(precomputed, "--cfg_drop_prob", "1.0")
+    inputs = task.prepare(first_rows(task.job, 4))
+    assert n == 0 and not loads
+    assert torch.equal(inputs.text, torch.cat([empty.caption_rows()] * 4))
+    assert torch.equal(inputs.pooled, torch.stack([empty.pooled_prompt_embed] * 4))
+    # Validation prompts are encoded: the encoders load, and their empty caption is the written one.
+    task, n = task_and_loads(precomputed, "--validation_interval", "1", "--validation_prompts", "[a red square]")
+    assert n == 1 and all(torch.equal(a, b) for a, b in zip(task.empty.tensors(), empty.tensors()))
+    # A row without text_fea is encoded online.
+    without_text_fea = {k: v for k, v in first.items() if k != "text_fea"}
+    assert task_and_loads(write_rows(precomputed.with_name("partly.jsonl"), [without_text_fea, *rest]))[1] == 1
+    # Files of the original's tools (no empty caption beside them): the encoders load to make it.
+    absolute = [{k: str(precomputed.parent / v) if k in ("video", "latent", "text_fea") else v for k, v in row.items()}
+                for row in (first, *rest)]
+    task, n = task_and_loads(write_rows(tmp_path / "moved" / "train.jsonl", absolute))
+    assert n == 1 and torch.equal(task.empty.prompt_embed, empty.prompt_embed)
 
 
 def test_precompute_skips_what_exists_and_refuses_other_settings(tmp_path, released, data, capsys):

@@ -1,12 +1,12 @@
 """The `pyramid_flow` recipe (full-sequence spatial-pyramid training) end to end on CPU: a tiny
 released-layout miniFLUX folder with tiny T5 / CLIP text encoders trains on the demo's synthetic
 videos, its loss falls, it survives SIGKILL on 2 processes bit-identically, exports back to the
-released layout, and samples with `pan sample`; the same recipe trains pan's own transformer."""
+released layout, and samples with `pan sample`; the fixture checkpoint folder trains through the
+fixture causal VAE and exports as it was given; the same recipe trains pan's own transformer."""
 
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 
 import pytest
@@ -14,30 +14,16 @@ import torch
 import yaml
 
 from launch_utils import consumed, kill_after_step, launch, run_to_end
-from pan.checkpoint import dcp as layout
-from pan.checkpoint.export import consolidated_weights, main_export
-from pan.config import ConfigError, load_job_config
+from pan.checkpoint.export import main_export
+from pan.config import ConfigError
 from pan.data.synth import synth_dataset
-from pan.models.pyramid_flux import PyramidFluxConfig, PyramidFluxTransformer
-from pan.models.pyramid_io import load_pretrained, read_weights, save_pretrained
+from pan.models.pyramid_flux import PyramidFluxTransformer
+from pan.models.pyramid_io import load_pretrained, read_weights
 from pan.trainer import build_trainer
-from pyramid_text_models import write_pyramid_text_encoders
-
-VARIANT = "diffusion_transformer_384p"
-
-
-@pytest.fixture(scope="module")
-def released(tmp_path_factory) -> Path:
-    """A released-layout model folder: a tiny miniFLUX DiT for 3-channel latents (pixels) and its
-    text encoders, as `model_path` expects them."""
-    root = tmp_path_factory.mktemp("pyramid_model")
-    config = PyramidFluxConfig(in_channels=12, num_layers=1, num_single_layers=1, attention_head_dim=16,
-                               num_attention_heads=2, joint_attention_dim=24, pooled_projection_dim=20,
-                               axes_dims_rope=[4, 6, 6])
-    torch.manual_seed(0)
-    save_pretrained(PyramidFluxTransformer(config), root / VARIANT)
-    write_pyramid_text_encoders(root, "pyramid_flux")
-    return root
+from pyramid_reference import needs_reference
+from pyramid_tiny import (FIXTURE_DIT, VAE_CLIP_DATA, VARIANT, batch_loss, causal_vae_keys, final_weights, load,
+                          released_config)
+from pyramid_tiny import fixture_model_path_fixture, released_fixture, vae_videos_fixture  # noqa: F401
 
 
 @pytest.fixture(scope="module")
@@ -46,24 +32,21 @@ def data(tmp_path_factory) -> Path:
                          num_frames=5)["train_csv"]
 
 
-def write_config(path: Path, released: Path, data: Path, output_dir: Path, **sections) -> Path:
+def write_config(path: Path, released: Path, videos: Path, output_dir: Path, **sections) -> Path:
     cfg = {"recipe": "pyramid_flow",
            "model": {"model_name": "pyramid_flux", "model_path": str(released), "vae_type": "identity",
                      **sections.pop("model", {})},
            "training": {"learning_rate": 2e-3, "max_steps": 6, "dtype": "fp32", "use_muon": False,
                         **sections.pop("training", {})},
-           "data": {"video_csv_paths": [str(data)], "resolution_buckets": ["16x16"], "min_frames": 5,
+           "data": {"video_csv_paths": [str(videos)], "resolution_buckets": ["16x16"], "min_frames": 5,
                     "max_frames": 5, "frames_mod": 1, "frames_remainder": 0, "max_tokens_per_batch": 400,
-                    "max_samples_per_batch": 4, "packed_dataloader_num_workers": 0},
+                    "max_samples_per_batch": 4, "packed_dataloader_num_workers": 0,
+                    **sections.pop("data", {})},
            "output": {"output_dir": str(output_dir), "save_interval": 2, "log_interval": 1,
                       "progress_bar": False, **sections.pop("output", {})},
            **sections}
     path.write_text(yaml.safe_dump(cfg))
     return path
-
-
-def load(path: Path, *extra: str):
-    return load_job_config(["--config", str(path), *extra], warn=lambda m: None)
 
 
 def test_config_refusals_name_the_key(tmp_path, released, data):
@@ -108,6 +91,32 @@ def test_trains_its_loss_falls_and_exports_the_released_layout(tmp_path, release
     assert all(torch.equal(p.detach(), exported.state_dict()[n]) for n, p in again.model.named_parameters())
 
 
+@needs_reference
+def test_the_fixture_checkpoint_trains_through_the_fixture_vae_and_exports_as_given(tmp_path, fixture_model_path,
+                                                                                     vae_videos):
+    """The original's miniFLUX folder and causal VAE as a release: synthetic 64x64 clips of 9 frames
+    are encoded online (16 x 2 x 8 x 8 latents), trained on, and exported as that folder again."""
+    run = tmp_path / "run"
+    config = write_config(tmp_path / "fx.yaml", fixture_model_path, vae_videos, run,
+                          model=causal_vae_keys(fixture_model_path), data=VAE_CLIP_DATA,
+                          training={"max_steps": 8, "learning_rate": 3e-3}, output={"save_interval": 8})
+    trainer = build_trainer(load(config))
+    assert trainer.task.vae.latent_channels == 16 and trainer.model.latent_channels == 16
+    held, _ = trainer.next_micro_batches()  # a batch whose loss is measured before and after training
+    before = batch_loss(trainer, held)
+    trainer.fit()
+    # The fixture's random weights start far off (loss ~1.9 with its outputs); 8 steps at least halve it.
+    assert batch_loss(trainer, held) < 0.5 * before
+
+    out = tmp_path / "export" / VARIANT
+    assert main_export([str(run / "checkpoint-8"), "--format", "pyramid_flow", "--out", str(out)]) == 0
+    assert released_config(out) == released_config(FIXTURE_DIT)
+    exported, given = load_pretrained(out, PyramidFluxTransformer).state_dict(), read_weights(FIXTURE_DIT)
+    for name, p in trainer.model.named_parameters():
+        assert torch.equal(exported[name], p.detach()), name      # the trained weights, bit for bit
+        assert not torch.equal(exported[name], given[name]), name  # every tensor trained
+
+
 def test_pan_sample_generates_from_a_pyramid_checkpoint(tmp_path, released, data):
     from pan.sampling import main as sample_main
 
@@ -140,13 +149,6 @@ def test_the_same_recipe_trains_pans_transformer(tmp_path, released, data):
         batches, _ = trainer.next_micro_batches()
         losses.append(trainer.train_step(batches)["loss"])
     assert sum(losses[-5:]) < sum(losses[:5]), losses
-
-
-def final_weights(output_dir: Path, step: int) -> dict:
-    ckpt = output_dir / layout.checkpoint_name(step)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return {folder: consolidated_weights(ckpt / folder) for folder in ("transformer", "optimizer")}
 
 
 @pytest.mark.parametrize("distributed", [{"cp_size": 1}, {"cp_size": 2}], ids=["dp2", "cp2"])

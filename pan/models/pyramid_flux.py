@@ -353,6 +353,72 @@ def attention_flops(pack: PackInfo, hidden: int, backend: str) -> int:
     return 4 * hidden * pairs
 
 
+# ------------------------------------------------------------------------------------------------
+# The frame both released models share around their blocks
+# ------------------------------------------------------------------------------------------------
+
+class PyramidDiT(nn.Module):
+    """What both released DiTs do alike outside their blocks. A subclass sets `config` (its released
+    keys), `time_text_embed`, `context_embedder`, `norm_out` and `proj_out`, and names its block
+    lists, in forward order, in `BLOCK_LISTS`."""
+    BLOCK_LISTS: ClassVar[tuple[str, ...]]
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self.config.num_attention_heads
+
+    def sample_layout(self, grids, text_len: int) -> SampleLayout:
+        """The layout this model trains on: clips oldest first (post-patch grids), last one trained."""
+        return pyramid_sample_layout(grids, text_len, self.config.use_temporal_causal,
+                                     self.config.interp_condition_pos)
+
+    def conditioning(self, timesteps: Tensor, pooled: Tensor, pack: PackInfo) -> Tensor:
+        """SiLU(temb) [B, D] of each sample, once the pack is checked against the config's rules."""
+        check_layouts(pack, self.config.use_temporal_causal, self.config.interp_condition_pos)
+        return F.silu(self.time_text_embed(timesteps, pooled))
+
+    def output(self, vid: Tensor, temb_act: Tensor, pack: PackInfo) -> Tensor:
+        """The video rows [Nv, D] through the AdaLN-continuous norm and the output projection."""
+        out = self.norm_out(vid, temb_act, Samples.of(lambda: pack.video_counts, pack.video_sample))
+        return self.proj_out(out)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """The original's init (zeroed AdaLN modulation and output: every block starts as the identity
+        and the first prediction is 0)."""
+        zeroed = [m.linear for m in self.modules() if isinstance(m, (Modulation, FinalNorm))]
+        pyramid_init(self, zeroed + [self.proj_out])
+
+    def fsdp_blocks(self) -> list[nn.Module]:
+        """Transformer blocks in forward order: the FSDP, activation-checkpointing and compile units."""
+        return [block for name in self.BLOCK_LISTS for block in getattr(self, name)]
+
+    def checkpointed_blocks(self) -> list[nn.Module]:
+        """Blocks the config's use_gradient_checkpointing / gradient_checkpointing_ratio select: the
+        first ones of each block list (the original takes the MMDiT's last ones: quirk M5)."""
+        if not self.config.use_gradient_checkpointing:
+            return []
+        ratio = self.config.gradient_checkpointing_ratio
+        return [block for name in self.BLOCK_LISTS for block in first_blocks(getattr(self, name), ratio)]
+
+    def hidden_matrices(self) -> dict[str, tuple[int, ...]]:
+        """Hidden 2-D matrices (for Muon) -> row splits: q/k/v/out projections and feed-forward weights
+        of every block (each its own matrix). Embedders, modulation linears, the output layer, norms and
+        biases go to AdamW. The last MMDiT block's add_q_proj is listed although its output is never
+        used (its gradient is 0), as in the original."""
+        return hidden_linears(self, self.BLOCK_LISTS)
+
+    def edge_flops(self, pack: PackInfo) -> int:
+        """Matmul FLOPs outside the blocks: the timestep and pooled-text MLPs, the embedders and the
+        output layer (a token is patch_size^2 x in_channels values for both models)."""
+        c, d = self.config, self.config.hidden_size
+        nv, nt, b = sum(pack.video_lens), sum(pack.text_lens), pack.num_samples
+        token = c.in_channels * c.patch_size ** 2
+        flops = 2 * b * (TIMESTEP_FEATURES * d + d * d + c.pooled_projection_dim * d + d * d)   # temb
+        flops += 2 * nt * c.joint_attention_dim * d + 2 * nv * token * d                       # embedders
+        return flops + 2 * b * d * 2 * d + 2 * nv * d * token                                  # output
+
+
 class SingleAttention(nn.Module):
     """q/k/v projections with per-head RMSNorm (no output projection: the block's proj_out mixes the
     attention output with the MLP branch)."""
@@ -435,7 +501,7 @@ class PyramidFluxConfig(PyramidRuntimeKeys):
                                                 f"attention_head_dim {self.attention_head_dim}.")
 
 
-class PyramidFluxTransformer(nn.Module):
+class PyramidFluxTransformer(PyramidDiT):
     """Pyramid-Flow's miniFLUX DiT on packed video + caption tokens.
 
     Build on the meta device, parallelize from outside, then `to_empty` and `init_weights()`; or
@@ -443,6 +509,7 @@ class PyramidFluxTransformer(nn.Module):
     """
     RELEASED_CLASS_NAME: ClassVar[str] = "PyramidFluxTransformer"
     config_class: ClassVar[type] = PyramidFluxConfig
+    BLOCK_LISTS: ClassVar[tuple[str, ...]] = ("transformer_blocks", "single_transformer_blocks")
 
     def __init__(self, config: PyramidFluxConfig):
         super().__init__()
@@ -461,10 +528,6 @@ class PyramidFluxTransformer(nn.Module):
         set_attention_backend(self, "auto" if c.use_flash_attn else "sdpa")
         if self.x_embedder.weight.device.type != "meta":
             self.init_weights()
-
-    @property
-    def num_attention_heads(self) -> int:
-        return self.config.num_attention_heads
 
     @property
     def latent_channels(self) -> int:
@@ -499,11 +562,6 @@ class PyramidFluxTransformer(nn.Module):
         token-wise loss compares the model output with."""
         return self.patchify(latent)
 
-    def sample_layout(self, grids, text_len: int) -> SampleLayout:
-        """The layout this model trains on: clips oldest first (post-patch grids), last one trained."""
-        return pyramid_sample_layout(grids, text_len, self.config.use_temporal_causal,
-                                     self.config.interp_condition_pos)
-
     # --------------------------------------------------------------------------------------------
     # Forward
     # --------------------------------------------------------------------------------------------
@@ -512,8 +570,7 @@ class PyramidFluxTransformer(nn.Module):
         """x [Nv, in_channels] patch tokens, timesteps [B] (0..1000), text [Nt, joint_attention_dim]
         (valid caption rows only), pooled [B, pooled_projection_dim] -> [Nv, in_channels]."""
         c = self.config
-        check_layouts(pack, c.use_temporal_causal, c.interp_condition_pos)
-        temb_act = F.silu(self.time_text_embed(timesteps, pooled))                  # [B, D]
+        temb_act = self.conditioning(timesteps, pooled, pack)                        # [B, D]
         vid = self.x_embedder(x)                                                     # [Nv, D]
         txt = self.context_embedder(text)                                            # [Nt, D]
         rope = rope_frequencies(joint_positions(pack), c.axes_dims_rope, ROPE_THETA, 1.0)  # [L, d/2]
@@ -524,36 +581,11 @@ class PyramidFluxTransformer(nn.Module):
         for block in self.single_transformer_blocks:
             h = block(h, temb_act, rope, samples, pack)
         vid = from_joint(h, pack)[0]                                                 # [Nv, D]
-        out = self.norm_out(vid, temb_act, Samples.of(lambda: pack.video_counts, pack.video_sample))
-        return self.proj_out(out)                                                    # [Nv, in_channels]
+        return self.output(vid, temb_act, pack)                                      # [Nv, in_channels]
 
     # --------------------------------------------------------------------------------------------
-    # Init, optimizer split, parallel units, FLOPs
+    # FLOPs
     # --------------------------------------------------------------------------------------------
-
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """The original's init (zeroed AdaLN modulation and output: every block starts as the identity
-        and the first prediction is 0)."""
-        zeroed = [m.linear for m in self.modules() if isinstance(m, (Modulation, FinalNorm))]
-        pyramid_init(self, zeroed + [self.proj_out])
-
-    def hidden_matrices(self) -> dict[str, tuple[int, ...]]:
-        """Hidden 2-D matrices (for Muon) -> row splits: q/k/v/out projections and feed-forward weights
-        of every block (each its own matrix). Embedders, modulation linears, the output layer, norms and
-        biases go to AdamW."""
-        return hidden_linears(self, ("transformer_blocks", "single_transformer_blocks"))
-
-    def fsdp_blocks(self) -> list[nn.Module]:
-        """Transformer blocks in forward order: the FSDP, activation-checkpointing and compile units."""
-        return [*self.transformer_blocks, *self.single_transformer_blocks]
-
-    def checkpointed_blocks(self) -> list[nn.Module]:
-        """Blocks the config's use_gradient_checkpointing / gradient_checkpointing_ratio select."""
-        if not self.config.use_gradient_checkpointing:
-            return []
-        ratio = self.config.gradient_checkpointing_ratio
-        return first_blocks(self.transformer_blocks, ratio) + first_blocks(self.single_transformer_blocks, ratio)
 
     def forward_flops(self, pack: PackInfo) -> int:
         """Exact matmul + attention FLOPs of one forward over the whole pack (all cp ranks).
@@ -566,10 +598,6 @@ class PyramidFluxTransformer(nn.Module):
         c, d = self.config, self.config.hidden_size
         nv, nt, b = sum(pack.video_lens), sum(pack.text_lens), pack.num_samples
         attention = attention_flops(pack, d, attention_backend(self))
-        flops = 2 * b * (TIMESTEP_FEATURES * d + d * d + c.pooled_projection_dim * d + d * d)   # temb
-        flops += 2 * nt * c.joint_attention_dim * d + 2 * nv * c.in_channels * d              # embedders
-        flops += c.num_layers * joint_block_flops(d, nv, nt, b, attention, context_pre_only=False)
+        flops = c.num_layers * joint_block_flops(d, nv, nt, b, attention, context_pre_only=False)
         single = 2 * (nv + nt) * (3 * d * d + 4 * d * d + 5 * d * d) + 2 * b * d * 3 * d + attention
-        flops += c.num_single_layers * single
-        flops += 2 * b * d * 2 * d + 2 * nv * d * c.patch_size ** 2 * c.in_channels           # output
-        return flops
+        return self.edge_flops(pack) + flops + c.num_single_layers * single

@@ -27,12 +27,10 @@ from torch import Tensor, nn
 
 from pan.config.core import ConfigError, knob
 from pan.models.attention import set_attention_backend
-from pan.models.layers import Samples
-from pan.models.packing import PackInfo, SampleLayout, patchify
-from pan.models.pyramid_flux import (ROPE_THETA, TIMESTEP_FEATURES, FinalNorm, JointAttention, JointBlock,
-                                     Modulation, PyramidRuntimeKeys, TimeTextEmbedding, attention_backend,
-                                     attention_flops, check_layouts, first_blocks, hidden_linears,
-                                     joint_block_flops, joint_positions, pyramid_init, pyramid_sample_layout)
+from pan.models.packing import PackInfo, patchify
+from pan.models.pyramid_flux import (ROPE_THETA, FinalNorm, JointAttention, JointBlock, PyramidDiT,
+                                     PyramidRuntimeKeys, TimeTextEmbedding, attention_backend, attention_flops,
+                                     joint_block_flops, joint_positions)
 from pan.models.rope import rope_frequencies
 
 
@@ -161,7 +159,7 @@ class MMDiTAttention(JointAttention):
     CONTEXT_NORMS: ClassVar[tuple[str, str]] = ("norm_add_q", "norm_add_k")
 
 
-class PyramidMMDiT(nn.Module):
+class PyramidMMDiT(PyramidDiT):
     """Pyramid-Flow's SD3-MMDiT on packed video + caption tokens.
 
     Build on the meta device, parallelize from outside, then `to_empty` and `init_weights()`; or
@@ -169,6 +167,7 @@ class PyramidMMDiT(nn.Module):
     """
     RELEASED_CLASS_NAME: ClassVar[str] = "PyramidDiffusionMMDiT"
     config_class: ClassVar[type] = PyramidMMDiTConfig
+    BLOCK_LISTS: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
 
     def __init__(self, config: PyramidMMDiTConfig):
         super().__init__()
@@ -187,10 +186,6 @@ class PyramidMMDiT(nn.Module):
         set_attention_backend(self, "auto" if c.use_flash_attn else "sdpa")
         if self.proj_out.weight.device.type != "meta":
             self.init_weights()
-
-    @property
-    def num_attention_heads(self) -> int:
-        return self.config.num_attention_heads
 
     @property
     def latent_channels(self) -> int:
@@ -227,11 +222,6 @@ class PyramidMMDiT(nn.Module):
         x = latent.reshape(c, t, h // p, p, w // p, p).permute(1, 2, 4, 3, 5, 0)
         return x.reshape(t * (h // p) * (w // p), p * p * c)
 
-    def sample_layout(self, grids, text_len: int) -> SampleLayout:
-        """The layout this model trains on: clips oldest first (post-patch grids), last one trained."""
-        return pyramid_sample_layout(grids, text_len, self.config.use_temporal_causal,
-                                     self.config.interp_condition_pos)
-
     # --------------------------------------------------------------------------------------------
     # Forward
     # --------------------------------------------------------------------------------------------
@@ -240,44 +230,24 @@ class PyramidMMDiT(nn.Module):
         """x [Nv, C*p*p] patch tokens, timesteps [B] (0..1000), text [Nt, joint_attention_dim] (valid
         caption rows only), pooled [B, pooled_projection_dim] -> [Nv, C*p*p]."""
         c = self.config
-        check_layouts(pack, c.use_temporal_causal, c.interp_condition_pos)
-        temb_act = F.silu(self.time_text_embed(timesteps, pooled))                  # [B, D]
+        temb_act = self.conditioning(timesteps, pooled, pack)                        # [B, D]
         vid = self.pos_embed(x, pack)                                                # [Nv, D]
         txt = self.context_embedder(text)                                            # [Nt, D]
         frames = joint_positions(pack)[:, :1]                                        # [L, 1] (t only)
         rope = rope_frequencies(frames, [c.attention_head_dim], ROPE_THETA, 1.0)     # [L, d/2]
         for block in self.transformer_blocks:
             vid, txt = block(vid, txt, temb_act, rope, pack)
-        out = self.norm_out(vid, temb_act, Samples.of(lambda: pack.video_counts, pack.video_sample))
-        return self.proj_out(out)                                                    # [Nv, C*p*p]
+        return self.output(vid, temb_act, pack)                                      # [Nv, C*p*p]
 
     # --------------------------------------------------------------------------------------------
-    # Init, optimizer split, parallel units, FLOPs
+    # Init, FLOPs
     # --------------------------------------------------------------------------------------------
 
     @torch.no_grad()
     def init_weights(self) -> None:
         """The original's init (zeroed AdaLN modulation and output), and the sin-cos table."""
-        zeroed = [m.linear for m in self.modules() if isinstance(m, (Modulation, FinalNorm))]
-        pyramid_init(self, zeroed + [self.proj_out])
+        super().init_weights()
         self.pos_embed.reset_parameters()
-
-    def hidden_matrices(self) -> dict[str, tuple[int, ...]]:
-        """Hidden 2-D matrices (for Muon) -> row splits: q/k/v/out projections and feed-forward weights
-        of every block (each its own matrix). The last block's add_q_proj is listed although its
-        output is never used (its gradient is 0), as in the original."""
-        return hidden_linears(self, ("transformer_blocks",))
-
-    def fsdp_blocks(self) -> list[nn.Module]:
-        """Transformer blocks in forward order: the FSDP, activation-checkpointing and compile units."""
-        return list(self.transformer_blocks)
-
-    def checkpointed_blocks(self) -> list[nn.Module]:
-        """Blocks the config's use_gradient_checkpointing / gradient_checkpointing_ratio select (the
-        first ones; the original takes the last ones here: quirk M5)."""
-        if not self.config.use_gradient_checkpointing:
-            return []
-        return first_blocks(self.transformer_blocks, self.config.gradient_checkpointing_ratio)
 
     def forward_flops(self, pack: PackInfo) -> int:
         """Exact matmul + attention FLOPs of one forward over the whole pack (all cp ranks), counted as
@@ -285,9 +255,6 @@ class PyramidMMDiT(nn.Module):
         c, d = self.config, self.config.hidden_size
         nv, nt, b = sum(pack.video_lens), sum(pack.text_lens), pack.num_samples
         attention = attention_flops(pack, d, attention_backend(self))
-        flops = 2 * b * (TIMESTEP_FEATURES * d + d * d + c.pooled_projection_dim * d + d * d)   # temb
-        flops += 2 * nt * c.joint_attention_dim * d + 2 * nv * c.in_channels * c.patch_size ** 2 * d
-        flops += sum(joint_block_flops(d, nv, nt, b, attention, context_pre_only=i == c.num_layers - 1)
-                     for i in range(c.num_layers))
-        flops += 2 * b * d * 2 * d + 2 * nv * d * c.patch_size ** 2 * c.in_channels           # output
-        return flops
+        return self.edge_flops(pack) + sum(
+            joint_block_flops(d, nv, nt, b, attention, context_pre_only=i == c.num_layers - 1)
+            for i in range(c.num_layers))

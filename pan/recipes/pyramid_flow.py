@@ -11,11 +11,14 @@ Models (`model_name`): the released Pyramid-Flow DiTs `pyramid_flux` (miniFLUX) 
 (SD3), loaded from `model_path`/`model_variant` as released and exported back to that layout; or
 `pan` (PanVideoDiffusionTransformer from `transformer_config_overrides`): the method is not tied to
 one architecture. Text: the released T5 + CLIP encoders (`pan.encoders.pyramid_text`) online, or the
-precomputed `text_fea` files of Pyramid-Flow annotations.
+precomputed `text_fea` files of Pyramid-Flow annotations (then the encoders are not loaded at all,
+see `PyramidTask.load_encoders`). `PyramidTask` is what this recipe and the autoregressive one
+(`pan.recipes.pyramid_flow_ar`) share on the loop.
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
 import random
@@ -34,7 +37,7 @@ from pan.data.config import DataConfig
 from pan.diffusion.flow import FlowConfig
 from pan.diffusion.pyramid import (GeneratorDraws, PyramidConfig, PyramidSchedule, column_stages,
                                    denormalize_latent, latent_pyramid, noise_sample, normalize_latent)
-from pan.encoders.pyramid_text import PyramidTextConfig, TextFeatures
+from pan.encoders.pyramid_text import PyramidTextConfig, PyramidTextEncoder, TextFeatures
 from pan.encoders.vae import VAEConfig
 from pan.metrics import MetricsConfig
 from pan.models.attention import ATTENTION_BACKENDS, set_attention_backend
@@ -74,6 +77,13 @@ class PyramidModelConfig:
               "config.json value (true as released; pan model: true)")
     transformer_config_overrides: PanDiTConfig = knob(
         PanDiTConfig(), "the architecture when model_name is pan (see the Pan recipe's keys)")
+
+    # Keys that override the variant's config.json of the same name when set (null: the variant's).
+    SWITCHES: ClassVar[tuple[str, ...]] = ("use_temporal_causal",)
+
+    def switches(self) -> dict[str, bool]:
+        """The variant's config.json values this run replaces: the DiT trains, and exports, with them."""
+        return {key: getattr(self, key) for key in self.SWITCHES if getattr(self, key) is not None}
 
     def check(self, job) -> None:
         require(self.attention_backend is None or self.attention_backend in ATTENTION_BACKENDS,
@@ -180,22 +190,20 @@ def dit_config(cfg: PyramidModelConfig):
         raise ConfigError("model_name", f"is {cfg.model_name} ({cls.RELEASED_CLASS_NAME}), but "
                           f"{variant_folder(cfg)} holds another architecture: set model_name: {other}, "
                           "or point model_path / model_variant at a folder of this one.") from None
-    if cfg.use_temporal_causal is not None:
-        config = dataclasses.replace(config, use_temporal_causal=cfg.use_temporal_causal)
-    return config
+    return dataclasses.replace(config, **cfg.switches())
 
 
 class PanForPyramid(nn.Module):
     """PanVideoDiffusionTransformer with the interface of the released Pyramid-Flow DiTs: timesteps
     on the 0..1000 scale (pan's model takes sigma in [0, 1]); no pooled text (Pan has none)."""
 
-    def __init__(self, config: PanDiTConfig, use_temporal_causal: bool):
+    def __init__(self, config: PanDiTConfig, use_temporal_causal: bool, interp_condition_pos: bool):
         super().__init__()
         from pan.models.pan_dit import PanVideoDiffusionTransformer
 
         self.dit = PanVideoDiffusionTransformer(config, zero_init_modulation=True)
         self.patch = tuple(config.patch_size)
-        self.rule = "block_causal" if use_temporal_causal else "full"
+        self.use_temporal_causal, self.interp_condition_pos = use_temporal_causal, interp_condition_pos
 
     @property
     def num_attention_heads(self) -> int:
@@ -217,9 +225,8 @@ class PanForPyramid(nn.Module):
         return unpatchify(tokens, grid, self.patch)
 
     def sample_layout(self, grids, text_len: int) -> SampleLayout:
-        return SampleLayout.stacked(grids, text_len, ref_hw=tuple(grids[-1][1:]),
-                                    trained=tuple(i == len(grids) - 1 for i in range(len(grids))),
-                                    attention=self.rule)
+        from pan.models.pyramid_flux import pyramid_sample_layout
+        return pyramid_sample_layout(grids, text_len, self.use_temporal_causal, self.interp_condition_pos)
 
     def forward(self, x: Tensor, timesteps: Tensor, text: Tensor, pooled: Tensor, pack: PackInfo) -> Tensor:
         return self.dit(x, timesteps / 1000.0, text, pack)
@@ -241,9 +248,9 @@ def build_dit(job: PyramidJobConfig) -> nn.Module:
     """The DiT on the meta device (the trainer initialises it, or loads its released weights)."""
     m = job.model
     with torch.device("meta"):
-        if m.model_name == "pan":
-            causal = True if m.use_temporal_causal is None else m.use_temporal_causal
-            model = PanForPyramid(m.transformer_config_overrides, causal)
+        if m.model_name == "pan":  # the released models' switches, on unless the run says otherwise
+            switches = {"use_temporal_causal": True, "interp_condition_pos": True} | m.switches()
+            model = PanForPyramid(m.transformer_config_overrides, **switches)
         else:
             # The run's enable_gradient_checkpointing decides whether blocks are checkpointed (the
             # variant's use_gradient_checkpointing was the original's command-line flag); the
@@ -288,8 +295,11 @@ class PyramidInputs:
         return dataclasses.replace(self, pack=self.pack.to(device), **moved)
 
 
-class PyramidFlowTask(Task):
-    """The full-sequence spatial-pyramid recipe on the one loop (see the module docstring)."""
+class PyramidTask(Task):
+    """What both Pyramid-Flow recipes share on the one loop: the DiT (on meta here: shapes and token
+    rules), the frozen encoders, the stage rotation, latents and captions as samples carry them, the
+    loss, and validation samples. `PyramidFlowTask` trains whole clips; the autoregressive recipe's
+    task (`pan.recipes.pyramid_flow_ar`) one unit of each."""
 
     def __init__(self, job: PyramidJobConfig, world, dims, cp=None):
         from pan.encoders.vae import vae_geometry
@@ -300,13 +310,22 @@ class PyramidFlowTask(Task):
         self.schedule = PyramidSchedule(job.pyramid)
         self.geometry = vae_geometry(job.vae)
         self.column_stages = column_stages(job.pyramid.sample_ratios)
-        seed = job.trainer.seed * 100003 + self.dp_rank
-        self.generator = torch.Generator().manual_seed(seed)  # noise and table indices
-        self.rng = random.Random(seed)                        # caption dropout
-        self.stage_slot = self.dp_rank                        # where this rank is in the stage rotation
-        self.text_encoder = self.vae = self.empty = None
+        self.stage_slot = self.data_share()[0]   # where this rank's samples start in the stage rotation
+        self.vae = self.empty = self._text_encoder = None
         self.bad_samples = 0
         self.model = build_dit(job)  # meta: shapes and token rules only
+
+    @abc.abstractmethod
+    def data_share(self) -> tuple[int, int]:
+        """(index, count) of the data share this rank reads."""
+
+    @abc.abstractmethod
+    def latent_tokens_of(self, t: int, h: int, w: int) -> int:
+        """Budgeted tokens of a sample whose full-resolution latent is (t, h, w)."""
+
+    @abc.abstractmethod
+    def sample_clips(self, model: nn.Module, prompts: list[str], seed: int) -> list[Tensor]:
+        """Validation videos, one per prompt: decoded frames [T, 3, H, W] in [-1, 1]."""
 
     # -- what gets built ---------------------------------------------------------------------------
     def part_specs(self) -> list[PartSpec]:
@@ -314,29 +333,54 @@ class PyramidFlowTask(Task):
         return [PartSpec("transformer", lambda: build_dit(self.job), self.job.optim, pretrained=pretrained)]
 
     def load_encoders(self) -> None:
+        """The VAE and the empty caption's features. The text encoders load where a caption is
+        encoded (`text_encoder`): not at all in a run whose rows all carry precomputed `text_fea`
+        beside a precomputed empty caption, so that no T5 sits on the GPU for nothing."""
         if not self.reads_data:
             return
-        from pan.encoders.pyramid_text import build_text_encoder
         from pan.encoders.vae import build_vae
 
-        m = self.job.model
-        name = "pyramid_flux" if m.model_name == "pan" else m.model_name
-        self.text_encoder = build_text_encoder(self.job.text, name, m.model_path or "", self.world.device)
         self.vae = build_vae(self.job.vae, device=self.world.device)
-        self.empty = self.text_encoder.empty_features()
+        self.empty = self.empty_caption()
+
+    @property
+    def text_encoder(self) -> PyramidTextEncoder:
+        """The released T5 + CLIP encoders, loaded at their first use."""
+        if self._text_encoder is None:
+            from pan.encoders.pyramid_text import build_text_encoder
+
+            m = self.job.model
+            name = "pyramid_flux" if m.model_name == "pan" else m.model_name
+            self._text_encoder = build_text_encoder(self.job.text, name, m.model_path or "", self.world.device)
+        return self._text_encoder
+
+    def encodes_captions(self) -> bool:
+        """Whether training encodes captions: validation prompts, rows of video CSVs and image tars,
+        annotation rows without a `text_fea` (a text search: rows are parsed only when read)."""
+        from pan.data.sources import read_annotations
+
+        data = self.job.data
+        if self.job.validation.validation_interval or data.video_csv_paths or data.image_tar_paths:
+            return True
+        return any(b'"text_fea"' not in row for path in data.annotation_paths
+                   for row in read_annotations(path).rows)
+
+    def empty_caption(self) -> TextFeatures:
+        """The empty caption's features (caption dropout, guidance): the text encoders' where training
+        encodes captions anyway; else `text_fea/empty.pt` as `pan data precompute` writes it beside
+        its annotation files (the first found); else the encoders' after all (the original's tools
+        write no such file)."""
+        from pan.data.precompute import EMPTY_TEXT_FEA
+        from pan.encoders.pyramid_text import load_features
+
+        if not self.encodes_captions():
+            for path in self.job.data.annotation_paths:
+                saved = Path(path).parent / EMPTY_TEXT_FEA
+                if saved.is_file():
+                    return load_features(saved).to(self.world.device)
+        return self.text_encoder.empty_features()
 
     # -- data --------------------------------------------------------------------------------------
-    def stage_cost(self) -> float:
-        """Expected share of a full-resolution sample's tokens a sample costs: the stages follow
-        sample_ratios, and stage k has 1/4^(stages-1-k) of the tokens."""
-        s = self.job.pyramid.stages
-        return sum(4.0 ** -(s - 1 - k) for k in self.column_stages) / len(self.column_stages)
-
-    def latent_tokens_of(self, t: int, h: int, w: int) -> int:
-        """Budgeted tokens of a sample whose full-resolution latent is (t, h, w)."""
-        gt, gh, gw = self.model.patch_grid((0, t, h, w))
-        return max(1, math.ceil(gt * gh * gw * self.stage_cost()))
-
     def tokens_of(self, num_frames: int, height: int, width: int) -> int:
         _, t, h, w = self.geometry.latent_shape(num_frames, height, width)
         return self.latent_tokens_of(t, h, w)
@@ -344,9 +388,9 @@ class PyramidFlowTask(Task):
     def build_loader(self, dims):
         from pan.data.loader import build_data_loader
 
-        return build_data_loader(self.job.data, tokens_of=self.tokens_of, dp_rank=self.dp_rank,
-                                 dp_size=dims.dp, seed=self.job.trainer.seed,
-                                 latent_tokens_of=self.latent_tokens_of)
+        rank, size = self.data_share()
+        return build_data_loader(self.job.data, tokens_of=self.tokens_of, dp_rank=rank, dp_size=size,
+                                 seed=self.job.trainer.seed, latent_tokens_of=self.latent_tokens_of)
 
     def raw_latent(self, sample) -> Tensor:
         """The sample's latent as the VAE gives it (not normalised) [C, T, H, W], fp32."""
@@ -358,31 +402,110 @@ class PyramidFlowTask(Task):
         with torch.no_grad():
             return self.vae.unnormalize(self.vae.encode(frames))
 
-    def text_features(self, samples, drop: bool) -> list[TextFeatures]:
+    def caption_features(self, samples) -> list[TextFeatures]:
+        """Each sample's precomputed text features, or its caption encoded (before any CFG drop)."""
         feats: list = [None] * len(samples)
-        need = []
         for i, s in enumerate(samples):
             pre = getattr(s, "text_features", None)
             if pre is not None:
                 feats[i] = TextFeatures(pre["prompt_embed"], pre["prompt_attention_mask"],
                                         pre["pooled_prompt_embed"])
-            else:
-                need.append(i)
+        need = [i for i, f in enumerate(feats) if f is None]
         if need:
             for i, f in zip(need, self.text_encoder.encode([samples[i].caption for i in need])):
                 feats[i] = f
-        p = self.job.tasks.cfg_drop_prob if drop else 0.0
-        return [(self.empty if self.rng.random() < p else f).to(self.world.device) for f in feats]
+        return [f.to(self.world.device) for f in feats]
 
     def next_stages(self, n: int) -> list[int]:
         stages = [self.column_stages[(self.stage_slot + i) % len(self.column_stages)] for i in range(n)]
         self.stage_slot += n
         return stages
 
+    # -- the loss ----------------------------------------------------------------------------------
+    def loss_sum(self, model, inputs: PyramidInputs) -> Tensor:
+        """Sum over this rank's rows of each sample's squared errors / its values: summed over ranks
+        and divided by the sample count, the mean of per-sample MSEs (the original's loss)."""
+        pred = model(inputs.x, inputs.timesteps, inputs.text, inputs.pooled, inputs.pack)
+        return ((pred.float() - inputs.target).square().sum(dim=1) * inputs.weight).sum()
+
+    def loss_count(self, inputs: PyramidInputs) -> float:
+        return float(inputs.samples)
+
+    def batch_stats(self, batches: list[PyramidInputs]) -> dict:
+        flops = sum(3 * self.model.forward_flops(b.pack) for b in batches) / self.dims.cp
+        return {"samples": sum(b.samples for b in batches), "tokens": sum(b.tokens for b in batches),
+                "flops": flops, "bad_samples": batches[-1].bad_samples,
+                "packing": sum(b.packing for b in batches) / len(batches)}
+
+    # -- validation --------------------------------------------------------------------------------
+    def wants_validation(self, step: int) -> bool:
+        interval = self.job.validation.validation_interval
+        return bool(interval) and step % interval == 0
+
+    @torch.no_grad()
+    def validate(self, parts, step: int, output_dir) -> dict:
+        self.write_samples(parts["transformer"].model, self.job.validation.validation_prompts,
+                           Path(output_dir) / "samples" / f"step-{step:08d}", seed=self.job.trainer.seed)
+        return {}
+
+    def write_samples(self, model: nn.Module, prompts: list[str], out_dir: Path, *, seed: int) -> list[Path]:
+        """Validation samples: the ranks holding the encoders compute, the main rank writes each one
+        as MP4, GIF and its prompt."""
+        from pan.media import to_uint8_frames, write_gif, write_mp4
+
+        if not self.reads_data:
+            return []
+        was_training = model.training
+        model.eval()
+        try:
+            videos = self.sample_clips(model, prompts, seed)
+        finally:
+            model.train(was_training)
+        written, fps = [], self.job.validation.sample_fps
+        if self.world.is_main:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            for i, (prompt, video) in enumerate(zip(prompts, videos)):
+                frames = to_uint8_frames(video)
+                write_mp4(out_dir / f"{i:02d}.mp4", frames, fps=fps)
+                write_gif(out_dir / f"{i:02d}.gif", frames, fps=fps)
+                (out_dir / f"{i:02d}.txt").write_text(prompt + "\n")
+                written.append(out_dir / f"{i:02d}.mp4")
+        return written
+
+
+class PyramidFlowTask(PyramidTask):
+    """The full-sequence spatial-pyramid recipe on the one loop (see the module docstring)."""
+
+    def __init__(self, job: PyramidJobConfig, world, dims, cp=None):
+        super().__init__(job, world, dims, cp)
+        seed = job.trainer.seed * 100003 + self.dp_rank
+        self.generator = torch.Generator().manual_seed(seed)  # noise and table indices
+        self.rng = random.Random(seed)                        # caption dropout
+
+    def data_share(self) -> tuple[int, int]:
+        return self.dp_rank, self.dims.dp
+
+    # -- data --------------------------------------------------------------------------------------
+    def stage_cost(self) -> float:
+        """Expected share of a full-resolution sample's tokens a sample costs: the stages follow
+        sample_ratios, and stage k has 1/4^(stages-1-k) of the tokens."""
+        s = self.job.pyramid.stages
+        return sum(4.0 ** -(s - 1 - k) for k in self.column_stages) / len(self.column_stages)
+
+    def latent_tokens_of(self, t: int, h: int, w: int) -> int:
+        gt, gh, gw = self.model.patch_grid((0, t, h, w))
+        return max(1, math.ceil(gt * gh * gw * self.stage_cost()))
+
+    def dropped_captions(self, samples) -> list[TextFeatures]:
+        """Each sample's caption features, the empty caption's instead with probability cfg_drop_prob."""
+        p = self.job.tasks.cfg_drop_prob
+        return [self.empty.to(self.world.device) if self.rng.random() < p else f
+                for f in self.caption_features(samples)]
+
     def prepare(self, batch) -> PyramidInputs:
         """Raw packed batch -> each sample noised at its stage, as tokens, with its layout."""
         samples = batch.samples
-        feats = self.text_features(samples, drop=True)
+        feats = self.dropped_captions(samples)
         draws = GeneratorDraws(self.generator)
         xs, targets, weights, timesteps, layouts = [], [], [], [], []
         for sample, stage in zip(samples, self.next_stages(len(samples))):
@@ -416,33 +539,11 @@ class PyramidFlowTask(Task):
             inputs = self.cp.distribute(inputs)
         return inputs.to(self.world.device), waited
 
-    # -- the loss ----------------------------------------------------------------------------------
-    def loss_sum(self, model, inputs: PyramidInputs) -> Tensor:
-        """Sum over this rank's rows of each sample's squared errors / its values: summed over ranks
-        and divided by the sample count, the mean of per-sample MSEs (the original's loss)."""
-        pred = model(inputs.x, inputs.timesteps, inputs.text, inputs.pooled, inputs.pack)
-        return ((pred.float() - inputs.target).square().sum(dim=1) * inputs.weight).sum()
-
-    def loss_count(self, inputs: PyramidInputs) -> float:
-        return float(inputs.samples)
-
-    def batch_stats(self, batches: list[PyramidInputs]) -> dict:
-        flops = sum(3 * self.model.forward_flops(b.pack) for b in batches) / self.dims.cp
-        return {"samples": sum(b.samples for b in batches), "tokens": sum(b.tokens for b in batches),
-                "flops": flops, "bad_samples": batches[-1].bad_samples,
-                "packing": sum(b.packing for b in batches) / len(batches)}
-
-    # -- validation --------------------------------------------------------------------------------
-    def wants_validation(self, step: int) -> bool:
-        interval = self.job.validation.validation_interval
-        return bool(interval) and step % interval == 0
-
-    @torch.no_grad()
-    def validate(self, parts, step: int, output_dir) -> dict:
-        out_dir = Path(output_dir) / "samples" / f"step-{step:08d}"
-        write_samples(self, parts["transformer"].model, self.job.validation.validation_prompts, out_dir,
-                      seed=self.job.trainer.seed)
-        return {}
+    def sample_clips(self, model: nn.Module, prompts: list[str], seed: int) -> list[Tensor]:
+        v = self.job.validation
+        return sample_videos(self, model, prompts, num_frames=v.sample_num_frames, height=v.sample_height,
+                             width=v.sample_width, steps=v.sample_steps, guidance_scale=v.sample_guidance_scale,
+                             seed=seed)
 
     # -- checkpoint --------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -495,34 +596,6 @@ def sample_videos(task: PyramidFlowTask, model: nn.Module, prompts: list[str], *
         raw = denormalize_latent(latent, task.job.pyramid)[0]
         videos.append(task.vae.decode(task.vae.normalize(raw)))
     return videos
-
-
-def write_samples(task: PyramidFlowTask, model: nn.Module, prompts: list[str], out_dir: Path, *,
-                  seed: int) -> list[Path]:
-    """Validation samples: every rank computes (sharded models need all), the main rank writes."""
-    from pan.media import to_uint8_frames, write_gif, write_mp4
-
-    v = task.job.validation
-    if not task.reads_data:  # the sampler runs on the ranks that hold the encoders
-        return []
-    was_training = model.training
-    model.eval()
-    try:
-        videos = sample_videos(task, model, prompts, num_frames=v.sample_num_frames, height=v.sample_height,
-                               width=v.sample_width, steps=v.sample_steps,
-                               guidance_scale=v.sample_guidance_scale, seed=seed)
-    finally:
-        model.train(was_training)
-    written = []
-    if task.world.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for i, (prompt, video) in enumerate(zip(prompts, videos)):
-            frames = to_uint8_frames(video)
-            write_mp4(out_dir / f"{i:02d}.mp4", frames, fps=v.sample_fps)
-            write_gif(out_dir / f"{i:02d}.gif", frames, fps=v.sample_fps)
-            (out_dir / f"{i:02d}.txt").write_text(prompt + "\n")
-            written.append(out_dir / f"{i:02d}.mp4")
-    return written
 
 
 def export_released(ckpt_dir: Path, out_dir: Path, *, ema: bool = False) -> Path:

@@ -45,18 +45,15 @@ import torch
 from torch import Tensor, nn
 
 from pan.config.core import ConfigError, knob, require
-from pan.diffusion.pyramid import (Draws, GeneratorDraws, NoisedColumn, PyramidSchedule, column_stages,
-                                   denormalize_latent, history_spans, latent_pyramid, noise_unit,
-                                   normalize_latent, stage_unit_counts, unit_frames)
+from pan.diffusion.pyramid import (Draws, GeneratorDraws, NoisedColumn, denormalize_latent, history_spans,
+                                   latent_pyramid, noise_unit, normalize_latent, stage_unit_counts,
+                                   unit_frames)
 from pan.encoders.pyramid_text import TextFeatures
-from pan.models.attention import set_attention_backend
-from pan.models.packing import PackInfo, SampleLayout
-from pan.models.pan_dit import PanDiTConfig
+from pan.models.packing import PackInfo
 from pan.recipes import Recipe
-from pan.recipes.contract import PartSpec, StepContext, global_sum
-from pan.recipes.pyramid_flow import (PanForPyramid, PyramidFlowTask, PyramidInputs, PyramidJobConfig,
-                                      PyramidModelConfig, PyramidValidationConfig, dit_class, dit_config,
-                                      released_weights)
+from pan.recipes.contract import StepContext, global_sum
+from pan.recipes.pyramid_flow import (PyramidInputs, PyramidJobConfig, PyramidModelConfig, PyramidTask,
+                                      PyramidValidationConfig, build_dit)
 
 # Template values left in a run YAML (the original's `/PATH/...`, `/path/to/...`, `<...>`).
 PLACEHOLDER_MARKS = ("/PATH/", "/path/to/", "<")
@@ -72,6 +69,8 @@ class PyramidARModelConfig(PyramidModelConfig):
         None, "history clips take RoPE h/w positions interpolated onto the trained unit's grid "
               "(false: each clip's own integer grid); null = the variant's config.json value (true "
               "as released; pan model: true)")
+
+    SWITCHES: ClassVar[tuple[str, ...]] = ("use_temporal_causal", "interp_condition_pos")
 
     def check(self, job) -> None:
         path = self.model_path or ""
@@ -153,50 +152,6 @@ def window_units(job) -> int:
 
 
 # ------------------------------------------------------------------------------------------------
-# The DiT, with the recipe's interp_condition_pos / use_temporal_causal
-# ------------------------------------------------------------------------------------------------
-
-def ar_dit_config(job: PyramidARJobConfig):
-    """The variant's config.json with the run's switches: use_temporal_causal and
-    interp_condition_pos when set, and enable_gradient_checkpointing deciding whether blocks are
-    checkpointed (the variant's ratio says which), as the full-sequence recipe's `build_dit`."""
-    m = job.model
-    config = dataclasses.replace(dit_config(m),
-                                 use_gradient_checkpointing=job.parallel.enable_gradient_checkpointing)
-    if m.interp_condition_pos is not None:
-        config = dataclasses.replace(config, interp_condition_pos=m.interp_condition_pos)
-    return config
-
-
-class PanForPyramidAR(PanForPyramid):
-    """PanForPyramid whose history positions follow interp_condition_pos."""
-
-    def __init__(self, config: PanDiTConfig, use_temporal_causal: bool, interp_condition_pos: bool):
-        super().__init__(config, use_temporal_causal)
-        self.interp = interp_condition_pos
-
-    def sample_layout(self, grids, text_len: int) -> SampleLayout:
-        return SampleLayout.stacked(grids, text_len, ref_hw=tuple(grids[-1][1:]) if self.interp else None,
-                                    trained=tuple(i == len(grids) - 1 for i in range(len(grids))),
-                                    attention=self.rule)
-
-
-def build_ar_dit(job: PyramidARJobConfig) -> nn.Module:
-    """The DiT on the meta device (the trainer loads its released weights or initialises it)."""
-    m = job.model
-    with torch.device("meta"):
-        if m.model_name == "pan":
-            model = PanForPyramidAR(m.transformer_config_overrides,
-                                    True if m.use_temporal_causal is None else m.use_temporal_causal,
-                                    True if m.interp_condition_pos is None else m.interp_condition_pos)
-        else:
-            model = dit_class(m.model_name)(ar_dit_config(job))
-    if m.attention_backend is not None:
-        set_attention_backend(model, m.attention_backend)
-    return model
-
-
-# ------------------------------------------------------------------------------------------------
 # Sync groups: which videos a rank reads and which unit positions its micro-batches train
 # ------------------------------------------------------------------------------------------------
 
@@ -274,36 +229,26 @@ def unit_inputs(model: nn.Module, samples: list[UnitSample], device) -> PyramidI
         samples=len(trained), tokens=sum(x.shape[0] for x in xs), packing=0.0, bad_samples=0)
 
 
-class PyramidFlowARTask(PyramidFlowTask):
+class PyramidFlowARTask(PyramidTask):
     """The autoregressive temporal-pyramid recipe on the one loop (see the module docstring)."""
 
     def __init__(self, job: PyramidARJobConfig, world, dims, cp=None):
-        from pan.encoders.vae import vae_geometry
-
-        self.job, self.world, self.dims, self.cp = job, world, dims, cp
-        self.reads_data = cp is None or cp.rank == 0
-        self.dp_rank = dims.dp_rank_of(world.rank)
-        self.plan = SyncPlan.of(job.ar.video_sync_group, dims.dp, self.dp_rank,
+        # Refused before anything is built: ranks x micro-batches that cannot hold whole groups.
+        self.plan = SyncPlan.of(job.ar.video_sync_group, dims.dp, dims.dp_rank_of(world.rank),
                                 job.trainer.gradient_accumulation_steps)
-        self.schedule = PyramidSchedule(job.pyramid)
-        self.geometry = vae_geometry(job.vae)
-        self.column_stages = column_stages(job.pyramid.sample_ratios)
+        super().__init__(job, world, dims, cp)
         self.window, self.units_max = latent_window(job), window_units(job)
         seeds = [job.trainer.seed * 100003 + self.plan.virtual_rank(s) for s in self.plan.slots]
         self.generators = [torch.Generator().manual_seed(s) for s in seeds]   # noise, positions, history
         self.rngs = [random.Random(s) for s in seeds]                          # caption dropout
         self.batches = 0                            # batches each slot trained: the rotation counter
-        self.stage_slot = self.plan.loader_rank     # the group's place in the stage rotation
         self.slot_index = 0                         # which of this rank's slots the next micro-batch is
         self.held: list[HeldSample] = []
         self.held_packing = 0.0
-        self.text_encoder = self.vae = self.empty = None
-        self.bad_samples = 0
-        self.model = build_ar_dit(job)  # meta: shapes and token rules only
 
-    def part_specs(self) -> list[PartSpec]:
-        pretrained = None if self.job.model.model_name == "pan" else (lambda: released_weights(self.job))
-        return [PartSpec("transformer", lambda: build_ar_dit(self.job), self.job.optim, pretrained=pretrained)]
+    def data_share(self) -> tuple[int, int]:
+        # Every rank of a sync group reads the group's share: the same videos, by construction.
+        return self.plan.loader_rank, self.plan.loader_size
 
     # -- token budget ------------------------------------------------------------------------------
     @functools.lru_cache(maxsize=4096)  # noqa: B019 - the task lives as long as the run
@@ -327,18 +272,6 @@ class PyramidFlowARTask(PyramidFlowTask):
         history = sum(tokens(level, end - start) for level, start, end in spans)
         return history + tokens(stage, min(fpu, frames))
 
-    def tokens_of(self, num_frames: int, height: int, width: int) -> int:
-        _, t, h, w = self.geometry.latent_shape(num_frames, height, width)
-        return self.latent_tokens_of(t, h, w)
-
-    def build_loader(self, dims):
-        from pan.data.loader import build_data_loader
-
-        # Every rank of a sync group reads the group's share: the same videos, by construction.
-        return build_data_loader(self.job.data, tokens_of=self.tokens_of, dp_rank=self.plan.loader_rank,
-                                 dp_size=self.plan.loader_size, seed=self.job.trainer.seed,
-                                 latent_tokens_of=self.latent_tokens_of)
-
     # -- one micro-batch ---------------------------------------------------------------------------
     def hold(self, batch) -> None:
         """Take a new batch for this rank's slots: window-cut pyramids, stages, caption features."""
@@ -354,20 +287,6 @@ class PyramidFlowARTask(PyramidFlowTask):
                                         units, stage, text))
         self.held_packing = batch.packing_efficiency
         self.bad_samples += sum(batch.skipped.values())
-
-    def caption_features(self, samples) -> list[TextFeatures]:
-        """Each sample's precomputed text features, or its caption encoded (before any CFG drop)."""
-        feats: list = [None] * len(samples)
-        for i, s in enumerate(samples):
-            pre = getattr(s, "text_features", None)
-            if pre is not None:
-                feats[i] = TextFeatures(pre["prompt_embed"], pre["prompt_attention_mask"],
-                                        pre["pooled_prompt_embed"])
-        need = [i for i, f in enumerate(feats) if f is None]
-        if need:
-            for i, f in zip(need, self.text_encoder.encode([samples[i].caption for i in need])):
-                feats[i] = f
-        return [f.to(self.world.device) for f in feats]
 
     def slot_units(self, slot: int) -> list[int]:
         """The unit each stage's samples train in `slot` for the current batch (the rotation)."""
@@ -441,11 +360,11 @@ class PyramidFlowARTask(PyramidFlowTask):
         self.slot_index, self.bad_samples = state["slot_index"], state["bad_samples"]
 
     # -- validation --------------------------------------------------------------------------------
-    @torch.no_grad()
-    def validate(self, parts, step: int, output_dir) -> dict:
-        write_ar_samples(self, parts["transformer"].model, self.job.validation.validation_prompts,
-                         Path(output_dir) / "samples" / f"step-{step:08d}", seed=self.job.trainer.seed)
-        return {}
+    def sample_clips(self, model: nn.Module, prompts: list[str], seed: int) -> list[Tensor]:
+        v = self.job.validation
+        return [decode(self, sample_ar_latent(self, model, prompt, num_frames=v.sample_num_frames,
+                                              height=v.sample_height, width=v.sample_width, seed=seed + i))
+                for i, prompt in enumerate(prompts)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -507,34 +426,6 @@ def decode(task: PyramidFlowARTask, latent: Tensor) -> Tensor:
     """Normalised latent [1, C, T, H, W] -> frames [T', 3, H', W'] in [-1, 1]."""
     raw = denormalize_latent(latent, task.job.pyramid)[0]
     return task.vae.decode(task.vae.normalize(raw))
-
-
-def write_ar_samples(task: PyramidFlowARTask, model: nn.Module, prompts: list[str], out_dir: Path, *,
-                     seed: int) -> list[Path]:
-    """Validation samples: the ranks holding the encoders compute, the main rank writes."""
-    from pan.media import to_uint8_frames, write_gif, write_mp4
-
-    v = task.job.validation
-    if not task.reads_data:
-        return []
-    was_training = model.training
-    model.eval()
-    try:
-        videos = [decode(task, sample_ar_latent(task, model, prompt, num_frames=v.sample_num_frames,
-                                                height=v.sample_height, width=v.sample_width, seed=seed + i))
-                  for i, prompt in enumerate(prompts)]
-    finally:
-        model.train(was_training)
-    written = []
-    if task.world.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for i, (prompt, video) in enumerate(zip(prompts, videos)):
-            frames = to_uint8_frames(video)
-            write_mp4(out_dir / f"{i:02d}.mp4", frames, fps=v.sample_fps)
-            write_gif(out_dir / f"{i:02d}.gif", frames, fps=v.sample_fps)
-            (out_dir / f"{i:02d}.txt").write_text(prompt + "\n")
-            written.append(out_dir / f"{i:02d}.mp4")
-    return written
 
 
 def context_latent(task: PyramidFlowARTask, path: str, *, frames: int, height: int, width: int) -> Tensor:
@@ -599,7 +490,7 @@ def sample_main(job: PyramidARJobConfig, argv: list[str]) -> int:
     task = PyramidFlowARTask(dataclasses.replace(job, ar=dataclasses.replace(job.ar, video_sync_group=1)),
                              world, dims)
     weights, _ = resolve_weights(args.checkpoint, args.ema)
-    model = build_ar_dit(job)
+    model = build_dit(job)
     model.to_empty(device="cpu")
     model.load_state_dict(weights)
     model.to(device).eval()
