@@ -166,7 +166,11 @@ class Trainer:
         """The recipe's step (forward, backward, update of every part), then the non-finite guard."""
         cfg = self.job.trainer
         ctx = StepContext(self.parts, self.state.step, cfg.dtype, self.world.device)
-        out = dict(self.task.train_step(ctx, micro_batches))
+        try:
+            out = dict(self.task.train_step(ctx, micro_batches))
+        except torch.OutOfMemoryError as e:
+            e.add_note(out_of_memory_advice(self.state.step + 1))
+            raise
         if ctx.finite:
             self.state.nonfinite_streak = 0
         else:
@@ -290,6 +294,14 @@ class Trainer:
     def checkpoint_parts(self) -> dict:
         """Everything a resume restores, by name (the checkpointer decides how each is stored)."""
         return {"parts": self.parts, "loader": self.loader, "train_state": self.state, "task": self.task}
+
+
+def out_of_memory_advice(step: int) -> str:
+    """What pan adds to torch's out-of-memory error: the keys that lower the peak."""
+    return (f"pan: out of memory in step {step}. `pan check --config <yaml> --explain-memory` estimates "
+            "the peak and what each change saves. Cheapest first: enable_gradient_checkpointing: true, "
+            "a smaller max_tokens_per_batch, a larger cp_size, hybrid_shard: false (shard over every "
+            "rank), precomputed text features (pan data precompute).")
 
 
 def build_part(spec: PartSpec, world, dims, mesh, job, warm_start, fresh: bool) -> Part:

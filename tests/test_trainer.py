@@ -100,6 +100,20 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path):
         trainer.train_step(batches)
 
 
+def test_out_of_memory_names_the_keys_that_lower_the_peak(tmp_path, monkeypatch):
+    trainer = build_trainer(tiny_job(tmp_path, "--max_steps", "10"))
+    batches, _ = trainer.next_micro_batches()
+
+    def no_memory(ctx, micro_batches):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    monkeypatch.setattr(trainer.task, "train_step", no_memory)
+    with pytest.raises(torch.OutOfMemoryError) as e:
+        trainer.train_step(batches)
+    advice = "\n".join(e.value.__notes__)
+    assert "out of memory in step 1" in advice and "--explain-memory" in advice
+    assert all(key in advice for key in ("enable_gradient_checkpointing", "max_tokens_per_batch", "cp_size"))
+
+
 @pytest.mark.parametrize("enabled", [True, False])
 def test_sigterm_is_recorded_only_while_the_loop_runs_and_only_if_enabled(enabled):
     before = signal.getsignal(signal.SIGTERM)

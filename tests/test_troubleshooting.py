@@ -96,6 +96,9 @@ SOURCE_FRAGMENTS = {
                          "load the model and optimizer and restart every data stream."],
     "lease-lost": ["another launch took over the lease of ",
                    "after step ", ": this run stopped without saving"],
+    # triggered in tests/test_trainer.py (a step that raises torch.OutOfMemoryError)
+    "out-of-memory": ["pan: out of memory in step ", ". `pan check --config <yaml> --explain-memory` estimates ",
+                      "the peak and"],
 }
 RUN_MESSAGES = {"skip", "bad-samples", "unreadable", "lease-held", "local-rank", "hybrid-nodes",
                 "gpus-visible"}
