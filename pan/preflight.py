@@ -517,17 +517,26 @@ def check_resume(ctx: Preflight) -> list[Row]:
     dp, restart = ctx.dims.dp, ctx.job.data.restart_data_on_dp_change
     layout_text = (f"{good.name} was written by {meta['dp_size']} data-parallel ranks (world "
                    f"{meta['world_size']}, cp {meta['cp_size']}); this layout has {dp}")
-    if meta["dp_size"] != dp and not restart:
-        rows.append(Row("resume", "fail", layout_text + ": the data cursors cannot be carried over.",
-                        f"launch with {meta['dp_size']} data-parallel ranks (world = dp x cp_size), "
-                        "or set restart_data_on_dp_change: true to restart the data streams."))
+    if meta["dp_size"] != dp and not restart:  # the Pan recipe's loader continues on any dp size
+        old_batch = meta["dp_size"] * meta.get("gradient_accumulation_steps", 1)
+        new_batch = dp * ctx.job.trainer.gradient_accumulation_steps
+        if old_batch == new_batch:
+            rows.append(Row("resume", "pass", layout_text + f": the data continues from every old rank's "
+                            f"cursor; the global batch is kept ({new_batch} micro-batches a step)."))
+        else:
+            keep = (f"set gradient_accumulation_steps: {old_batch // dp} to keep it"
+                    if old_batch % dp == 0 else "no whole gradient_accumulation_steps keeps it")
+            rows.append(Row("resume", "warn", layout_text + f": the data continues from every old rank's "
+                            f"cursor, but a step trains {new_batch} micro-batches instead of {old_batch}.",
+                            keep + " (the LR schedule continues by step)."))
     elif meta["dp_size"] != dp:
         rows.append(Row("resume", "warn", layout_text + ": the data streams restart "
                         "(restart_data_on_dp_change).", "keep the data-parallel size to continue the "
                         "data where it stopped."))
     stored = stored_shapes("checkpoint", good / layout.TRANSFORMER)
     model = ctx.model_shapes
-    differ = [f"{n} {stored.get(n)} vs model {s}" for n, s in model.items() if stored.get(n) != s]
+    differ = [f"{n} {stored[n]} vs model {s}" if n in stored else f"{n} not in the checkpoint"
+              for n, s in model.items() if stored.get(n) != s]
     if differ:
         rows.append(Row("resume", "fail", f"{good.name} holds another architecture: "
                         + "; ".join(differ[:5]) + ".", "use the architecture of the run in output_dir, "

@@ -11,8 +11,10 @@ every assertion below compares.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -294,3 +296,40 @@ def test_sigterm_stopped_run_trains_each_step_once_and_ends_bit_identical(runs, 
         for name in straight[part]:
             assert torch.equal(straight[part][name], resumed[part][name]), (part, name)
     assert straight["cursors"] == resumed["cursors"]
+
+
+def test_a_checkpoint_of_two_ranks_continues_on_one_without_repeating_a_sample(runs, tmp_path):
+    """Elastic resume: the dp2 run's checkpoint-8 continues on one process with twice the
+    accumulation (the same global batch). The one rank first trains what both old ranks left of
+    their unfinished epochs (their buffers included), in epoch order; model and optimizer reshard
+    through DCP; the loss goes on where the two-rank run's was."""
+    from pan.config import load_job_config
+    from pan.data.loader import unconsumed
+    from pan.logging import get_logger
+    from pan.trainer import build_trainer
+
+    if runs.dp_ranks != 2:  # (the cp2 layout's run has one data-parallel rank)
+        pytest.skip("continues the run of 2 data-parallel ranks")
+    out = tmp_path / "elastic"
+    shutil.copytree(runs.straight / "checkpoint-8", out / "checkpoint-8")
+    config = tiny_config(tmp_path / "elastic.yaml", runs.data_csv, out, {"cp_size": 1})
+    job = load_job_config(["--config", str(config), "--gradient_accumulation_steps", "2"], warn=lambda m: None)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    get_logger().addHandler(handler)
+    try:
+        trainer = build_trainer(job)
+        cursors = [json.loads((out / "checkpoint-8" / layout.DATALOADER / f"{r}.json").read_text()) for r in (0, 1)]
+        (name, order), = trainer.loader.planner.streams.items()
+        head = [f"{runs.data_csv.stem}:{index}" for _, index in unconsumed(order, cursors, name)]
+        assert [f"{runs.data_csv.stem}:{i}" for _, i in trainer.loader.planner.head[name]] == head
+        trainer.fit()
+    finally:
+        get_logger().removeHandler(handler)
+    assert any("the global batch is kept" in r.getMessage() for r in records)
+    new = [i for line in (out / "consumed" / "0.txt").read_text().splitlines() for i in line.split()[1:]]
+    assert new[:len(head)] == head[:len(new)]      # the old epochs first, in order, each sample once
+    reference = last_loss_per_step(logged_steps(runs.straight))
+    for step, loss in last_loss_per_step(logged_steps(out)).items():
+        assert 0.5 * reference[step] < loss < 2 * reference[step], (step, loss, reference[step])

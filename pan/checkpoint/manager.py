@@ -156,14 +156,21 @@ class Checkpointer:
     """Writes and resumes `output_dir/checkpoint-N/` (layout in pan/checkpoint/dcp.py).
 
     Every method is collective: all ranks call it together, and all ranks take the same decision.
-    `restart_data_on_dp_change` is the data config's key: without it a resume with another number
-    of data-parallel ranks is refused, with it the data streams restart (model and optimizer load).
+    A resume with another number of data-parallel ranks continues the data where every old rank
+    left it when the recipe's loader can (`elastic_data`: `PackedLoader.load_elastic_state`); with
+    `restart_data_on_dp_change` (the data config's key) the data streams restart instead; otherwise
+    it is refused. Model and optimizer states reshard through DCP either way. `accumulation` (the
+    run's micro-batches per step) goes into meta.json, so a new layout can say how the global batch
+    changed.
     """
 
-    def __init__(self, cfg: CheckpointConfig, world, dims, *, restart_data_on_dp_change: bool = False):
+    def __init__(self, cfg: CheckpointConfig, world, dims, *, restart_data_on_dp_change: bool = False,
+                 elastic_data: bool = False, accumulation: int = 1):
         self.cfg, self.world, self.dims = cfg, world, dims
         self.output_dir = Path(cfg.output_dir)
         self.restart_data_on_dp_change = restart_data_on_dp_change
+        self.elastic_data = elastic_data and not restart_data_on_dp_change
+        self.accumulation = accumulation
         self.log = get_logger()
         # (checkpoint, what was wrong) for each checkpoint the last resume skipped.
         self.skipped: list[tuple[Path, str]] = []
@@ -182,6 +189,7 @@ class Checkpointer:
                 "world_size": self.world.size,
                 "cp_size": self.dims.cp, "dp_size": self.dims.dp,
                 "dp_replicate": self.dims.dp_replicate, "dp_shard": self.dims.dp_shard,
+                "gradient_accumulation_steps": self.accumulation,
                 "torch": torch.__version__, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
     # -- save -------------------------------------------------------------------------------------
@@ -310,7 +318,7 @@ class Checkpointer:
             return None  # resume() reports it when it gets to this checkpoint
 
     def _check_layout(self, meta: dict) -> None:
-        if meta["dp_size"] == self.dims.dp or self.restart_data_on_dp_change:
+        if meta["dp_size"] == self.dims.dp or self.restart_data_on_dp_change or self.elastic_data:
             return
         raise ConfigError(
             "restart_data_on_dp_change",
@@ -448,12 +456,17 @@ class Checkpointer:
         state = torch.load(path / layout.TRAINING_STATE, map_location="cpu", weights_only=True)
         optim_keys = {name: set(layout.dcp_metadata(path / layout.part_dirs(name)[1]).state_dict_metadata)
                       for name in part_names}
-        local = {"state": state, "cursor": None, "optim_keys": optim_keys}
-        if _has_cursor(loader):
-            # After an allowed dp change, hand the loader any cursor: it sees the other dp size
-            # and restarts its streams (resume_video_csv is handled there too).
-            name = f"{self.dp_rank}.json" if same_dp else "0.json"
-            local["cursor"] = layout.read_json(path / layout.DATALOADER / name)
+        local = {"state": state, "cursor": None, "optim_keys": optim_keys, "meta": meta}
+        if not _has_cursor(loader):
+            return local
+        if not same_dp and self.elastic_data:  # every old rank's cursor: the loader deals the rest
+            local["cursors"] = [layout.read_json(path / layout.DATALOADER / f"{r}.json")
+                                for r in range(meta["dp_size"])]
+            return local
+        # After a dp change with restart_data_on_dp_change, hand the loader any cursor: it sees the
+        # other dp size and restarts its streams (resume_video_csv is handled there too).
+        name = f"{self.dp_rank}.json" if same_dp else "0.json"
+        local["cursor"] = layout.read_json(path / layout.DATALOADER / name)
         return local
 
     def _rng_source(self, state: dict) -> int | None:
@@ -479,3 +492,22 @@ class Checkpointer:
             restore_rng_state(state["rng"][source], parts.get("task"))
         if local["cursor"] is not None:
             parts["loader"].load_state_dict(local["cursor"])
+        if local.get("cursors"):
+            parts["loader"].load_elastic_state(local["cursors"])
+        if not same_dp:
+            self._log_global_batch(local["meta"])
+
+    def _log_global_batch(self, meta: dict) -> None:
+        """Say how a new data-parallel size changes the micro-batches of one step, and the key that
+        keeps it (the LR schedule continues by step either way)."""
+        old = meta["dp_size"] * meta.get("gradient_accumulation_steps", 1)
+        new = self.dims.dp * self.accumulation
+        if old == new:
+            self.log.info("data-parallel size %d -> %d: the global batch is kept (%d micro-batches a step)",
+                          meta["dp_size"], self.dims.dp, new)
+            return
+        keep = (f"set gradient_accumulation_steps: {old // self.dims.dp} to keep it"
+                if old % self.dims.dp == 0 else "no whole gradient_accumulation_steps keeps it")
+        self.log.warning("data-parallel size %d -> %d: a step now trains %d micro-batches instead of %d "
+                         "(the global batch changes by x%.3g); %s", meta["dp_size"], self.dims.dp, new, old,
+                         new / old, keep)

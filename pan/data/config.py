@@ -81,8 +81,9 @@ class DataConfig:
         True, "on resume, continue the video CSVs and annotation files where the checkpoint left "
               "them; false restarts them from the top (the image-tar cursor is kept)")
     restart_data_on_dp_change: bool = knob(
-        False, "allow resuming with a different number of data-parallel ranks by restarting every "
-               "data stream (otherwise such a resume is refused)")
+        False, "on a resume with a different number of data-parallel ranks, restart every data "
+               "stream (true) instead of continuing where the old ranks left them (the Pan recipe); "
+               "recipes that cannot continue refuse such a resume unless true")
 
     def frame_count_range(self) -> list[int]:
         """Every clip length the rules allow, shortest first."""

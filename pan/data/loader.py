@@ -10,6 +10,11 @@ Worker processes only turn references into samples (or skip reasons), in order. 
 process replays the plan in step with what it receives, so its cursor (n, and each stream's epoch
 and position) describes exactly what reached the buffer, however far the workers ran ahead. The
 buffer's samples are saved as references and decoded again on resume.
+
+Elastic resume (another data-parallel size, `load_elastic_state`): from every old rank's cursor, the
+samples of each stream's unfinished epochs that no old rank consumed (their buffers included) are
+dealt round robin to the new ranks as a head, drawn before the stream continues with the new
+shares from the next epoch. No sample is lost or trained twice in any epoch.
 """
 
 from __future__ import annotations
@@ -147,7 +152,7 @@ class Ref:
     seq: int      # the sample's number in this rank's sequence
     stream: str   # "video:<csv stem>", "annotations:<jsonl stem>" or "images"
     epoch: int
-    pos: int      # position within this rank's share of the epoch
+    pos: int      # position within this rank's share of the epoch (-1: dealt from an elastic head)
     index: int    # row (CSV, JSONL) or image (tars) index in the source
 
 
@@ -166,7 +171,11 @@ class StreamOrder:
         self._cache: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
 
     def index(self, epoch: int, pos: int) -> int:
-        return int(self._permutation(epoch)[pos * self.dp_size + self.dp_rank])
+        return self.at(epoch, pos * self.dp_size + self.dp_rank)
+
+    def at(self, epoch: int, slot: int) -> int:
+        """The sample at `slot` of the epoch's shuffle (the same for every data-parallel size)."""
+        return int(self._permutation(epoch)[slot])
 
     def _permutation(self, epoch: int) -> np.ndarray:
         if epoch not in self._cache:
@@ -189,6 +198,9 @@ class Planner:
         self.cumulative = np.cumsum([weights[n] / total for n in self.video_names]).tolist()
         self.step = 0
         self.cursor = {name: (0, 0) for name in streams}  # stream -> (epoch, pos)
+        # stream -> (epoch, index) still to draw before its cursor: an elastic resume's share of the
+        # old ranks' unfinished epochs.
+        self.head: dict[str, collections.deque[tuple[int, int]]] = {}
 
     def next_ref(self) -> Ref:
         rng = random.Random(f"{self.seed}/{self.dp_rank}/{self.step}")
@@ -198,6 +210,12 @@ class Planner:
             u = rng.random()
             name = self.video_names[min(np.searchsorted(self.cumulative, u, side="right"),
                                         len(self.video_names) - 1)]
+        head = self.head.get(name)
+        if head:
+            epoch, index = head.popleft()
+            ref = Ref(self.step, name, epoch, -1, index)
+            self.step += 1
+            return ref
         epoch, pos = self.cursor[name]
         stream = self.streams[name]
         ref = Ref(self.step, name, epoch, pos, stream.index(epoch, pos))
@@ -209,12 +227,14 @@ class Planner:
         twin = Planner.__new__(Planner)
         twin.__dict__.update(self.__dict__)
         twin.cursor = dict(self.cursor)
+        twin.head = {name: collections.deque(items) for name, items in self.head.items()}
         return twin
 
     def state_dict(self) -> dict:
         return {"step": self.step,
                 "streams": {n: {"epoch": e, "pos": p, "size": self.streams[n].size}
-                            for n, (e, p) in self.cursor.items()}}
+                            for n, (e, p) in self.cursor.items()},
+                "head": {n: [list(item) for item in items] for n, items in self.head.items() if items}}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -616,7 +636,7 @@ class PackedLoader:
         pending = [p.item[0] for p in sorted(self.packer.buffer, key=lambda p: p.seq)] + self.replay
         return {"version": STATE_VERSION, "dp_rank": self.dp_rank, "dp_size": self.dp_size,
                 "seed": self.seed, "planner": self.planner.state_dict(),
-                "buffer": [[r.seq, r.stream, r.epoch, r.pos] for r in pending],
+                "buffer": [[r.seq, r.stream, r.epoch, r.pos, r.index] for r in pending],
                 "skipped_total": dict(self.skipped_total),
                 "bad_samples": [[stream, index, reason, detail]
                                 for (stream, index), (reason, detail) in sorted(self.known_bad.items())]}
@@ -650,13 +670,53 @@ class PackedLoader:
                            "differently shuffled epochs", state["seed"], self.seed)
         self.skipped_total = collections.Counter(state.get("skipped_total", {}))
         self.planner, restarted = self._restored_planner(state["planner"])
-        for seq, stream, epoch, pos in state["buffer"]:
+        for seq, stream, epoch, pos, *index in state["buffer"]:
             if stream not in restarted:
-                self.replay.append(Ref(seq, stream, epoch, pos, self.planner.streams[stream].index(epoch, pos)))
+                index = index[0] if index else self.planner.streams[stream].index(epoch, pos)
+                self.replay.append(Ref(seq, stream, epoch, pos, index))
         # A restarted stream's rows may have changed: its bad samples are looked at again.
         self.known_bad = {(stream, index): (reason, detail)
                           for stream, index, reason, detail in state.get("bad_samples", [])
                           if stream not in restarted}
+
+    def load_elastic_state(self, states: list[dict]) -> None:
+        """Continue a run of another data-parallel size from all its ranks' cursors (`states[r]`:
+        old rank r's state_dict): the samples of each stream's unfinished epochs that no old rank
+        consumed are dealt round robin to the new ranks, then each stream goes on with the new
+        shares from the next epoch."""
+        self.close()
+        self.packer.buffer, self.replay = [], []
+        self._skipped_since = collections.Counter()
+        old_dp = len(states)
+        for r, state in enumerate(states):
+            if state.get("version") != STATE_VERSION or state["dp_rank"] != r or state["dp_size"] != old_dp:
+                raise DataResumeError(f"the {old_dp} data cursors of the checkpoint are not those of one run "
+                                      f"(cursor {r}: rank {state.get('dp_rank')} of {state.get('dp_size')}, "
+                                      f"version {state.get('version')})")
+        planner = self._initial.copy()
+        planner.step = max(state["planner"]["step"] for state in states)  # fresh mixing draws
+        restarted = set()
+        for name, order in planner.streams.items():
+            saved = [state["planner"]["streams"].get(name) for state in states]
+            if any(c is None or c["size"] != order.size for c in saved) or (
+                    name != IMAGE_STREAM and not self.cfg.resume_video_csv):
+                logger.warning("data stream %s restarts from the top (new, resized, or resume_video_csv "
+                               "is false)", name)
+                restarted.add(name)
+                continue
+            left = unconsumed(order, states, name)
+            planner.head[name] = collections.deque(left[self.dp_rank::self.dp_size])
+            planner.cursor[name] = (max(c["epoch"] for c in saved) + 1, 0)
+        self.planner = planner
+        self.known_bad = {(stream, index): (reason, detail) for state in states
+                          for stream, index, reason, detail in state.get("bad_samples", [])
+                          if stream not in restarted}
+        self.skipped_total = collections.Counter()
+        if self.dp_rank == 0:  # the old ranks' skip counts, once
+            for state in states:
+                self.skipped_total.update(state.get("skipped_total", {}))
+        logger.info("data-parallel size %d -> %d: this rank finishes %d samples of the old ranks' "
+                    "unfinished epochs first", old_dp, self.dp_size, sum(map(len, planner.head.values())))
 
     def _restored_planner(self, saved: dict) -> tuple[Planner, set[str]]:
         """The saved cursor applied to today's streams, and the streams that restart from the top."""
@@ -674,10 +734,34 @@ class PackedLoader:
                 logger.info("resume_video_csv is false: video stream %s restarts from the top", name)
             else:
                 planner.cursor[name] = (cursor["epoch"], cursor["pos"])
+                head = saved.get("head", {}).get(name)
+                if head:
+                    planner.head[name] = collections.deque(tuple(item) for item in head)
                 continue
             restarted.add(name)
         restarted |= set(saved["streams"]) - set(planner.streams)
         return planner, restarted
+
+
+def unconsumed(order: StreamOrder, states: list[dict], name: str) -> list[tuple[int, int]]:
+    """(epoch, index) of every sample of stream `name` that the ranks of `states` (old rank r:
+    positions r, r + dp, ... of each epoch's shuffle) had not consumed, in epoch order: what is
+    left of their unfinished epochs, what sat in their buffers, and their own elastic heads."""
+    old_dp = len(states)
+    left = []
+    for r, state in enumerate(states):
+        left += [tuple(item) for item in state["planner"].get("head", {}).get(name, [])]
+        # Buffered samples were drawn (possibly epochs ago: packing keeps a long one waiting) but
+        # not trained. (Cursors of older pan versions carry no index.)
+        left += [(epoch, index[0] if index else order.at(epoch, pos * old_dp + r))
+                 for _seq, stream, epoch, pos, *index in state["buffer"] if stream == name]
+    cursors = [(c["epoch"], c["pos"]) for c in (s["planner"]["streams"][name] for s in states)]
+    share = order.size // old_dp
+    for epoch in range(min(e for e, _ in cursors), max(e for e, _ in cursors) + 1):
+        for slot in range(share * old_dp):
+            if (epoch, slot // old_dp) >= cursors[slot % old_dp]:  # not drawn yet by its old rank
+                left.append((epoch, order.at(epoch, slot)))
+    return sorted(left, key=lambda item: item[0])
 
 
 # ----------------------------------------------------------------------------------------------

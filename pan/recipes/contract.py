@@ -134,6 +134,9 @@ class Task(abc.ABC):
 
     reads_data: bool = True   # whether this process runs a data loader (cp rank 0 of its group)
     dp_rank: int = 0          # which share of the data this process reads
+    # Whether the loader continues on another data-parallel size from all old ranks' cursors
+    # (`load_elastic_state`); otherwise such a resume is refused (or restarts the data streams).
+    elastic_data: bool = False
 
     @abc.abstractmethod
     def __init__(self, job, world, dims, cp=None):

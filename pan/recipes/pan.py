@@ -168,6 +168,7 @@ class PanTask(Task):
     Only cp rank 0 of each context-parallel group reads data and runs the frozen encoders; the
     prepared micro-batch is broadcast to the group and each rank keeps its strided share.
     """
+    elastic_data = True   # PackedLoader.load_elastic_state: resumable on another data-parallel size
 
     def __init__(self, job: PanJobConfig, world, dims, cp=None):
         from pan.encoders.vae import vae_geometry
