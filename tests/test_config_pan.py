@@ -9,6 +9,7 @@ import pytest
 import torch
 import yaml
 
+from pan.cli import cmd_train
 from pan.config import ConfigError, dump_job, load_job_config
 from pan.config.docs import render
 
@@ -68,13 +69,26 @@ REJECTIONS = [
 
 
 @pytest.mark.parametrize("change,key,words", REJECTIONS, ids=[r[1] for r in REJECTIONS])
-def test_train_py_rejects_with_exit_code_2(tmp_path, base, change, key, words):
+def test_training_rejects_with_exit_code_2(tmp_path, base, change, key, words, capsys):
+    """train.py's own entry point, in this process (a subprocess each costs seconds of imports:
+    the next test runs train.py itself once)."""
     path = write(tmp_path, change(base))
-    result = train_py("--config", path)
+    with pytest.raises(SystemExit) as exited:
+        cmd_train(["--config", str(path)])
+    stderr = capsys.readouterr().err
+    assert exited.value.code == 2, stderr
+    assert f"`{key}`" in stderr and words in stderr, stderr
+    assert "Traceback" not in stderr
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_train_py_rejects_with_exit_code_2(tmp_path, base):
+    change, key, words = REJECTIONS[0]
+    result = train_py("--config", write(tmp_path, change(base)))
     assert result.returncode == 2, result.stderr
     assert f"`{key}`" in result.stderr and words in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
-    assert not (tmp_path / "run").exists()  # refused before anything was written
+    assert not (tmp_path / "run").exists()
 
 
 def test_every_independent_problem_is_reported_in_one_run(tmp_path, base):

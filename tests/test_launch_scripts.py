@@ -295,32 +295,11 @@ def tiny_training_args(tmp_path: Path, out_dir: Path, *extra: str) -> list[str]:
             "--max_samples_per_batch", "2", *extra]  # small steps: this tests the launch, not the model
 
 
-def test_pretrain_script_trains_and_resumes_under_slurm(slurm_cluster, tmp_path):
-    """The real train.py on the tiny CPU config, 2 processes, submitted twice to the same output_dir."""
-    out_dir = tmp_path / "run"
-    env = launch_env(tmp_path, PAN_ROOT=str(REPO_ROOT), PAN_NPROC_PER_NODE="2")
-    args = tiny_training_args(tmp_path, out_dir, "--save_interval", "1")
-
-    def submit(max_steps: int, log: Path) -> tuple[int, str]:
-        result = slurm_cluster.sbatch_wait(
-            REPO_ROOT / "scripts" / "pretrain.sh", [*args, "--max_steps", str(max_steps)],
-            env=env, cwd=tmp_path, output=log, timeout=FIRST_JOB_TIMEOUT_S)
-        return result.returncode, slurm_cluster.job_log(log)
-
-    rc, first = submit(1, tmp_path / "first.out")
-    assert rc == 0, first
-    assert logged_steps(first) == [1] and (out_dir / "checkpoint-1").is_dir()
-
-    rc, second = submit(2, tmp_path / "second.out")
-    assert rc == 0, second
-    assert "resuming from checkpoint-1" in second
-    assert logged_steps(second) == [2]  # resumed after step 1, not restarted
-    assert (out_dir / "checkpoint-2").is_dir()
-
-
 def test_scancel_saves_the_step_the_job_stopped_at_and_the_next_job_resumes(slurm_cluster, tmp_path):
-    """scancel sends SIGTERM to the batch shell, srun, torchrun, both ranks and their decoding
-    workers, and SIGKILL after KillWait: the ranks finish their step, save it, and exit 143."""
+    """The real train.py on the tiny CPU config, 2 processes under scripts/pretrain.sh. scancel
+    sends SIGTERM to the batch shell, srun, torchrun, both ranks and their decoding workers, and
+    SIGKILL after KillWait: the ranks finish their step, save it, and exit 143; a second job on the
+    same output_dir resumes from that checkpoint and trains the next step only."""
     out_dir = tmp_path / "run"
     env = {**slurm_cluster.env, **launch_env(tmp_path, PAN_ROOT=str(REPO_ROOT), PAN_NPROC_PER_NODE="2")}
     args = tiny_training_args(tmp_path, out_dir, "--save_interval", "1000",
