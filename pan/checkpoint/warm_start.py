@@ -166,10 +166,11 @@ def part_folder(path: Path, part: str) -> Path | None:
     return path if (path / layout.DCP_METADATA).is_file() else None
 
 
-def load_checkpoint_weights(model: nn.Module, dcp_dir: Path) -> WarmStartReport:
-    """Load one part's weights from a pan checkpoint's DCP folder into a (possibly FSDP-sharded)
-    model. Collective: every rank calls it. DCP reads each rank's shares from whatever layout wrote
-    them."""
+def load_checkpoint_weights(model: nn.Module, path: Path, part: str = layout.TRANSFORMER) -> WarmStartReport:
+    """Load one part's weights from a pan checkpoint (a checkpoint-N/ folder, or the part's DCP
+    folder) into a (possibly FSDP-sharded) model. Collective: every rank calls it. DCP reads each
+    rank's shares from whatever layout wrote them."""
+    dcp_dir = part_folder(path, part) or path
     stored = layout.dcp_tensor_shapes(dcp_dir)
     state = get_model_state_dict(model)
     report = WarmStartReport(dcp_dir, "checkpoint")
