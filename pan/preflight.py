@@ -19,7 +19,9 @@ its own list with `register_check("<recipe>")`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
+import json
 import os
 import shutil
 import sys
@@ -33,6 +35,16 @@ from typing import Literal
 import torch
 
 from pan.config import ConfigError, load_job_config
+from pan.estimate import (
+    Phase,
+    Probe,
+    frozen_vae_bytes,
+    hf_model_bytes,
+    largest_batch,
+    loader_bytes,
+    register_probe,
+    run_device,
+)
 
 Status = Literal["pass", "warn", "fail"]
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG_ERROR = 0, 1, 2
@@ -59,6 +71,23 @@ class Preflight:
     gpus_per_node: int
     sample_rows: int = DEFAULT_SAMPLE_ROWS
     notes: dict = field(default_factory=dict)
+    device_memory: float | None = None   # GiB per device to plan for (--device-memory); None: this machine's
+
+    def with_job(self, job) -> Preflight:
+        """The same planned layout for another job (a suggested change of keys)."""
+        return Preflight(job, self.nodes, self.gpus_per_node, self.sample_rows, device_memory=self.device_memory)
+
+    @functools.cached_property
+    def estimate(self):
+        """Memory per device and step time of the job on this layout (pan/estimate.py)."""
+        from pan.estimate import estimate_run
+        return estimate_run(self, self.device_memory)
+
+    @functools.cached_property
+    def fitting_changes(self) -> list:
+        """Single changes of keys that make a run that does not fit fit, cheapest first."""
+        from pan.estimate import fitting_changes
+        return [] if self.estimate.fits else fitting_changes(self, self.estimate, self.with_job)
 
     @property
     def world_size(self) -> int:
@@ -71,15 +100,25 @@ class Preflight:
         return ParallelDims.from_config(self.job.parallel, self.world_size, self.gpus_per_node)
 
     @functools.cached_property
-    def models(self) -> dict[str, torch.nn.Module]:
-        """The recipe's parts on the meta device (shapes only, no memory), as the trainer builds them."""
+    def task(self):
+        """The recipe's task as rank 0 of the planned world builds it (nothing heavy is loaded)."""
         from pan.parallel.world import World
         from pan.recipes import get_recipe
         world = World(rank=0, size=self.world_size, local_rank=0, local_size=self.gpus_per_node,
                       device=torch.device("cpu"))
-        task = get_recipe(self.job.recipe).task(self.job, world, self.dims, None)
+        return get_recipe(self.job.recipe).task(self.job, world, self.dims, None)
+
+    @functools.cached_property
+    def part_specs(self) -> list:
+        return self.task.part_specs()
+
+    @functools.cached_property
+    def models(self) -> dict[str, torch.nn.Module]:
+        """The recipe's parts on the meta device (shapes only, no memory), as the trainer builds them.
+        The task is made first, outside the meta device: its constructor may compute real values."""
+        specs = self.part_specs
         with torch.device("meta"):
-            return {spec.name: spec.build() for spec in task.part_specs()}
+            return {spec.name: spec.build() for spec in specs}
 
     @property
     def model(self) -> torch.nn.Module:
@@ -430,22 +469,32 @@ def check_warm_start(ctx: Preflight) -> list[Row]:
     return [Row("warm start", "pass", summary + ".")]
 
 
-def checkpoint_bytes(model: torch.nn.Module, job) -> tuple[int, str]:
-    """Size of one checkpoint estimated from the parameter count, and how it was derived.
+def state_bytes(model: torch.nn.Module, optim) -> dict[str, int]:
+    """Bytes of a part's training state by kind, whole (unsharded), for its OptimConfig `optim`.
 
     The weights are fp32 master copies (4 B per parameter whatever the compute dtype). AdamW keeps
     two fp32 moments (8 B per parameter), Muon one fp32 momentum buffer (4 B); the split is the
-    optimizer's own. An EMA adds another fp32 copy. Data cursors, RNG and schedule are kilobytes.
+    optimizer's own, over the trainable parameters. An EMA adds another fp32 copy of those.
     """
     from pan.optim.builder import split_parameters
-    groups, _, _ = split_parameters(model, job.optim.use_muon)
+    groups, _, _ = split_parameters(model, optim.use_muon)
     muon = sum(p.numel() for _, p in groups["muon"])
+    trained = sum(p.numel() for members in groups.values() for _, p in members)
     total = sum(p.numel() for p in model.parameters())
-    ema = job.optim.ema_decay > 0
-    size = FP32_BYTES * (total + muon + 2 * (total - muon) + (total if ema else 0))
+    return {"weights": FP32_BYTES * total, "muon": FP32_BYTES * muon,
+            "adamw": 2 * FP32_BYTES * (trained - muon),
+            "ema": FP32_BYTES * trained if optim.ema_decay > 0 else 0}
+
+
+def checkpoint_bytes(model: torch.nn.Module, job) -> tuple[int, str]:
+    """Size of one checkpoint estimated from the parameter count (`state_bytes`), and how it was
+    derived. Data cursors, RNG and schedule are kilobytes."""
+    state = state_bytes(model, job.optim)
+    total, muon = state["weights"] // FP32_BYTES, state["muon"] // FP32_BYTES
+    adamw = state["adamw"] // (2 * FP32_BYTES)
     how = (f"{total / 1e6:,.1f}M params x 4 B (fp32 weights) + {muon / 1e6:,.1f}M Muon x 4 B + "
-           f"{(total - muon) / 1e6:,.1f}M AdamW x 8 B" + (" + 4 B EMA" if ema else ""))
-    return size, how
+           f"{adamw / 1e6:,.1f}M AdamW x 8 B" + (" + 4 B EMA" if state["ema"] else ""))
+    return sum(state.values()), how
 
 
 def _existing_ancestor(path: Path) -> Path:
@@ -548,6 +597,104 @@ def check_resume(ctx: Preflight) -> list[Row]:
 
 
 # ================================================================================================
+# Memory and step time (pan/estimate.py): what only the Pan recipe knows
+# ================================================================================================
+
+def pan_pack(job, task, clips, text_len: int, cp: int):
+    """The PackInfo of clips (frames, H, W) with captions of `text_len` rows: whole, and this cp
+    rank's share (rank 0, which holds the most rows)."""
+    from pan.models.packing import PackInfo
+    grids = []
+    for frames, height, width in clips:
+        _, t, h, w = task.geometry.latent_shape(frames, height, width)
+        pt, ph, pw = job.model.transformer_config_overrides.patch_size
+        grids.append((t // pt, h // ph, w // pw))
+    whole = PackInfo.build(grids, [text_len] * len(clips))
+    return whole, (whole.shard(0, cp) if cp > 1 else whole)
+
+
+@register_probe("pan")
+def pan_probe(ctx: Preflight) -> Probe:
+    """The Pan recipe's largest micro-batch: the data budget's fullest pack of its largest clips,
+    each caption at text_encoder_max_length rows; one phase (the transformer's loss)."""
+    from pan.encoders.text import frozen_dtype, resolve_text_encoder_path
+    from pan.recipes.pan import ModelInputs
+
+    job, task, cp = ctx.job, ctx.task, ctx.dims.cp
+    arch = job.model.transformer_config_overrides
+    clips = largest_batch(job.data, task.tokens_of, images=bool(job.data.image_tar_paths))
+    if not clips:
+        raise ConfigError("max_tokens_per_batch", "no clip of the buckets and frame rules fits the "
+                          "token budget (see the batch row).")
+    whole, pack = pan_pack(job, task, clips, job.text_encoder.text_encoder_max_length, cp)
+
+    def loss(models):
+        nv, nt = pack.num_video_tokens, pack.num_text_tokens
+        out = arch.out_channels * arch.patch_volume
+        inputs = ModelInputs(x=torch.empty(nv, arch.in_channels * arch.patch_volume),
+                             target=torch.empty(nv, out), weight=torch.empty(nv),
+                             timesteps=torch.empty(whole.num_samples), text=torch.empty(nt, arch.text_embed_dim),
+                             pack=pack, sample_ids=[], samples=whole.num_samples,
+                             tokens=whole.num_video_tokens, packing=1.0, bad_samples=0)
+        return task.loss_sum(models["transformer"], inputs)
+
+    dtype = frozen_dtype(run_device())
+    frozen = {"text encoder": hf_model_bytes(resolve_text_encoder_path(job.text_encoder.text_encoder_path), dtype),
+              "vae": frozen_vae_bytes(job.vae, dtype)}
+    shapes = ", ".join(f"{f}x{h}x{w}" for f, h, w in sorted(set(clips), reverse=True))
+    return Probe([Phase("transformer", loss)], tokens=whole.num_video_tokens // cp,
+                 samples=len(clips), flops=ctx.model.flops_per_step(whole) / cp, frozen=frozen,
+                 loader=loader_bytes(job.data, clips), online_text=True,
+                 describe=f"{len(clips)} clip(s) ({shapes}, frames x H x W) = {whole.num_video_tokens} "
+                          f"video + {whole.num_text_tokens} caption tokens per data-parallel rank")
+
+
+def check_memory(ctx: Preflight) -> list[Row]:
+    """The estimated peak memory of one device against what it offers (pan/estimate.py); when it
+    does not fit, the single changes of keys that make it fit, cheapest first."""
+    est = ctx.estimate
+    top = sorted(est.device.items(), key=lambda kv: -kv[1])[:4]
+    detail = (f"~{_gib(est.total)} per device of {_gib(est.capacity)} ({est.capacity_source}) for "
+              f"{est.batch}; most: " + ", ".join(f"{k} {_gib(v)}" for k, v in top)
+              + " (pan check --explain-memory for all)")
+    if est.fits:
+        return [Row("memory", "pass", detail + ".")]
+    changes = ctx.fitting_changes
+    fix = ("; or ".join(f"{c.text} (~{_gib(c.estimate.total)}, {c.estimate.tokens_per_second:,.0f} tok/s)"
+                        for c in changes) if changes else
+           "no single change of activation checkpointing, cp_size, hybrid_shard or max_tokens_per_batch "
+           "fits: use a smaller model or devices with more memory")
+    return [Row("memory", "fail", detail + ": it does not fit.", fix + ".")]
+
+
+def check_step_time(ctx: Preflight) -> list[Row]:
+    """Estimated step time, throughput, and the wall time and GPU-hours of the whole run."""
+    est = ctx.estimate
+    parts = ", ".join(f"{k} {v:.3g} s" for k, v in est.time_parts.items() if v > 0)
+    steps = ctx.job.trainer.max_steps
+    return [Row("step time", "pass", f"~{est.step_time:.3g} s per step ({parts}); "
+                f"{est.tokens_per_second:,.0f} tokens/s on {ctx.world_size} device(s); {steps} steps ~ "
+                f"{est.run_hours:,.2f} h wall, {est.gpu_hours:,.1f} device-hours; MFU ~{100 * est.mfu:.0f}% "
+                f"of the device peak. Rates {est.rates.source}.")]
+
+
+def format_memory(est) -> str:
+    """`pan check --explain-memory`: the breakdown of one device's estimated peak."""
+    width = max(len(k) for k in [*est.device, *est.host, "category"])
+    lines = [f"{'category':<{width}} | {'per device':>12}", f"{'-' * width}-+-{'-' * 12}"]
+    lines += [f"{k:<{width}} | {_gib(v):>12}" for k, v in est.device.items()]
+    lines.append(f"{'total':<{width}} | {_gib(est.total):>12}   of {_gib(est.capacity)} ({est.capacity_source})")
+    if torch.cuda.is_available():
+        lines += [f"{k + ' (host)':<{width}} | {_gib(v):>12}" for k, v in est.host.items()]
+    lines.append(f"micro-batch: {est.batch}")
+    return "\n".join(lines)
+
+
+register_check("pan")(check_memory)
+register_check("pan")(check_step_time)
+
+
+# ================================================================================================
 # The command
 # ================================================================================================
 
@@ -557,18 +704,28 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         description="Preflight: validate a config, its data, weights, output_dir and this machine "
                     "for a planned layout, without training. Exit 0: ok (warnings allowed); 1: a "
                     "check failed; 2: the config does not load.",
-        usage="pan check --config config/X.yaml [--key value ...] [--nodes N] [--gpus-per-node G]")
+        usage="pan check --config config/X.yaml [--key value ...] [--nodes N] [--gpus-per-node G] "
+              "[--explain-memory] [--json] [--device-memory GIB]")
     parser.add_argument("--nodes", type=int, default=1, help="nodes of the planned run (default 1)")
     parser.add_argument("--gpus-per-node", type=int, default=None,
                         help="processes per node (default: the GPUs visible here, or 1)")
     parser.add_argument("--sample-rows", type=int, default=DEFAULT_SAMPLE_ROWS,
                         help=f"samples decoded per data source (default {DEFAULT_SAMPLE_ROWS})")
+    parser.add_argument("--explain-memory", action="store_true",
+                        help="also print the estimated memory of one device by category")
+    parser.add_argument("--json", action="store_true",
+                        help="print every row and the memory / step-time estimate as JSON instead")
+    parser.add_argument("--device-memory", type=float, default=None, metavar="GIB",
+                        help="memory of one device in GiB to plan for (default: this machine's GPU, or "
+                             "its available host memory shared by the node's processes)")
     args, rest = parser.parse_known_args(argv)
     if args.gpus_per_node is None:
         args.gpus_per_node = max(torch.cuda.device_count(), 1) if torch.cuda.is_available() else 1
     for name in ("nodes", "gpus_per_node", "sample_rows"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.device_memory is not None and args.device_memory <= 0:
+        parser.error("--device-memory must be > 0 (GiB)")
     return args, rest
 
 
@@ -580,14 +737,33 @@ def main_check(argv: list[str]) -> int:
     except ConfigError as e:
         ctx = Preflight(None, args.nodes, args.gpus_per_node, args.sample_rows)
         rows = [Row("config", "fail", str(e), "fix the keys named; every problem found is listed.")]
-        print(format_table(rows + run_preflight(ctx)))
+        report(rows + run_preflight(ctx), None, args)
         return EXIT_CONFIG_ERROR
-    ctx = Preflight(job, args.nodes, args.gpus_per_node, args.sample_rows)
+    ctx = Preflight(job, args.nodes, args.gpus_per_node, args.sample_rows, device_memory=args.device_memory)
     rows = [Row("config", "pass", f"loads: recipe {job.recipe}, {len(job.explicit_keys)} keys set "
                 "to non-default values.")]
     rows += run_preflight(ctx)
-    print(format_table(rows, width=shutil.get_terminal_size((100, 20)).columns))
+    report(rows, ctx, args)
     return EXIT_FAILED if any(r.status == "fail" for r in rows) else EXIT_OK
+
+
+def report(rows: list[Row], ctx: Preflight | None, args: argparse.Namespace) -> None:
+    """The table (and with --explain-memory the memory breakdown), or with --json all of it."""
+    estimate = ctx.__dict__.get("estimate") if ctx is not None else None  # only if a check made it
+    if args.json:
+        out = {"rows": [dataclasses.asdict(r) for r in rows],
+               "exit_code": EXIT_FAILED if any(r.status == "fail" for r in rows) else EXIT_OK}
+        if estimate is not None:
+            out["estimate"] = estimate.to_json()
+            out["fitting_changes"] = [{"keys": c.keys, "estimate": c.estimate.to_json()}
+                                      for c in ctx.__dict__.get("fitting_changes", [])]
+        print(json.dumps(out, indent=2, default=str))
+        return
+    print(format_table(rows, width=shutil.get_terminal_size((100, 20)).columns))
+    if args.explain_memory:
+        print()
+        print(format_memory(estimate) if estimate is not None else
+              "no memory estimate: the memory row did not run (see the table).")
 
 
 if __name__ == "__main__":

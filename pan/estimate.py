@@ -1,0 +1,773 @@
+"""Know before you queue: per-device memory and step time of a config, before any launch.
+
+    estimate = estimate_run(ctx)          # ctx: a pan.preflight.Preflight (job + planned layout)
+
+Memory, per device, by category. The static ones are counted from the parameters and the layout:
+parameters (fp32 master weights), gradients, optimizer states (AdamW 8 B, Muon 4 B per parameter,
+as `pan.preflight.state_bytes` counts them for checkpoints) and the EMA, each divided by the FSDP
+shard degree (dp_shard x cp; hybrid shard: the ranks of one node; ddp: 1); under FSDP also the
+all-gathered working set (the block being computed and the one prefetched, in the compute dtype,
+plus one block's unsharded gradients, plus the root module's own parameters). Frozen encoders
+(text encoder, VAE) count where they are loaded (cp rank 0 of each group; a text encoder only when
+the recipe encodes captions online), in their frozen dtype; the data loader's decoded samples in
+flight count in host memory.
+
+Activations and the attention workspace are not guessed from formulas: one training step of the
+recipe's largest micro-batch (the most tokens the data budget lets a rank hold, captions at their
+longest) is traced on fake tensors (`torch._subclasses.FakeTensorMode`: shapes only, no memory,
+no FLOPs), with the run's activation checkpointing applied to a copy of the model and Ulysses'
+exchanges simulated for cp > 1. Every tensor the step creates is followed from its allocation to
+its release, so the trace's peak is the step's: saved activations, recomputed blocks, backward
+temporaries and the gradients as they appear (divided by the shard degree, as FSDP's
+reduce-scatter leaves them). Each recipe says what only it knows, its largest micro-batch and how
+its step runs (`register_probe`).
+
+Step time: the same trace counts the work of every operation: matmul and convolution FLOPs,
+attention FLOPs, and the bytes every other (memory-bound) operation reads and writes, for the
+forward, the backward, recomputation and the optimizer step. Each class is timed with a rate
+measured on the spot on this machine's device (a matmul of the step's own largest GEMM shape, an
+attention call of its longest segment, an elementwise pass over a large tensor). Tokens per second,
+the run's wall time and GPU-hours follow from max_steps. The recipe's exact FLOP count (its
+`forward_flops`) is reported beside it, with the MFU it implies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import functools
+import math
+import os
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+GIB = 2 ** 30
+FP32_BYTES = 4
+
+# ================================================================================================
+# What a recipe tells the estimate
+# ================================================================================================
+
+
+@dataclass
+class Phase:
+    """One backward pass of a train step: `loss(models)` builds this rank's micro-batch on fake
+    tensors and returns the loss whose gradients train `part` (the other parts stay frozen)."""
+    part: str
+    loss: Callable[[dict[str, nn.Module]], Tensor]
+
+
+@dataclass
+class Probe:
+    """A recipe's largest micro-batch on one rank and how its step runs it."""
+    phases: list[Phase]
+    tokens: int                      # tokens of the rank's micro-batch (the recipe's unit)
+    samples: int
+    flops: float                     # the recipe's exact training FLOPs of that micro-batch, this rank
+    frozen: dict[str, int] = field(default_factory=dict)   # frozen encoder -> bytes on this rank
+    loader: int = 0                  # host bytes of the data loader's samples in flight
+    online_text: bool = False        # whether captions are encoded during training (the encoder is loaded)
+    describe: str = ""               # the micro-batch in words
+
+
+ProbeFn = Callable[[object], Probe]   # (a Preflight) -> Probe
+PROBES: dict[str, ProbeFn] = {}
+
+
+def register_probe(*recipes: str) -> Callable[[ProbeFn], ProbeFn]:
+    def add(fn: ProbeFn) -> ProbeFn:
+        for recipe in recipes:
+            PROBES[recipe] = fn
+        return fn
+    return add
+
+
+def largest_batch(data, tokens_of: Callable[[int, int, int], int], images: bool = False
+                  ) -> list[tuple[int, int, int]]:
+    """Clips (frames, H, W) of the fullest micro-batch the data keys allow one rank: the largest clip
+    that fits what is left of max_tokens_per_batch, again and again, up to max_samples_per_batch."""
+    heights_widths = data.buckets()
+    shapes = {(f, h, w) for h, w in heights_widths for f in data.frame_count_range()}
+    if images:
+        shapes |= {(1, h, w) for h, w in heights_widths}
+    sized = sorted(((tokens_of(*s), s) for s in shapes), reverse=True)
+    left, clips = data.max_tokens_per_batch, []
+    while len(clips) < data.max_samples_per_batch:
+        fit = next(((tokens, shape) for tokens, shape in sized if tokens <= left), None)
+        if fit is None:
+            break
+        clips.append(fit[1])
+        left -= fit[0]
+    return clips
+
+
+def loader_bytes(data, clips: list[tuple[int, int, int]], channels: int = 3) -> int:
+    """Host bytes of decoded uint8 samples in flight: the packer's lookahead, and each decoding
+    worker's prefetched share (prefetch_factor batches of max_samples_per_batch in all)."""
+    sample = max(f * h * w * channels for f, h, w in clips)
+    in_flight = data.packing_lookahead + len(clips)
+    if data.packed_dataloader_num_workers:
+        in_flight += data.packed_dataloader_prefetch_factor * data.max_samples_per_batch
+    return in_flight * sample
+
+
+def run_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def module_bytes(build: Callable[[], nn.Module], dtype: torch.dtype) -> int:
+    """Bytes of a module's parameters and buffers in `dtype`, built on the meta device."""
+    with torch.device("meta"):
+        module = build()
+    return sum(t.numel() for t in (*module.parameters(), *module.buffers())) * dtype.itemsize
+
+
+def frozen_vae_bytes(cfg, dtype: torch.dtype) -> int:
+    """The frozen VAE of a DiT recipe (`vae_type`), as `pan.encoders.vae.build_vae` loads it."""
+    from pan.encoders import vae
+
+    if cfg.vae_type == "identity":
+        return 0
+    if cfg.vae_type == "diffusers":
+        cls = vae.diffusers_class(cfg.vae_class)
+        return module_bytes(lambda: cls.from_config(cls.load_config(str(vae.vae_dir(cfg)))), dtype)
+    from pan.models.causal_vae import CausalVideoVAE
+    config = vae.causal_vae_config(cfg)
+    return module_bytes(lambda: CausalVideoVAE(config), dtype)
+
+
+@functools.cache   # building even a meta model imports its modeling code: once per process
+def hf_model_bytes(model_dir, dtype: torch.dtype) -> int:
+    """A Hugging Face model's bytes in `dtype`, from its config.json alone."""
+    from transformers import AutoConfig, AutoModel
+
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    return module_bytes(lambda: AutoModel.from_config(config), dtype)
+
+
+# ================================================================================================
+# The trace: live bytes and work of every operation of a step, on fake tensors
+# ================================================================================================
+
+aten = torch.ops.aten
+MATMUL_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+CONV_OPS = {aten.convolution.default, aten.convolution_backward.default}
+VIEW_LIKE = {aten.view.default, aten._unsafe_view.default, aten.t.default, aten.transpose.int,
+             aten.permute.default, aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim,
+             aten.alias.default, aten.detach.default, aten.slice.Tensor, aten.select.int,
+             aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.as_strided.default,
+             aten.chunk.default, aten.reshape.default, aten.unflatten.int, aten.squeeze.default,
+             aten.empty.memory_format, aten.empty_like.default, aten.new_empty.default}
+
+
+def _tensors(tree) -> list[Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, Tensor)]
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+@dataclass
+class Work:
+    """What a traced stretch of a step computes, by the kind of rate that times it."""
+    matmul_flops: float = 0.0
+    attention_flops: float = 0.0
+    memory_bytes: float = 0.0
+    operations: float = 0.0                                 # every operation dispatched, views too
+    largest_gemm: tuple[int, int, int] = (1, 1, 1)          # (M, K, N) of the heaviest matmul
+    longest_attention: tuple[int, int, int] = (1, 1, 1)     # (heads, length, head dim)
+
+    def add(self, other: Work, scale: float = 1.0) -> None:
+        self.matmul_flops += scale * other.matmul_flops
+        self.attention_flops += scale * other.attention_flops
+        self.memory_bytes += scale * other.memory_bytes
+        self.operations += scale * other.operations
+        self.largest_gemm = max(self.largest_gemm, other.largest_gemm, key=math.prod)
+        self.longest_attention = max(self.longest_attention, other.longest_attention, key=math.prod)
+
+
+@dataclass
+class StepWork:
+    """The work of one optimizer step: `micro` per micro-batch (forward, backward, recomputation),
+    `accumulation` of them, then the optimizer step (this rank's share)."""
+    micro: Work
+    optimizer: Work
+    accumulation: int
+
+    def seconds(self, rates: Rates) -> dict[str, float]:
+        """Seconds per step by kind of work, at `rates`."""
+        n, m, o = self.accumulation, self.micro, self.optimizer
+        return {"matmul": n * m.matmul_flops / rates.matmul,
+                "attention": n * m.attention_flops / rates.attention,
+                "memory-bound": n * m.memory_bytes / rates.memory,
+                "optimizer": o.matmul_flops / rates.matmul + o.memory_bytes / rates.memory,
+                # A small model's thousands of small operations cost more than their arithmetic.
+                "per-operation": (n * m.operations + o.operations) * rates.operation}
+
+
+def _is_attention(func) -> bool:
+    name = func.name()
+    return "attention" in name and "aten::" in name
+
+
+class StepTrace(TorchDispatchMode):
+    """Follows every tensor an operation creates until it is released: live bytes, their peak (with
+    parameter gradients weighted by `grad_scale`, the share FSDP keeps), and the work done."""
+
+    def __init__(self, grad_scale: float = 1.0):
+        super().__init__()
+        self.grad_scale = grad_scale
+        self.live: dict[int, tuple[int, str]] = {}       # storage id -> (bytes, kind)
+        self._refs: dict[int, weakref.ref] = {}
+        self.bytes = {"activations": 0, "attention": 0, "gradients": 0}
+        self.peak = 0.0
+        self.at_peak = dict(self.bytes)
+        self.work = Work()
+
+    # -- memory --------------------------------------------------------------------------------
+    def level(self) -> float:
+        return self.bytes["activations"] + self.bytes["attention"] + self.grad_scale * self.bytes["gradients"]
+
+    def _track(self, t: Tensor, kind: str) -> None:
+        storage = t.untyped_storage()
+        key = id(storage)
+        if key in self.live:
+            return
+        size = storage.nbytes()
+        self.live[key] = (size, kind)
+        self.bytes[kind] += size
+        self._refs[key] = weakref.ref(storage, functools.partial(self._release, key))
+        level = self.level()
+        if level > self.peak:
+            self.peak, self.at_peak = level, dict(self.bytes)
+
+    def _release(self, key: int, _ref=None) -> None:
+        size, kind = self.live.pop(key, (0, None))
+        self._refs.pop(key, None)
+        if kind is not None:
+            self.bytes[kind] -= size
+
+    def as_gradient(self, t: Tensor) -> None:
+        """A parameter's .grad: counted at the share of it FSDP keeps."""
+        key = id(t.untyped_storage())
+        if key in self.live and self.live[key][1] != "gradients":
+            size, kind = self.live[key]
+            self.bytes[kind] -= size
+            self.bytes["gradients"] += size
+            self.live[key] = (size, "gradients")
+
+    # -- work ----------------------------------------------------------------------------------
+    def _count(self, func, args, kwargs, out) -> None:
+        w = self.work
+        w.operations += 1
+        if func in MATMUL_OPS:
+            a, b = args[-2], args[-1]
+            m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+            batch = a.shape[0] if a.dim() == 3 else 1
+            w.matmul_flops += 2.0 * batch * m * k * n
+            w.largest_gemm = max(w.largest_gemm, (batch * m, k, n), key=math.prod)
+        elif func in CONV_OPS:
+            weight = args[1] if func is aten.convolution.default else args[2]
+            result = out if func is aten.convolution.default else args[0]   # the output (or its grad)
+            per_output = 2.0 * math.prod(weight.shape[1:])
+            passes = 1 if func is aten.convolution.default else sum(bool(x) for x in args[-1][:2])
+            w.matmul_flops += passes * per_output * result.numel()
+        elif _is_attention(func):
+            q = args[0]
+            if q.dim() == 4:                      # [B, H, L, d]
+                b, h, lq, d = q.shape
+                lk = args[1].shape[-2]
+            else:                                 # varlen [L, H, d]
+                (lq, h, d), b, lk = q.shape, 1, args[1].shape[0]
+            passes = 2.5 if "backward" in func.name() else 1.0
+            w.attention_flops += passes * 4.0 * b * h * lq * lk * d
+            w.longest_attention = max(w.longest_attention, (b * h, lq, d), key=math.prod)
+        elif func not in VIEW_LIKE:
+            w.memory_bytes += sum(t.numel() * t.element_size() for t in _tensors((args, kwargs, out)))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self._count(func, args, kwargs, out)
+        kind = "attention" if _is_attention(func) else "activations"
+        for t in _tensors(out):
+            self._track(t, kind)
+        return out
+
+
+# ================================================================================================
+# Fake copies of the parts, parallelised as the trainer would
+# ================================================================================================
+
+def fake_copy(model: nn.Module) -> nn.Module:
+    """A copy of a meta-device model with fake CPU parameters and buffers (inside FakeTensorMode)."""
+    twin = copy.deepcopy(model)
+    for module in twin.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype),
+                                                        requires_grad=p.requires_grad)
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = torch.empty(b.shape, dtype=b.dtype)
+    return twin
+
+
+class _Exchange(torch.autograd.Function):
+    """An all-to-all as far as memory goes: a new tensor of the received shape (and back)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, shape: tuple[int, ...]) -> Tensor:
+        ctx.shape = x.shape
+        return x.new_empty(shape)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad.new_empty(ctx.shape), None
+
+
+class SimulatedUlysses(nn.Module):
+    """Ulysses attention of cp rank 0 of `size`, without a process group: the same tensors and
+    shapes as `pan.parallel.context_parallel.UlyssesAttention` (the other ranks' rows arrive as
+    new tensors of the right size), for tracing one rank's step."""
+
+    def __init__(self, inner: nn.Module, size: int):
+        super().__init__()
+        self.inner, self.size = inner, size
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, segments) -> Tensor:
+        if not segments.is_sharded:
+            return self.inner(q, k, v, segments)
+        n, (rows, heads, head_dim) = self.size, q.shape
+        total = segments.total
+        qkv = torch.stack([q, k, v]).unflatten(2, (n, heads // n)).permute(2, 0, 1, 3, 4)
+        full = _Exchange.apply(qkv.reshape(n * 3 * rows, heads // n, head_dim), (3 * total, heads // n, head_dim))
+        full = full.unflatten(0, (3, total))
+        out = self.inner(full[0], full[1], full[2], segments.unsharded())
+        back = _Exchange.apply(out, (n * rows, heads // n, head_dim))
+        return back.unflatten(0, (n, rows)).permute(1, 0, 2, 3).reshape(rows, heads, head_dim)
+
+
+def parallelised_fake(model: nn.Module, job, cp: int) -> nn.Module:
+    """A fake copy of `model` with the run's activation checkpointing and, for cp > 1, simulated
+    Ulysses attention (the order of `pan.parallel.fsdp.parallelize_model`)."""
+    from pan.models.attention import InnerAttention
+    from pan.parallel.checkpointing import apply_activation_checkpointing
+    from pan.parallel.fsdp import declared_blocks
+
+    twin = fake_copy(model)
+    p = job.parallel
+    if p.enable_gradient_checkpointing:
+        chosen = twin.checkpointed_blocks() if hasattr(twin, "checkpointed_blocks") else declared_blocks(twin)
+        apply_activation_checkpointing(chosen, p.use_dedicated_gradient_checkpointing)
+    if cp > 1:
+        for module in list(twin.modules()):
+            if isinstance(getattr(module, "inner_attention", None), InnerAttention):
+                module.inner_attention = SimulatedUlysses(module.inner_attention, cp)
+    return twin
+
+
+# ================================================================================================
+# The estimate
+# ================================================================================================
+
+@dataclass
+class Layout:
+    """How one part's parameters are spread: the FSDP shard degree and whether blocks are gathered."""
+    shard: int
+    compute_bytes: int          # bytes of a parameter as the step computes with it (bf16: 2)
+
+    @classmethod
+    def of(cls, job, dims) -> Layout:
+        mode = job.parallel.data_parallel_mode
+        shard = 1 if mode == "ddp" or dims.world_size == 1 else dims.dp_shard * dims.cp
+        return cls(shard, 2 if job.trainer.dtype == "bf16" else 4)
+
+
+@dataclass
+class Rates:
+    """What this device does per second, measured on the spot."""
+    matmul: float               # FLOP/s of the step's largest GEMM shape
+    attention: float            # FLOP/s of an attention call (forward + backward) of its longest segment
+    memory: float               # bytes/s read + written by an elementwise pass
+    operation: float            # seconds of an operation's fixed cost (dispatch, autograd, launch)
+    source: str
+
+
+@dataclass
+class Estimate:
+    """Everything `pan check` says about memory and cost (see the module docstring)."""
+    device: dict[str, int]                 # category -> bytes on the busiest device
+    host: dict[str, int]                   # category -> bytes of host memory per process
+    capacity: int                          # bytes the device offers
+    capacity_source: str
+    fits: bool
+    batch: str                             # the micro-batch it was made for
+    tokens_per_rank: int
+    step_time: float                       # seconds per optimizer step
+    time_parts: dict[str, float]           # seconds per step by kind of work
+    tokens_per_second: float               # whole run
+    run_hours: float                       # wall time of max_steps
+    gpu_hours: float
+    flops_per_step: float                  # the recipe's exact count, whole world
+    mfu: float
+    rates: Rates
+    work: StepWork                         # what the step time was computed from
+
+    @property
+    def total(self) -> int:
+        return sum(self.device.values())
+
+    def to_json(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["total"] = self.total
+        return out
+
+
+def fake_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def trace_step(ctx, probe: Probe, layout: Layout) -> tuple[StepTrace, Work]:
+    """Run the probe's phases (forward, backward) on fake tensors, each followed by its part's
+    optimizer step. Returns the trace (its peak is the step's, gradients at FSDP's share; `at_peak`
+    says what was live then) and the optimizer steps' work."""
+    job = ctx.job
+    specs = {spec.name: spec for spec in ctx.part_specs}
+    trace = StepTrace(grad_scale=1.0 / layout.shard)
+    optimizer_work = Work()
+    steps = {phase.part: optimizer_step_trace(ctx.models[phase.part], specs[phase.part].optim.optim())
+             for phase in probe.phases}
+    with fake_mode():
+        models = {name: parallelised_fake(model, job, ctx.dims.cp) for name, model in ctx.models.items()}
+        for model in models.values():
+            model.train().requires_grad_(False)
+        for phase in probe.phases:
+            model = models[phase.part].requires_grad_(True)
+            handles = [p.register_post_accumulate_grad_hook(lambda p: trace.as_gradient(p.grad))
+                       for p in model.parameters()]
+            with trace, autocast(job.trainer.dtype):
+                phase.loss(models).backward()
+            for h in handles:
+                h.remove()
+            # The part's gradients stay until its optimizer step, whose temporaries come on top.
+            step = steps[phase.part]
+            # Muon's Newton-Schulz is shared out over the shard group; AdamW runs on shards already.
+            optimizer_work.add(step.work, 1.0 / layout.shard)
+            if trace.level() + step.peak > trace.peak:
+                trace.peak = trace.level() + step.peak
+                trace.at_peak = {**trace.bytes, "optimizer step": step.peak}
+            model.zero_grad(set_to_none=True)
+            model.requires_grad_(False)
+    return trace, optimizer_work
+
+
+def optimizer_step_trace(model: nn.Module, optim) -> StepTrace:
+    """One optimizer step of a meta-device part (its state made first, as the trainer's builder
+    does): the temporaries and work of the step alone. It depends on the parameters' names and
+    shapes and the optimizer keys only, so a process traces each such step once."""
+    key = (tuple((name, tuple(p.shape), p.dtype) for name, p in model.named_parameters()), repr(optim))
+    if key not in _OPTIMIZER_STEPS:
+        _OPTIMIZER_STEPS[key] = _trace_optimizer_step(model, optim)
+    return _OPTIMIZER_STEPS[key]
+
+
+_OPTIMIZER_STEPS: dict[tuple, StepTrace] = {}
+
+
+def _trace_optimizer_step(model: nn.Module, optim) -> StepTrace:
+    # Meta tensors, not fake ones: the step's thousands of small operations cost less.
+    from pan.optim.builder import build_optimizer
+
+    twin = copy.deepcopy(model).requires_grad_(True)
+    optimizer, _ = build_optimizer(twin, optim)
+    for p in twin.parameters():
+        p.grad = torch.empty_like(p)
+    step = StepTrace()
+    with step:
+        optimizer.step()
+    return step
+
+
+def autocast(dtype: str):
+    if dtype == "bf16":
+        return torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False)
+    return contextlib.nullcontext()
+
+
+def static_bytes(ctx, layout: Layout) -> dict[str, int]:
+    """Parameters, optimizer states, EMA and FSDP's gathered blocks of every part (the gradients
+    come from the trace: how many exist at the peak depends on when it is)."""
+    from pan.parallel.fsdp import declared_blocks
+    from pan.preflight import state_bytes
+
+    out = {"parameters": 0, "optimizer states": 0, "ema": 0, "fsdp gathered": 0}
+    for spec in ctx.part_specs:
+        model = ctx.models[spec.name]
+        state = state_bytes(model, spec.optim.optim())
+        out["parameters"] += state["weights"] // layout.shard
+        out["optimizer states"] += (state["muon"] + state["adamw"]) // layout.shard
+        out["ema"] += state["ema"] // layout.shard
+        if layout.shard > 1:
+            blocks = declared_blocks(model)
+            block = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
+            in_blocks = sum(p.numel() for b in blocks for p in b.parameters())
+            root = sum(p.numel() for p in model.parameters()) - in_blocks
+            # current + prefetched block, one block's unsharded gradients, the root's own weights
+            out["fsdp gathered"] += (2 * block + root) * layout.compute_bytes + block * FP32_BYTES
+    return out
+
+
+def estimate_run(ctx, capacity: int | None = None) -> Estimate:
+    """Memory per device and step time of the ctx's job on its planned layout."""
+    probe = PROBES[ctx.job.recipe](ctx)
+    layout = Layout.of(ctx.job, ctx.dims)
+    trace, optimizer_work = trace_step(ctx, probe, layout)
+    device = static_bytes(ctx, layout)
+    # What was live at the step's peak: gradients as far as the backward had made them (FSDP's
+    # share), activations, the attention workspace, the optimizer step's temporaries.
+    peak = trace.at_peak
+    device["gradients"] = int(peak["gradients"] * trace.grad_scale)
+    device["activations"] = peak["activations"]
+    device["attention workspace"] = peak["attention"]
+    device["optimizer step"] = peak.get("optimizer step", 0)
+    device.update({f"frozen {name}": size for name, size in probe.frozen.items()})
+    host = {"data loader": probe.loader}
+    on_cpu = not torch.cuda.is_available()
+    if on_cpu:
+        device.update(host)
+    cap, source = capacity_of(ctx, capacity)
+    accumulation = getattr(ctx.job.trainer, "gradient_accumulation_steps", 1)
+    work = StepWork(trace.work, optimizer_work, accumulation)
+    rates = rates_for(work.micro, ctx.job.trainer.dtype)
+    parts = work.seconds(rates)
+    step_time = sum(parts.values())
+    dims = ctx.dims
+    tokens_per_step = probe.tokens * accumulation * dims.dp
+    steps = ctx.job.trainer.max_steps
+    flops_per_step = probe.flops * accumulation * dims.world_size
+    peak_flops, _ = device_peak(ctx.job.trainer.dtype)
+    total = sum(device.values())
+    return Estimate(device={k: int(v) for k, v in device.items()}, host=host, capacity=cap,
+                    capacity_source=source, fits=total <= cap, batch=probe.describe,
+                    tokens_per_rank=probe.tokens, step_time=step_time, time_parts=parts,
+                    tokens_per_second=tokens_per_step / step_time,
+                    run_hours=steps * step_time / 3600, gpu_hours=steps * step_time * dims.world_size / 3600,
+                    flops_per_step=flops_per_step,
+                    mfu=flops_per_step / step_time / (peak_flops * dims.world_size),
+                    rates=rates, work=work)
+
+
+# ================================================================================================
+# The device: capacity and rates
+# ================================================================================================
+
+def capacity_of(ctx, override_gib: float | None = None) -> tuple[int, str]:
+    """Bytes one process may use: `--device-memory`, the GPU's memory, or on CPU this machine's
+    available host memory shared by the node's processes."""
+    if override_gib is not None:
+        return int(override_gib * GIB), f"--device-memory {override_gib:g} GiB"
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return props.total_memory, f"{props.name} memory"
+    available = host_available_bytes()
+    per = ctx.gpus_per_node
+    return available // per, (f"available host memory / {per} processes per node" if per > 1
+                              else "available host memory")
+
+
+def host_available_bytes() -> int:
+    """MemAvailable of /proc/meminfo (what can be allocated without swapping), else physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def device_peak(dtype: str) -> tuple[float, str]:
+    """The peak MFU is measured against (pan.metrics: datasheet on a GPU, measured on the CPU)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return _cached_peak(device, dtype)
+
+
+@functools.cache
+def _cached_peak(device: torch.device, dtype: str) -> tuple[float, str]:
+    from pan.metrics import peak_flops
+    return peak_flops(device, dtype)
+
+
+def step_clock(device: torch.device) -> Callable[[], float]:
+    """The clock the rates (and a test's steps) are timed with. On a GPU wall seconds, read after
+    synchronising; on the CPU the process's CPU seconds over its threads: the clock of the work
+    itself, which other processes on a shared machine do not stretch as they stretch the wall."""
+    if device.type == "cuda":
+        def wall() -> float:
+            torch.cuda.synchronize()
+            return time.perf_counter()
+        return wall
+    threads = torch.get_num_threads()
+    return lambda: time.process_time() / threads
+
+
+def _timed(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> float:
+    """Median seconds of `repeats` runs of `fn` (after a warm-up run), on `step_clock`."""
+    clock = step_clock(device)
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = clock()
+        fn()
+        times.append(clock() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+# Shapes measured on the spot are capped: the rate of a larger one is no higher on a CPU, and a
+# GPU reaches its rate well below these.
+MAX_MEASURED_ROWS = 2048
+MAX_MEASURED_WIDTH = 4096
+
+
+def rates_for(work: Work, dtype: str) -> Rates:
+    """`measure_rates` for the shapes of `work`, once per process for each."""
+    return _cached_rates(work.largest_gemm, work.longest_attention, dtype)
+
+
+@functools.cache
+def _cached_rates(gemm: tuple[int, int, int], attention_shape: tuple[int, int, int], dtype: str) -> Rates:
+    return measure_rates(gemm, attention_shape, dtype)
+
+
+def measure_rates(gemm: tuple[int, int, int], attention_shape: tuple[int, int, int], dtype: str) -> Rates:
+    """Rates of the step's largest GEMM (M, K, N), of attention (heads, length, head dim) forward +
+    backward, and of an elementwise pass."""
+    device = run_device()
+    compute = torch.bfloat16 if dtype == "bf16" else torch.float32
+    m, k, n = (min(x, cap) for x, cap in zip(gemm, (MAX_MEASURED_ROWS, MAX_MEASURED_WIDTH, MAX_MEASURED_WIDTH)))
+    a, b = torch.randn(m, k, device=device, dtype=compute), torch.randn(k, n, device=device, dtype=compute)
+    matmul = 2.0 * m * k * n / _timed(lambda: a @ b, device)
+    heads, length, dim = attention_shape
+    length = min(length, MAX_MEASURED_ROWS)
+    heads = min(heads, max(1, MAX_MEASURED_ROWS * 16 // length))
+    q = torch.randn(1, heads, length, dim, device=device, dtype=compute, requires_grad=True)
+
+    def attend():
+        out = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+        out.backward(torch.ones_like(out))
+    attention = 3.5 * 4.0 * heads * length * length * dim / _timed(attend, device)
+    # Elementwise work runs on activations: a pass over one of the size of the largest GEMM's output.
+    x = torch.randn(min(gemm[0] * gemm[2], 8 * 2 ** 20), device=device, dtype=compute)
+    memory = 3 * x.numel() * x.element_size() / _timed(lambda: torch.add(x, x), device)
+    operation = operation_seconds(device)
+    what = "GPU" if device.type == "cuda" else "CPU"
+    return Rates(matmul, attention, memory, operation,
+                 f"measured here on the {what}: {m}x{k}x{n} matmul {matmul / 1e9:,.1f} GFLOP/s, "
+                 f"attention over {length} tokens {attention / 1e9:,.1f} GFLOP/s, elementwise "
+                 f"{memory / 1e9:,.1f} GB/s, {operation * 1e6:,.1f} us per operation")
+
+
+def operation_seconds(device: torch.device) -> float:
+    """The fixed cost of one operation: a chain of them on a few numbers, forward and backward,
+    timed, over the operations the trace counts in it."""
+    x = torch.ones(8, device=device, requires_grad=True)
+
+    def chain() -> None:
+        y = x
+        for _ in range(100):
+            y = y * 1.5
+        y.sum().backward()
+    counter = StepTrace()
+    with counter:
+        chain()
+    return _timed(chain, device) / counter.work.operations
+
+
+# ================================================================================================
+# What to change when it does not fit
+# ================================================================================================
+
+@dataclass
+class Change:
+    """A change of keys that makes the run fit, with its estimate."""
+    keys: dict[str, object]
+    estimate: Estimate
+
+    @property
+    def text(self) -> str:
+        return " ".join(f"--{k} {str(v).lower() if isinstance(v, bool) else v}" for k, v in self.keys.items())
+
+
+def _with(job, section: str, **keys):
+    return dataclasses.replace(job, **{section: dataclasses.replace(getattr(job, section), **keys)})
+
+
+def candidate_jobs(ctx) -> list[tuple[dict[str, object], object]]:
+    """Jobs one change away from ctx's that may need less memory per device: hybrid shard off,
+    selective then full activation checkpointing, each larger cp_size the heads and the node allow."""
+    job, p = ctx.job, ctx.job.parallel
+    out = []
+    if p.hybrid_shard:
+        out.append(({"hybrid_shard": False}, _with(job, "parallel", hybrid_shard=False)))
+    if not p.enable_gradient_checkpointing:
+        out.append(({"enable_gradient_checkpointing": True, "use_dedicated_gradient_checkpointing": True},
+                    _with(job, "parallel", enable_gradient_checkpointing=True,
+                          use_dedicated_gradient_checkpointing=True)))
+    if not p.enable_gradient_checkpointing or p.use_dedicated_gradient_checkpointing:
+        out.append(({"enable_gradient_checkpointing": True, "use_dedicated_gradient_checkpointing": False},
+                    _with(job, "parallel", enable_gradient_checkpointing=True,
+                          use_dedicated_gradient_checkpointing=False)))
+    heads = job.attention_heads()
+    cp = p.cp_size * 2
+    while heads is not None and heads % cp == 0 and ctx.gpus_per_node % cp == 0:
+        out.append(({"cp_size": cp}, _with(job, "parallel", cp_size=cp)))
+        cp *= 2
+    return out
+
+
+def smaller_budget(ctx, estimate: Estimate) -> tuple[dict, object] | None:
+    """The largest max_tokens_per_batch (a multiple of 64) that fits, assuming activations scale
+    with tokens (the caller verifies it with a trace)."""
+    data = getattr(ctx.job, "data", None)
+    if data is None:
+        return None
+    scaled = ("activations", "attention workspace")
+    per_token = sum(estimate.device.get(k, 0) for k in scaled) / data.max_tokens_per_batch
+    room = estimate.capacity - (estimate.total - sum(estimate.device.get(k, 0) for k in scaled))
+    budget = int(0.95 * room / per_token) // 64 * 64 if per_token > 0 else 0
+    if budget <= 0 or budget >= data.max_tokens_per_batch:
+        return None
+    return {"max_tokens_per_batch": budget}, _with(ctx.job, "data", max_tokens_per_batch=budget)
+
+
+def fitting_changes(ctx, estimate: Estimate, rebuild: Callable[[object], object]) -> list[Change]:
+    """Every single change that makes the run fit, the cheapest first: the highest tokens per second
+    (a smaller token budget, which changes the batch, comes last whatever its speed).
+    `rebuild(job)` makes the Preflight of a changed job on the same layout."""
+    from pan.config import ConfigError
+
+    def fitting(job):
+        try:
+            job.parallel.check(job)
+            est = rebuild(job).estimate
+        except (ConfigError, ValueError):   # a layout or budget that this job cannot have
+            return None
+        return est if est.fits else None
+
+    found = [Change(keys, est) for keys, job in candidate_jobs(ctx) if (est := fitting(job)) is not None]
+    found.sort(key=lambda c: -c.estimate.tokens_per_second)
+    budget = smaller_budget(ctx, estimate)
+    if budget is not None and (est := fitting(budget[1])) is not None:
+        found.append(Change(budget[0], est))
+    return found
