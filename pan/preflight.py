@@ -166,6 +166,20 @@ def run_preflight(ctx: Preflight) -> list[Row]:
     rows = [row for fn in ENVIRONMENT_CHECKS for row in run_check(fn, ctx)]
     if ctx.job is not None:
         rows += [row for fn in CHECKS.get(ctx.job.recipe, []) for row in run_check(fn, ctx)]
+    return said_once(rows)
+
+
+def said_once(rows: list[Row]) -> list[Row]:
+    """A failure that several checks run into (an impossible layout stops the checks that need it)
+    is printed in full once; the later rows point to it."""
+    first: dict[str, str] = {}
+    for row in rows:
+        if row.status != "fail":
+            continue
+        if row.detail in first:
+            row.detail, row.fix = f"the same problem as the `{first[row.detail]}` row above.", "see there."
+        else:
+            first[row.detail] = row.check
     return rows
 
 

@@ -256,6 +256,13 @@ def test_checkpoint_size_is_derived_from_the_optimizer_split(tmp_path, data):
     assert "Muon x 4 B" in how and "AdamW x 8 B" in how
 
 
+def test_a_problem_several_checks_run_into_is_printed_once(tmp_path, data, capsys):
+    rows = rows_of(base_args(tmp_path, data, "--cp_size", "4"), gpus_per_node=2)
+    details = [r.detail for rs in rows.values() for r in rs if r.status == "fail"]
+    assert sum("does not divide the 2 processes per node" in d for d in details) == 1
+    assert any(d == "the same problem as the `layout` row above." for d in details)
+
+
 # ---- resume -------------------------------------------------------------------------------------
 
 def write_checkpoint(out_dir: Path, step: int, state: dict[str, torch.Tensor], dp_size: int) -> Path:
