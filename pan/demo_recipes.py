@@ -1,0 +1,425 @@
+"""`pan demo --recipe causal_vae | pyramid_flow_ar`: the CPU demo for the other recipes, on the same
+synthetic clips (pan.data.synth) and scored by the same analyser (pan.eval) as the Pan demo.
+
+    python -m pan.demo_recipes --recipe causal_vae [--out demo_causal_vae] [--steps N] [--quick]
+    python -m pan.demo_recipes --recipe pyramid_flow_ar [--out demo_pyramid_flow_ar] [--steps N] [--quick]
+
+causal_vae: trains the tiny causal video VAE (config/causal_vae_tiny.yaml at 32 x 32 px, 9 frames),
+then reconstructs the held-out clips before training (random init) and after: PSNR and SSIM per
+clip, and the analyser's colour / direction / shape verdicts on the reconstructions (and on the
+originals, the ceiling). pyramid_flow_ar: trains a tiny random-init autoregressive Pyramid-Flow DiT
+in pixel space (identity VAE, tiny text encoders) and samples the held-out prompts unit by unit.
+
+Everything lands under `--out`: data/ (the synthetic clips), run/ (checkpoints, metrics.jsonl),
+samples/ (the scored MP4s, contact_sheet.gif, scores.json), report.md; for pyramid_flow_ar also
+model/ (the tiny model folder), pyramid_flow_ar.yaml (the run's config) and loss.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pan
+
+CONFIG_DIR = Path(pan.__file__).resolve().parent.parent / "config"
+RECIPES = ("causal_vae", "pyramid_flow_ar")
+SIZE, NUM_FRAMES = 32, 9  # 9 = 1 + 8: whole clips for a VAE that compresses time 2x, 4x or 8x
+
+# The causal VAE demo on top of config/causal_vae_tiny.yaml: batches of 4 whole clips.
+VAE_OVERRIDES = {
+    "resolution_buckets": [f"{SIZE}x{SIZE}"],
+    "max_frames": NUM_FRAMES,
+    "max_samples_per_batch": 4,
+    "max_tokens_per_batch": 4 * NUM_FRAMES * SIZE * SIZE,
+    "lr_scheduler_type": "cosine",
+    "lr_decay_floor_ratio": 0.1,
+    "latent_channels": 8,
+    "temporal_down_stages": 1,
+}
+VAE_STEPS = 800
+# --quick: every output of the pipeline from a couple of steps, not a VAE that reconstructs.
+QUICK = {"num_train": 8, "num_heldout": 2, "steps": 2}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="pan demo --recipe", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--recipe", required=True, choices=RECIPES, help="which recipe's demo to run")
+    parser.add_argument("--out", help="folder for data, run, samples and report (default: demo_<recipe>)")
+    parser.add_argument("--steps", type=int, help="training steps (default: the demo's own)")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny data and schedule: checks the pipeline in about a minute")
+    args = parser.parse_args(argv)
+    if args.steps is not None and args.steps < 1:
+        parser.error("--steps must be >= 1")
+    args.out = Path(args.out or f"demo_{args.recipe}")
+    return args
+
+
+def make_data(data_dir: Path, quick: bool, size: int = SIZE, num_frames: int = NUM_FRAMES) -> dict[str, Path]:
+    """The synthetic clips, written afresh: 480 training clips and one held-out clip per held-out
+    (colour, shape, direction) combination (15), or a handful with --quick."""
+    from pan.data.synth import heldout_combinations, synth_dataset
+
+    if data_dir.exists():
+        shutil.rmtree(data_dir)
+    counts = ({"num_train": QUICK["num_train"], "num_heldout": QUICK["num_heldout"]} if quick
+              else {"num_heldout": len(heldout_combinations())})
+    return synth_dataset(data_dir, size=size, num_frames=num_frames, **counts)
+
+
+def job_argv(config: Path, overrides: dict) -> list[str]:
+    argv = ["--config", str(config)]
+    for key, value in overrides.items():
+        argv += [f"--{key}", json.dumps(value)]
+    return argv
+
+
+def fresh_run_dir(run_dir: Path) -> None:
+    """Each demo trains afresh: a finished run in `run_dir` would otherwise be resumed."""
+    if run_dir.exists():
+        print(f"removing the previous demo run {run_dir}")
+        shutil.rmtree(run_dir)
+
+
+def fit(trainer) -> float:
+    """Train to max_steps; the seconds it took."""
+    t0 = time.perf_counter()
+    try:
+        trainer.fit()
+    finally:
+        if hasattr(trainer.loader, "close"):
+            trainer.loader.close()
+    return time.perf_counter() - t0
+
+
+def pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}%"
+
+
+def accuracy_line(scores: dict) -> str:
+    return (f"colour {pct(scores['colour_accuracy'])}, direction {pct(scores['direction_accuracy'])}, "
+            f"shape {pct(scores['shape_accuracy'])}, joint {pct(scores['joint_accuracy'])} "
+            f"({scores['num_videos']} videos)")
+
+
+def files_section(out: Path, files: list[Path]) -> list[str]:
+    return ["## Files", "", *(f"- `{f.relative_to(out)}`" for f in files), ""]
+
+
+# ------------------------------------------------------------------------------------------------
+# causal_vae: reconstructions of the held-out clips
+# ------------------------------------------------------------------------------------------------
+
+def vae_job_overrides(args: argparse.Namespace, data: dict[str, Path], run_dir: Path) -> dict:
+    steps = args.steps or (QUICK["steps"] if args.quick else VAE_STEPS)
+    clips = QUICK["num_heldout"] if args.quick else len(json.loads(data["heldout_prompts"].read_text()))
+    return {**VAE_OVERRIDES, "video_csv_paths": [str(data["train_csv"])], "output_dir": str(run_dir),
+            "max_steps": steps, "save_interval": steps, "log_interval": max(1, steps // 40),
+            # The recipe's own validation at the last step: its mean PSNR / SSIM land in validation.jsonl.
+            "validation_interval": steps, "validation_csv": str(data["heldout_csv"]),
+            "validation_clips": clips}
+
+
+def trained_weights(trainer):
+    """The weights a run exports and samples with: its EMA when it keeps one."""
+    return trainer.ema.swapped_in() if trainer.ema is not None else contextlib.nullcontext()
+
+
+def reconstruct_heldout(trainer) -> tuple[list[tuple], list[str]]:
+    """(clip, reconstruction) of each held-out clip as the recipe's validation makes them (posterior
+    mean): frames [T, 3, H, W] in [-1, 1]; and the clips' sample ids ("<csv stem>:<row>")."""
+    import torch
+
+    from pan.models.vae_loss import frames_of
+
+    task, model = trainer.task, trainer.model
+    pairs, sample_ids = [], []
+    with torch.no_grad(), trained_weights(trainer):
+        for sample in task.heldout_clips():
+            batch = task.clip_batch([sample], torch.Generator())
+            x = batch.clips[0][None]  # [1, 3, T, H, W]
+            pairs.append((frames_of(x), frames_of(model(batch)[0].float().clamp(-1, 1))))
+            sample_ids.append(sample.sample_id)
+    return pairs, sample_ids
+
+
+def captions_of(video_csv: Path, sample_ids: list[str]) -> list[str]:
+    """The CSV captions of the given rows (the VAE's reader leaves captions out of its samples)."""
+    import csv
+
+    with video_csv.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    return [rows[int(sample_id.rsplit(":", 1)[1])]["caption"] for sample_id in sample_ids]
+
+
+def fidelity(pairs: list[tuple]) -> dict:
+    """PSNR (dB) and SSIM of each reconstruction (mean over its frames), and their means."""
+    from pan.recipes.causal_vae import psnr, ssim
+
+    per_clip = [{"psnr": float(psnr(x, x_hat).mean()), "ssim": float(ssim(x, x_hat).mean())}
+                for x, x_hat in pairs]
+    return {"psnr": sum(c["psnr"] for c in per_clip) / len(per_clip),
+            "ssim": sum(c["ssim"] for c in per_clip) / len(per_clip), "per_clip": per_clip}
+
+
+def write_reconstructions(pairs: list[tuple], out_dir: Path, fps: float) -> tuple[list[Path], list[Path]]:
+    """Each reconstruction as NN.mp4 (what is scored) and NN_side.mp4 (original | reconstruction)."""
+    import torch
+
+    from pan.media import to_uint8_frames, write_mp4
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    alone, side = [], []
+    for i, (x, x_hat) in enumerate(pairs):
+        alone.append(out_dir / f"{i:02d}.mp4")
+        side.append(out_dir / f"{i:02d}_side.mp4")
+        write_mp4(alone[-1], to_uint8_frames(x_hat), fps)
+        write_mp4(side[-1], to_uint8_frames(torch.cat([x, x_hat], dim=3)), fps)
+    return alone, side
+
+
+def run_causal_vae(args: argparse.Namespace) -> dict:
+    from pan.cli import load_config_or_exit
+    from pan.demo import write_contact_sheet
+    from pan.eval import format_table, score_videos
+    from pan.trainer import build_trainer
+
+    out, seconds = args.out, {}
+    t0 = time.perf_counter()
+    data = make_data(out / "data", args.quick)
+    seconds["data"] = time.perf_counter() - t0
+    run_dir = out / "run"
+    fresh_run_dir(run_dir)
+    trainer = build_trainer(load_config_or_exit(job_argv(CONFIG_DIR / "causal_vae_tiny.yaml",
+                                                         vae_job_overrides(args, data, run_dir))))
+    samples_dir = out / "samples"
+    before, _ = reconstruct_heldout(trainer)
+    init_videos, _ = write_reconstructions(before, samples_dir / "init", fps=8)
+    seconds["training"] = fit(trainer)
+    t0 = time.perf_counter()
+    after, sample_ids = reconstruct_heldout(trainer)
+    videos, sides = write_reconstructions(after, samples_dir, fps=8)
+    seconds["reconstruction"] = time.perf_counter() - t0
+    write_contact_sheet(sides, samples_dir / "contact_sheet.gif", columns=3)
+
+    prompts = captions_of(data["heldout_csv"], sample_ids)
+    originals = [x for x, _ in after]
+    # The reconstructions are scored from their MP4s, as the Pan demo's samples are; the originals
+    # (decoded clips) show what the analyser makes of perfect reconstructions.
+    scores = {"init": {**fidelity(before), "analyser": score_videos(init_videos, prompts)},
+              "trained": {**fidelity(after), "analyser": score_videos(videos, prompts)},
+              "originals": {"analyser": score_videos([(x + 1) / 2 for x in originals], prompts)},
+              "steps": trainer.state.step, "seconds": seconds}
+    table = format_table(scores["trained"]["analyser"])
+    print(table)
+    (samples_dir / "scores.json").write_text(json.dumps(scores, indent=1) + "\n")
+    files = [samples_dir / "contact_sheet.gif", samples_dir / "scores.json", *videos, *sides]
+    write_vae_report(out, scores, table, files)
+    return scores
+
+
+def write_vae_report(out: Path, scores: dict, table: str, files: list[Path]) -> None:
+    init, trained = scores["init"], scores["trained"]
+    per_clip = ["| clip | prompt | PSNR init | PSNR trained | SSIM init | SSIM trained |", "|---|---|---|---|---|---|"]
+    for i, (a, b, row) in enumerate(zip(init["per_clip"], trained["per_clip"], trained["analyser"]["per_video"])):
+        per_clip.append(f"| {i:02d} | {row['prompt']} | {a['psnr']:.2f} | {b['psnr']:.2f} | {a['ssim']:.3f} | "
+                        f"{b['ssim']:.3f} |")
+    lines = [
+        "# pan demo report: causal_vae", "",
+        f"- training steps: {scores['steps']}",
+        *(f"- {name} time: {s:.0f} s" for name, s in scores["seconds"].items()),
+        (f"- held-out reconstructions, mean PSNR: {init['psnr']:.2f} dB at init, {trained['psnr']:.2f} dB "
+         f"trained; mean SSIM: {init['ssim']:.3f} at init, {trained['ssim']:.3f} trained"),
+        f"- analyser on the trained reconstructions: {accuracy_line(trained['analyser'])}",
+        f"- analyser on the reconstructions at init: {accuracy_line(init['analyser'])}",
+        f"- analyser on the original clips (the ceiling): {accuracy_line(scores['originals']['analyser'])}",
+        "", "## Per clip", "", *per_clip, "",
+        "## Analyser on the trained reconstructions", "", "```", table, "```", "",
+        "`samples/contact_sheet.gif`: each held-out clip beside its reconstruction (original | reconstruction).",
+        "", *files_section(out, files)]
+    (out / "report.md").write_text("\n".join(lines))
+
+
+# ------------------------------------------------------------------------------------------------
+# pyramid_flow_ar: a tiny random-init model folder in the released layout, trained on pixels
+# ------------------------------------------------------------------------------------------------
+
+AR_SIZE, AR_FRAMES = 32, 5  # 5 one-frame units per clip: the unit-by-unit sampler stays quick
+AR_STEPS = 400
+CAPTION_WIDTH, POOLED_WIDTH = 32, 32  # T5 and CLIP feature widths, the DiT's text input widths
+TINY_DIT = {"in_channels": 12,  # 3 pixel channels x a 2x2 patch
+            "num_layers": 2, "num_single_layers": 2, "attention_head_dim": 32, "num_attention_heads": 2,
+            "joint_attention_dim": CAPTION_WIDTH, "pooled_projection_dim": POOLED_WIDTH,
+            "axes_dims_rope": [8, 12, 12]}
+CLIP_LENGTH = 77  # the released CLIP tokenizers' caption length (the encoders pad every CLIP to it)
+
+
+def caption_corpus() -> list[str]:
+    """Every caption the synthetic data can hold: what the tiny tokenizers learn their sub-words on."""
+    from pan.data.synth import DIRECTIONS, PALETTE, SHAPES, caption_for
+
+    return [caption_for(c, s, d) for c in PALETTE for s in SHAPES for d in DIRECTIONS]
+
+
+def write_clip_tokenizer(folder: Path, corpus: list[str]) -> int:
+    """A CLIP byte-level BPE tokenizer (vocab.json, merges.txt, tokenizer_config.json) learnt on
+    `corpus`, laid out as CLIPTokenizer reads it; returns its vocabulary size."""
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE(end_of_word_suffix="</w>", unk_token="<|endoftext|>"))
+    bpe.normalizer = normalizers.Lowercase()
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"), behavior="removed", invert=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, end_of_word_suffix="</w>",
+                                                        initial_alphabet=alphabet))
+    learned = json.loads(bpe.to_str())["model"]
+    # CLIP's order: the bytes, the bytes ending a word, the merges, the start and end tokens last.
+    base = alphabet + [c + "</w>" for c in alphabet]
+    tokens = base + [t for t in learned["vocab"] if t not in set(base)] + ["<|startoftext|>", "<|endoftext|>"]
+    merges = [" ".join(m) if isinstance(m, list) else m for m in learned["merges"]]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.json").write_text(json.dumps({t: i for i, t in enumerate(tokens)}))
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "CLIPTokenizer", "bos_token": "<|startoftext|>", "eos_token": "<|endoftext|>",
+        "unk_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "model_max_length": CLIP_LENGTH}))
+    return len(tokens)
+
+
+def write_t5_tokenizer(folder: Path, corpus: list[str]) -> int:
+    """A T5 unigram tokenizer learnt on `corpus`; returns its vocabulary size."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import T5Tokenizer
+
+    unigram = Tokenizer(models.Unigram())
+    unigram.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    unigram.train_from_iterator(corpus, trainers.UnigramTrainer(
+        vocab_size=200, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>"))
+    pieces = [tuple(p) for p in json.loads(unigram.to_str())["model"]["vocab"]]
+    tokenizer = T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=512)
+    tokenizer.save_pretrained(folder)
+    return len(tokenizer)
+
+
+def write_tiny_pyramid_model(folder: Path, variant: str) -> Path:
+    """A random-init Pyramid-Flow release in miniature: the DiT as `variant`, CLIP-L (`text_encoder`)
+    and T5 (`text_encoder_2`) with their tokenizers learnt on the demo's captions. Fixed seeds: the
+    same folder every time."""
+    import torch
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    from pan.models.pyramid_flux import PyramidFluxConfig, PyramidFluxTransformer
+    from pan.models.pyramid_io import save_pretrained
+
+    corpus = caption_corpus()
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        save_pretrained(PyramidFluxTransformer(PyramidFluxConfig(**TINY_DIT)), folder / variant)
+        vocab = write_clip_tokenizer(folder / "tokenizer", corpus)
+        CLIPTextModel(CLIPTextConfig(
+            vocab_size=vocab, hidden_size=POOLED_WIDTH, intermediate_size=2 * POOLED_WIDTH, num_hidden_layers=2,
+            num_attention_heads=2, max_position_embeddings=CLIP_LENGTH, projection_dim=POOLED_WIDTH,
+            bos_token_id=vocab - 2, eos_token_id=vocab - 1, pad_token_id=vocab - 1,
+        )).save_pretrained(folder / "text_encoder")
+        T5EncoderModel(T5Config(
+            vocab_size=write_t5_tokenizer(folder / "tokenizer_2", corpus), d_model=CAPTION_WIDTH, d_kv=16,
+            d_ff=2 * CAPTION_WIDTH, num_layers=2, num_heads=2, relative_attention_num_buckets=8,
+            relative_attention_max_distance=32, feed_forward_proj="gated-gelu", is_encoder_decoder=False,
+            use_cache=False)).save_pretrained(folder / "text_encoder_2")
+    return folder
+
+
+def ar_config(args: argparse.Namespace, data: dict[str, Path], model_path: Path, run_dir: Path) -> dict:
+    """The run's config: pixel space (identity VAE, no latent statistics), one-frame units."""
+    steps = args.steps or (QUICK["steps"] if args.quick else AR_STEPS)
+    sample_steps = [2, 2, 2] if args.quick else [10, 10, 10]
+    return {
+        "recipe": "pyramid_flow_ar",
+        "model": {"model_name": "pyramid_flux", "model_path": str(model_path), "vae_type": "identity",
+                  "t5_max_length": 16, "attention_backend": "sdpa"},
+        "autoregressive": {"frame_per_unit": 1, "video_sync_group": 1},
+        "training": {"max_steps": steps, "learning_rate": 2.0e-3, "warmup_steps": min(20, steps // 4),
+                     "lr_scheduler_type": "cosine", "lr_decay_floor_ratio": 0.1, "weight_decay": 0.0,
+                     "max_grad_norm": 1.0, "use_muon": False, "dtype": "fp32", "seed": 0},
+        "diffusion": {"image_latent_shift": 0.0, "image_latent_scale": 1.0, "video_latent_shift": 0.0,
+                      "video_latent_scale": 1.0},
+        "data": {"video_csv_paths": [str(data["train_csv"])], "resolution_buckets": [f"{AR_SIZE}x{AR_SIZE}"],
+                 "min_frames": AR_FRAMES, "max_frames": AR_FRAMES, "frames_mod": 1, "frames_remainder": 0,
+                 # A sample is at most ~610 tokens: its unit at 16 x 16 patches and its history.
+                 "max_samples_per_batch": 16, "max_tokens_per_batch": 16 * 700,
+                 "packed_dataloader_num_workers": 1},
+        "tasks": {"cfg_drop_prob": 0.1},
+        "output": {"output_dir": str(run_dir), "save_interval": steps, "log_interval": max(1, steps // 40),
+                   "progress_bar": False, "sample_num_frames": AR_FRAMES, "sample_height": AR_SIZE,
+                   "sample_width": AR_SIZE, "sample_steps": sample_steps, "sample_video_steps": sample_steps,
+                   "sample_guidance_scale": 3.0, "sample_video_guidance_scale": 3.0, "sample_fps": 8.0},
+    }
+
+
+def run_pyramid_flow_ar(args: argparse.Namespace) -> dict:
+    import yaml
+
+    from pan.cli import load_config_or_exit
+    from pan.demo import draw_loss_curve, write_contact_sheet
+    from pan.eval import format_table, score_videos
+    from pan.logging import quiet_library_progress_bars
+    from pan.trainer import build_trainer
+
+    out, seconds = args.out, {}
+    t0 = time.perf_counter()
+    quiet_library_progress_bars()  # (transformers' bars while the tiny encoders are written)
+    data = make_data(out / "data", args.quick, AR_SIZE, AR_FRAMES)
+    model_path = write_tiny_pyramid_model(out / "model", "diffusion_transformer_384p")
+    seconds["data"] = time.perf_counter() - t0
+    run_dir = out / "run"
+    fresh_run_dir(run_dir)
+    config = out / "pyramid_flow_ar.yaml"
+    config.write_text(yaml.safe_dump(ar_config(args, data, model_path, run_dir), sort_keys=False))
+    trainer = build_trainer(load_config_or_exit(["--config", str(config)]))
+    seconds["training"] = fit(trainer)
+
+    prompts = json.loads(data["heldout_prompts"].read_text())[:QUICK["num_heldout"] if args.quick else None]
+    samples_dir = out / "samples"
+    t0 = time.perf_counter()
+    with trained_weights(trainer):
+        videos = trainer.task.write_samples(trainer.model, [p["prompt"] for p in prompts], samples_dir,
+                                            seed=trainer.job.trainer.seed)
+    seconds["sampling"] = time.perf_counter() - t0
+    write_contact_sheet(videos, samples_dir / "contact_sheet.gif")
+    scores = score_videos(videos, prompts)  # read back from the MP4s, as the Pan demo scores its own
+    table = format_table(scores)
+    print(table)
+    (samples_dir / "scores.json").write_text(json.dumps(scores, indent=1) + "\n")
+    metrics_path = run_dir / "metrics.jsonl"
+    draw_loss_curve(metrics_path, out / "loss.png")
+    final_loss = json.loads(metrics_path.read_text().splitlines()[-1])["loss"]
+    files = [config, out / "loss.png", samples_dir / "contact_sheet.gif", samples_dir / "scores.json",
+             *videos, *(v.with_suffix(".gif") for v in videos)]
+    lines = [
+        "# pan demo report: pyramid_flow_ar", "",
+        f"- training steps: {trainer.state.step}",
+        *(f"- {name} time: {s:.0f} s" for name, s in seconds.items()),
+        f"- final training loss (last log interval): {final_loss:.4f}",
+        f"- held-out prompts: {accuracy_line(scores)}", "",
+        "## Scores", "", "```", table, "```", "", *files_section(out, files)]
+    (out / "report.md").write_text("\n".join(lines))
+    return scores
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    run = {"causal_vae": run_causal_vae, "pyramid_flow_ar": run_pyramid_flow_ar}[args.recipe]
+    run(args)
+    print(f"\nreport: {args.out / 'report.md'}  samples: {args.out / 'samples' / 'contact_sheet.gif'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
