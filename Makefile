@@ -6,6 +6,9 @@ PY := $(VENV)/bin/python
 # torch is pinned to the CPU wheel this project is developed against; a GPU cluster installs its
 # own CUDA build of torch >= 2.9 into its environment instead (see docs/training.md).
 TORCH_SPEC ?= torch==2.13.0
+# Test files run in parallel, one whole file per worker (its module fixtures are built once); most
+# of the suite's time is one process at a time, so two workers fill two cores.
+TEST_WORKERS ?= 2
 
 .PHONY: demo test docs setup clean
 
@@ -24,7 +27,7 @@ demo: setup
 test: setup
 	@command -v slurmctld >/dev/null || bash .ci/install_slurm.sh || \
 		echo "Slurm could not be installed: the launch-script tests will be skipped"
-	OMP_NUM_THREADS=2 $(PY) -m pytest tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile tests
 
 docs: setup
 	$(PY) -m pan.config.docs --write docs/config.md
