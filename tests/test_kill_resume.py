@@ -333,3 +333,29 @@ def test_a_checkpoint_of_two_ranks_continues_on_one_without_repeating_a_sample(r
     reference = last_loss_per_step(logged_steps(runs.straight))
     for step, loss in last_loss_per_step(logged_steps(out)).items():
         assert 0.5 * reference[step] < loss < 2 * reference[step], (step, loss, reference[step])
+
+
+def test_a_checkpoint_of_two_ranks_continues_on_one_cp_group_of_two(runs, tmp_path):
+    """The same continuation on two processes that form one context-parallel group (dp 1): only
+    its cp rank 0 reads data, from both old ranks' cursors."""
+    from pan.data.loader import StreamOrder, unconsumed
+
+    if runs.dp_ranks != 2:
+        pytest.skip("continues the run of 2 data-parallel ranks")
+    out = tmp_path / "elastic_cp"
+    shutil.copytree(runs.straight / "checkpoint-8", out / "checkpoint-8")
+    config = tiny_config(tmp_path / "elastic_cp.yaml", runs.data_csv, out, {"cp_size": 2})
+    cfg = yaml.safe_load(config.read_text())
+    cfg["training"]["gradient_accumulation_steps"] = 2
+    config.write_text(yaml.safe_dump(cfg))
+    log = tmp_path / "elastic_cp.log"
+    assert Job(config, log).wait(timeout=300) == [0, 0], tail(log)
+    assert "resuming from checkpoint-8" in log.read_text() and "the global batch is kept" in log.read_text()
+    cursors = [json.loads((out / "checkpoint-8" / layout.DATALOADER / f"{r}.json").read_text()) for r in (0, 1)]
+    name = next(iter(cursors[0]["planner"]["streams"]))
+    size = cursors[0]["planner"]["streams"][name]["size"]
+    head = [f"{runs.data_csv.stem}:{index}"
+            for _, index in unconsumed(StreamOrder(name, size, 0, 0, 1), cursors, name)]
+    new = [i for line in (out / "consumed" / "0.txt").read_text().splitlines() for i in line.split()[1:]]
+    assert new and new[:len(head)] == head[:len(new)]
+    assert sorted(p.name for p in (out / "consumed").iterdir()) == ["0.txt"]  # one data-parallel rank
