@@ -11,7 +11,6 @@ scores.json), loss.png, report.md.
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import json
 import shutil
@@ -36,11 +35,18 @@ QUICK_OVERRIDES = {
     "sample_steps": 2,
 }
 QUICK_PROMPTS = 2
+# Shapes span 44-52% of the frame (synth's default: 28-36%): at 16 pixels a 5-pixel square, circle
+# and triangle differ in a handful of pixels and the model draws all three as one blob.
+SHAPE_SIZE = (0.44, 0.52)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="pan demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="demo_out", help="folder for data, run, samples and report")
+    parser.add_argument("--recipe", choices=["pan", "causal_vae", "pyramid_flow_ar"], default="pan",
+                        help="pan (this demo), or another recipe's demo (pan/demo_recipes.py, "
+                             "docs/demo_recipes.md)")
+    parser.add_argument("--out", help="folder for data, run, samples and report (default: demo_out, "
+                                      "or demo_<recipe> for another recipe)")
     parser.add_argument("--steps", type=int, help="training steps (default: the config's max_steps)")
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="the demo's run config")
     parser.add_argument("--quick", action="store_true",
@@ -48,25 +54,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def recipe_demo(args: argparse.Namespace) -> int:
+    """Another recipe's demo (pan/demo_recipes.py), which builds its own config; its own folder by
+    default, since each demo rewrites the data/ and run/ of its folder."""
+    if args.config != str(DEFAULT_CONFIG):
+        raise SystemExit("pan demo: --config configures the Pan demo; the recipe demos build their own config")
+    from pan import demo_recipes
+    return demo_recipes.main(["--recipe", args.recipe, *(["--out", args.out] if args.out else []),
+                              *(["--steps", str(args.steps)] if args.steps else []),
+                              *(["--quick"] if args.quick else [])])
+
+
 def make_data(data_dir: Path, config: Path, quick: bool) -> dict[str, Path]:
     """The synthetic dataset at the config's sample geometry (frame side `sample_height`, frame count
-    `sample_num_frames`), written once: reused while its CSV has that geometry, rewritten otherwise.
-    (Read from the YAML: the job config can only load once its training CSV exists.)"""
+    `sample_num_frames`) with the demo's SHAPE_SIZE, written once: reused while `synth.json` records
+    these arguments, rewritten otherwise. (Read from the YAML: the job config can only load once its
+    training CSV exists.)"""
     from pan.data.synth import synth_dataset
 
     output = yaml.safe_load(config.read_text())["output"]
-    size, num_frames = output["sample_height"], output["sample_num_frames"]
+    arguments = {"size": output["sample_height"], "num_frames": output["sample_num_frames"],
+                 "shape_size": list(SHAPE_SIZE)} | ({"num_train": 16, "num_heldout": 0} if quick else {})
     paths = {"train_csv": data_dir / "train.csv", "heldout_csv": data_dir / "heldout.csv",
              "heldout_prompts": data_dir / "heldout_prompts.json"}
-    if all(p.is_file() for p in paths.values()):
-        with paths["train_csv"].open() as f:
-            first = next(csv.DictReader(f), {})
-        if (first.get("height"), first.get("num_frames")) == (str(size), str(num_frames)):
+    record = data_dir / "synth.json"
+    if record.is_file() and all(p.is_file() for p in paths.values()):
+        if json.loads(record.read_text()) == arguments:
             return paths
-        print(f"rewriting {data_dir}: its clips are not {num_frames} frames of {size}x{size}")
+        print(f"rewriting {data_dir}: it was made with other arguments than {arguments}")
+    if data_dir.exists():
         shutil.rmtree(data_dir)
-    sizes = {"num_train": 16, "num_heldout": 0} if quick else {}
-    return synth_dataset(data_dir, size=size, num_frames=num_frames, **sizes)
+    paths = synth_dataset(data_dir, **arguments)
+    record.write_text(json.dumps(arguments) + "\n")
+    return paths
 
 
 def job_argv(args: argparse.Namespace, train_csv: Path, run_dir: Path) -> list[str]:
@@ -189,11 +209,13 @@ def write_report(path: Path, *, steps: int, seconds: dict[str, float], final_los
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.recipe != "pan":
+        return recipe_demo(args)
     from pan.cli import load_config_or_exit
     from pan.eval import format_table, score_videos
     from pan.trainer import build_trainer
 
-    out = Path(args.out)
+    out = Path(args.out or "demo_out")
     seconds: dict[str, float] = {}
     run_dir = out / "run"
     t0 = time.perf_counter()

@@ -46,7 +46,7 @@ class Thresholds:
 
     foreground: float = 0.2  # largest channel difference from the background that marks an object
     min_object_area: float = 0.004  # per frame, at least this fraction of pixels (and >= 3 pixels)
-    max_foreground_fraction: float = 0.35  # more than this, averaged over frames: no single object
+    max_foreground_fraction: float = 0.45  # more than this, averaged over frames: no single object
     min_object_frames: float = 0.5  # the object must be found in at least this fraction of frames
     min_colour_confidence: float = 0.5  # share of the colour vote the winner needs
     min_displacement: float = 0.08  # smaller centroid travel over the clip reads as "static"
@@ -224,7 +224,8 @@ def score_videos(videos: list[Any], prompts: list[str | dict],
     `videos`: MP4 paths, arrays or tensors (see `to_unit_frames`); `prompts`: caption strings or
     {prompt, colour, shape, direction} dicts. A property the prompt does not name is not judged.
     Returns {num_videos, colour_accuracy, direction_accuracy, shape_accuracy, joint_accuracy
-    (colour and direction both right), per_video: [...]}; an accuracy is None when nothing was judged.
+    (every property the prompt names right), per_video: [...]}; an accuracy is None when nothing
+    was judged.
     """
     if len(videos) != len(prompts):
         raise ValueError(f"got {len(videos)} videos but {len(prompts)} prompts")
@@ -235,8 +236,8 @@ def score_videos(videos: list[Any], prompts: list[str | dict],
         for key in ("colour", "direction", "shape"):
             row[f"target_{key}"] = expected[key]
             row[f"{key}_ok"] = None if expected[key] is None else row[key] == expected[key]
-        both = (row["colour_ok"], row["direction_ok"])
-        row["joint_ok"] = None if None in both else all(both)
+        named = [ok for ok in (row["colour_ok"], row["direction_ok"], row["shape_ok"]) if ok is not None]
+        row["joint_ok"] = all(named) if named else None  # every property the prompt names is right
         rows.append(row)
     return {"num_videos": len(rows), **{f"{key}_accuracy": _accuracy(rows, key)
                                         for key in ("colour", "direction", "shape", "joint")},

@@ -2,10 +2,14 @@
 
 import json
 
+import yaml
 from PIL import Image
 
 from pan.demo import DEFAULT_CONFIG, main, make_data
 from pan.eval import load_video
+
+OUTPUT = yaml.safe_load(DEFAULT_CONFIG.read_text())["output"]
+GEOMETRY = (OUTPUT["sample_num_frames"], OUTPUT["sample_height"], OUTPUT["sample_width"], 3)
 
 
 def test_quick_demo_writes_every_artefact(tmp_path, capsys):
@@ -17,10 +21,10 @@ def test_quick_demo_writes_every_artefact(tmp_path, capsys):
     assert {"colour_accuracy", "direction_accuracy", "shape_accuracy", "per_video"} <= set(scores)
     for i in range(2):
         clip = load_video(out / "samples" / f"{i:02d}.mp4")
-        assert clip.shape == (5, 16, 16, 3)  # the config's sample geometry
-        assert Image.open(out / "samples" / f"{i:02d}.gif").n_frames == 5
+        assert clip.shape == GEOMETRY  # the config's sample geometry
+        assert Image.open(out / "samples" / f"{i:02d}.gif").n_frames == GEOMETRY[0]
     sheet = Image.open(out / "samples" / "contact_sheet.gif")
-    assert sheet.n_frames == 5 and sheet.width > 2 * 16  # two clips side by side, scaled up
+    assert sheet.n_frames == GEOMETRY[0] and sheet.width > 2 * 2 * GEOMETRY[2]  # two clips, scaled 2x
 
     assert Image.open(out / "loss.png").size == (640, 360)
     rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -51,9 +55,11 @@ def test_data_follows_the_config_geometry(tmp_path):
     config = tmp_path / "demo.yaml"
     config.write_text(DEFAULT_CONFIG.read_text())
     first = make_data(tmp_path / "data", config, quick=True)
-    assert load_video(first["train_csv"].parent / "train" / "000000.mp4").shape == (5, 16, 16, 3)
+    assert load_video(first["train_csv"].parent / "train" / "000000.mp4").shape == GEOMETRY
 
-    config.write_text(DEFAULT_CONFIG.read_text().replace("sample_num_frames: 5", "sample_num_frames: 9")
-                      .replace("sample_height: 16", "sample_height: 24"))
+    frames, side = GEOMETRY[0] + 4, GEOMETRY[1] + 8
+    other = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    other["output"] |= {"sample_num_frames": frames, "sample_height": side, "sample_width": side}
+    config.write_text(yaml.safe_dump(other))
     second = make_data(tmp_path / "data", config, quick=True)  # stale geometry: rewritten
-    assert load_video(second["train_csv"].parent / "train" / "000000.mp4").shape == (9, 24, 24, 3)
+    assert load_video(second["train_csv"].parent / "train" / "000000.mp4").shape == (frames, side, side, 3)

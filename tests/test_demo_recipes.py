@@ -87,3 +87,19 @@ def test_tiny_pyramid_tokenizers_split_the_demo_captions_into_known_words(tmp_pa
         words = clip.tokenize(caption)
         assert "".join(words).replace("</w>", " ").split() == caption.split()
     assert clip.tokenize("red") != clip.tokenize("green") and t5("red").input_ids != t5("green").input_ids
+
+
+def test_pan_demo_dispatches_recipe_demos(monkeypatch, tmp_path):
+    """`pan demo --recipe X` runs that recipe's demo with the same options, in its own folder by
+    default; the Pan demo's --config does not apply to it."""
+    import pan.demo
+    from pan import demo_recipes
+
+    calls = []
+    monkeypatch.setattr(demo_recipes, "main", lambda argv: calls.append(argv) or 0)
+    assert pan.demo.main(["--recipe", "causal_vae", "--quick", "--steps", "3"]) == 0
+    assert pan.demo.main(["--recipe", "pyramid_flow_ar", "--out", str(tmp_path)]) == 0
+    assert calls == [["--recipe", "causal_vae", "--steps", "3", "--quick"],
+                     ["--recipe", "pyramid_flow_ar", "--out", str(tmp_path)]]
+    with pytest.raises(SystemExit, match="--config configures the Pan demo"):
+        pan.demo.main(["--recipe", "causal_vae", "--config", str(tmp_path / "x.yaml")])

@@ -6,9 +6,11 @@ import json
 import numpy as np
 import pytest
 import torch
+import yaml
 from scipy import ndimage
 
 from pan.data.synth import DIRECTIONS, PALETTE, synth_dataset
+from pan.demo import DEFAULT_CONFIG, SHAPE_SIZE
 from pan.eval import (STATIC, UNKNOWN, analyse_video, format_table, load_video, main, score_videos,
                       to_unit_frames)
 
@@ -35,6 +37,20 @@ def test_generator_clips_decoded_from_mp4_score_at_least_99_percent(clips):
     assert scores["colour_accuracy"] >= 0.99 and scores["direction_accuracy"] >= 0.99
     assert scores["joint_accuracy"] >= 0.99
     assert scores["shape_accuracy"] >= 0.95
+
+
+def test_the_demo_geometry_keeps_every_attribute_readable(tmp_path):
+    """The demo's own clips (its frame size, frame count and shape size), decoded from MP4."""
+    output = yaml.safe_load(DEFAULT_CONFIG.read_text())["output"]
+    paths = synth_dataset(tmp_path, num_train=90, num_heldout=30, size=output["sample_height"],
+                          num_frames=output["sample_num_frames"], seed=5, shape_size=SHAPE_SIZE)
+    rows = []
+    for key in ("train_csv", "heldout_csv"):
+        with open(paths[key], newline="") as f:
+            rows += list(csv.DictReader(f))
+    scores = score_videos([tmp_path / row["path"] for row in rows], [row["caption"] for row in rows])
+    assert scores["colour_accuracy"] >= 0.99 and scores["direction_accuracy"] >= 0.99
+    assert scores["shape_accuracy"] >= 0.97 and scores["joint_accuracy"] >= 0.97
 
 
 def test_wrong_prompts_score_zero(clips):
@@ -96,6 +112,15 @@ def test_hand_drawn_clips_on_a_non_square_frame():
     on_grey = square_video([(4 + 3 * t, 10) for t in range(9)], colour=(0.3, 0.85, 0.3))
     on_grey[on_grey.max(axis=-1) == 0] = 0.25
     assert (analyse_video(on_grey).colour, analyse_video(on_grey).direction) == ("green", "right")
+
+
+def test_joint_accuracy_needs_every_property_the_prompt_names():
+    video = square_video([(36 - 3 * t, 10) for t in range(9)])  # a red square moving left
+    prompts = ["a red square moving left", "a red circle moving left", "a red thing moving left",
+               "a blue square moving left", "something"]
+    rows = score_videos([video] * len(prompts), prompts)["per_video"]
+    assert [row["joint_ok"] for row in rows] == [True, False, True, False, None]
+    assert score_videos([video] * 2, prompts[:2])["joint_accuracy"] == 0.5  # the wrong shape counts
 
 
 def test_static_jumping_and_diagonal_objects_name_no_direction():

@@ -96,9 +96,11 @@ def test_rendered_clip_shows_its_caption(direction):
     assert np.all(np.diff(centre_x) * ux >= 0) and np.all(np.diff(centre_y) * uy >= 0)  # constant way
 
 
-def test_sampled_paths_stay_inside_the_frame():
-    specs = sample_clip_specs(train_combinations(), 500, SIZE, np.random.default_rng(0))
+@pytest.mark.parametrize("shape_size", [(0.28, 0.36), (0.44, 0.52)])
+def test_sampled_paths_stay_inside_the_frame(shape_size):
+    specs = sample_clip_specs(train_combinations(), 500, SIZE, np.random.default_rng(0), shape_size)
     for spec in specs:
+        assert shape_size[0] * SIZE <= spec.shape_size <= shape_size[1] * SIZE
         ux, uy = DIRECTIONS[spec.direction]
         end = (spec.start_xy[0] + ux * spec.displacement, spec.start_xy[1] + uy * spec.displacement)
         for x, y in (spec.start_xy, end):  # the box's top-left; motion is linear in between
@@ -125,3 +127,19 @@ def test_main_writes_a_dataset_and_bad_sizes_are_refused(tmp_path, capsys):
     assert len(read_csv(tmp_path / "train.csv")) == 4 and len(read_csv(tmp_path / "heldout.csv")) == 2
     with pytest.raises(ValueError, match="even"):
         synth_dataset(tmp_path / "odd", num_train=1, num_heldout=0, size=31)
+    with pytest.raises(ValueError, match="shape_size"):
+        synth_dataset(tmp_path / "huge", num_train=1, num_heldout=0, shape_size=(0.5, 1.2))
+
+
+def test_shape_size_sets_the_drawn_area(tmp_path):
+    """`--shape-size` reaches the clips: the object's area follows the fraction asked for."""
+    big = tmp_path / "big"
+    assert main(["--out", str(big), "--num-train", "6", "--num-heldout", "0", "--size", "16",
+                 "--num-frames", "5", "--shape-size", "0.5", "0.5"]) == 0
+    for row in read_csv(big / "train.csv"):
+        with av.open(str(big / row["path"])) as container:
+            frame = next(container.decode(video=0)).to_ndarray(format="rgb24").astype(np.float32)
+        colour = np.array(PALETTE[combo(row["caption"])[0]], np.float32)
+        area = (frame.max(axis=-1) / colour.max()).sum()  # coverage summed: the shape's area in pixels
+        expected = {"square": 1.0, "circle": np.pi / 4, "triangle": 0.5}[combo(row["caption"])[1]] * 8 ** 2
+        assert area == pytest.approx(expected, rel=0.15), row

@@ -97,13 +97,15 @@ def train_combinations() -> list[tuple[str, str, str]]:
 
 
 def sample_clip_specs(combos: list[tuple[str, str, str]], num_clips: int, size: int,
-                      rng: np.random.Generator) -> list[ClipSpec]:
-    """`num_clips` specs cycling through `combos` (balanced), in a shuffled order."""
+                      rng: np.random.Generator,
+                      shape_size: tuple[float, float] = SHAPE_SIZE_RANGE) -> list[ClipSpec]:
+    """`num_clips` specs cycling through `combos` (balanced), in a shuffled order; each shape's side
+    drawn uniformly from `shape_size` (fractions of the frame)."""
     order = [combos[i % len(combos)] for i in range(num_clips)]
     rng.shuffle(order)
     specs = []
     for colour, shape, direction in order:
-        side = float(rng.uniform(*SHAPE_SIZE_RANGE)) * size
+        side = float(rng.uniform(*shape_size)) * size
         room = size - side  # the top-left corner may lie anywhere in [0, room] on each axis
         travel = float(rng.uniform(*TRAVEL_RANGE)) * room
         ux, uy = DIRECTIONS[direction]
@@ -164,24 +166,28 @@ def _write_split(out_dir: Path, split: str, specs: list[ClipSpec], size: int, nu
 
 
 def synth_dataset(out_dir: str | Path, *, num_train: int = 480, num_heldout: int = 60, size: int = 32,
-                  num_frames: int = 9, fps: int = 8, seed: int = 0) -> dict[str, Path]:
+                  num_frames: int = 9, fps: int = 8, seed: int = 0,
+                  shape_size: tuple[float, float] = SHAPE_SIZE_RANGE) -> dict[str, Path]:
     """Write the synthetic dataset under `out_dir` and return the paths of what was written.
 
     Returns {"train_csv", "heldout_csv", "heldout_prompts"}. Deterministic for a given `seed` (and
     arguments). `num_frames` = 1 + 4k suits a causal VAE with 4x temporal compression (9, 13, ...).
+    `shape_size` = (smallest, largest) side of a shape's bounding box as a fraction of the frame.
     """
     if size < 16 or size % 2:
         raise ValueError(f"size must be an even number >= 16 (yuv420p needs even sides), got {size}")
     if num_frames < 2:
         raise ValueError(f"num_frames must be >= 2 to show motion, got {num_frames}")
+    if not 0 < shape_size[0] <= shape_size[1] < 1:
+        raise ValueError(f"shape_size must be fractions 0 < smallest <= largest < 1, got {shape_size}")
     if num_train < 1 or num_heldout < 0 or fps < 1:
         raise ValueError(f"need num_train >= 1, num_heldout >= 0, fps >= 1; got {num_train}, "
                          f"{num_heldout}, {fps}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    train_specs = sample_clip_specs(train_combinations(), num_train, size, rng)
-    heldout_specs = sample_clip_specs(heldout_combinations(), num_heldout, size, rng)
+    train_specs = sample_clip_specs(train_combinations(), num_train, size, rng, shape_size)
+    heldout_specs = sample_clip_specs(heldout_combinations(), num_heldout, size, rng, shape_size)
 
     prompts_path = out / "heldout_prompts.json"
     prompts = [{"prompt": caption_for(c, s, d), "colour": c, "shape": s, "direction": d}
@@ -204,9 +210,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-frames", type=int, default=9, help="frames per clip (1 + 4k for a causal VAE)")
     parser.add_argument("--fps", type=int, default=8, help="frame rate written into the MP4 and CSV")
     parser.add_argument("--seed", type=int, default=0, help="seed: the same seed writes the same files")
+    parser.add_argument("--shape-size", type=float, nargs=2, default=SHAPE_SIZE_RANGE,
+                        metavar=("MIN", "MAX"), help="side of a shape's box, fraction of the frame")
     args = parser.parse_args(argv)
     paths = synth_dataset(args.out, num_train=args.num_train, num_heldout=args.num_heldout,
-                          size=args.size, num_frames=args.num_frames, fps=args.fps, seed=args.seed)
+                          size=args.size, num_frames=args.num_frames, fps=args.fps, seed=args.seed,
+                          shape_size=tuple(args.shape_size))
     for name, path in paths.items():
         print(f"{name}: {path}")
     return 0
