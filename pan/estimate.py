@@ -25,8 +25,10 @@ its step runs (`register_probe`).
 Step time: the same trace counts the work of every operation: matmul and convolution FLOPs,
 attention FLOPs, and the bytes every other (memory-bound) operation reads and writes, for the
 forward, the backward, recomputation and the optimizer step. Each class is timed with a rate
-measured on the spot on this machine's device (a matmul of the step's own largest GEMM shape, an
-attention call of its longest segment, an elementwise pass over a large tensor). Tokens per second,
+measured on the spot on this machine's device (a matmul of the step's own largest GEMM shape, its
+main convolution shapes, an attention call of its longest segment, an elementwise pass over a
+large tensor). A process keeps the trace of each step it has traced and the rates of each set of
+shapes (`cached_trace_step`, `rates_for`): `pan check` of many configs traces a step once. Tokens per second,
 the run's wall time and GPU-hours follow from max_steps. The recipe's exact FLOP count (its
 `forward_flops`) is reported beside it, with the MFU it implies.
 """
@@ -75,6 +77,8 @@ class Probe:
     loader: int = 0                  # host bytes of the data loader's samples in flight
     online_text: bool = False        # whether captions are encoded during training (the encoder is loaded)
     describe: str = ""               # the micro-batch in words
+    helpers: dict[str, nn.Module] = field(default_factory=dict)  # frozen meta modules the losses use
+                                     # (LPIPS, the VAE's discriminator copy), given to them fake by name
 
 
 ProbeFn = Callable[[object], Probe]   # (a Preflight) -> Probe
@@ -179,19 +183,36 @@ def _nbytes(t: Tensor) -> int:
 class Work:
     """What a traced stretch of a step computes, by the kind of rate that times it."""
     matmul_flops: float = 0.0
+    conv_flops: float = 0.0
     attention_flops: float = 0.0
     memory_bytes: float = 0.0
     operations: float = 0.0                                 # every operation dispatched, views too
     largest_gemm: tuple[int, int, int] = (1, 1, 1)          # (M, K, N) of the heaviest matmul
     longest_attention: tuple[int, int, int] = (1, 1, 1)     # (heads, length, head dim)
+    # forward convolutions: (input shape, weight shape, stride, padding, dilation, groups) -> FLOPs
+    conv_shapes: dict[tuple, float] = field(default_factory=dict)
 
     def add(self, other: Work, scale: float = 1.0) -> None:
         self.matmul_flops += scale * other.matmul_flops
+        self.conv_flops += scale * other.conv_flops
         self.attention_flops += scale * other.attention_flops
         self.memory_bytes += scale * other.memory_bytes
         self.operations += scale * other.operations
         self.largest_gemm = max(self.largest_gemm, other.largest_gemm, key=math.prod)
         self.longest_attention = max(self.longest_attention, other.longest_attention, key=math.prod)
+        for spec, flops in other.conv_shapes.items():
+            self.conv_shapes[spec] = self.conv_shapes.get(spec, 0.0) + scale * flops
+
+    def main_convs(self) -> tuple[tuple[tuple, float], ...]:
+        """The convolution shapes that make most of the convolution FLOPs (CONV_SHARE of them, at most
+        MAX_TIMED_CONVS), heaviest first, with their FLOPs: those the convolution rate is timed on."""
+        out, total, covered = [], sum(self.conv_shapes.values()), 0.0
+        for spec, flops in sorted(self.conv_shapes.items(), key=lambda kv: -kv[1]):
+            if covered >= CONV_SHARE * total or len(out) == MAX_TIMED_CONVS:
+                break
+            out.append((spec, flops))
+            covered += flops
+        return tuple(out)
 
 
 @dataclass
@@ -206,6 +227,7 @@ class StepWork:
         """Seconds per step by kind of work, at `rates`."""
         n, m, o = self.accumulation, self.micro, self.optimizer
         return {"matmul": n * m.matmul_flops / rates.matmul,
+                "convolution": n * m.conv_flops / rates.convolution if m.conv_flops else 0.0,
                 "attention": n * m.attention_flops / rates.attention,
                 "memory-bound": n * m.memory_bytes / rates.memory,
                 "optimizer": o.matmul_flops / rates.matmul + o.memory_bytes / rates.memory,
@@ -279,7 +301,13 @@ class StepTrace(TorchDispatchMode):
             result = out if func is aten.convolution.default else args[0]   # the output (or its grad)
             per_output = 2.0 * math.prod(weight.shape[1:])
             passes = 1 if func is aten.convolution.default else sum(bool(x) for x in args[-1][:2])
-            w.matmul_flops += passes * per_output * result.numel()
+            w.conv_flops += passes * per_output * result.numel()
+            if func is aten.convolution.default and not args[6]:       # forward, not transposed
+                # Timed by shape: a convolution's rate depends on its channels and kernel far more
+                # than a GEMM of the same FLOPs (a VAE's 8-channel convs run far below a matmul's).
+                x, _, _, stride, padding, dilation, _, _, groups = args
+                spec = (tuple(x.shape), tuple(weight.shape), tuple(stride), tuple(padding), tuple(dilation), groups)
+                w.conv_shapes[spec] = w.conv_shapes.get(spec, 0.0) + per_output * result.numel()
         elif _is_attention(func):
             q = args[0]
             if q.dim() == 4:                      # [B, H, L, d]
@@ -295,6 +323,10 @@ class StepTrace(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is aten._local_scalar_dense.default:
+            # A value read back (a logged loss, the VAE's adaptive GAN weight): fake tensors have
+            # none. It reads 1; a step's shapes, all the trace needs, do not depend on it.
+            return True if args[0].dtype is torch.bool else 1 if not args[0].is_floating_point() else 1.0
         out = func(*args, **kwargs)
         self._count(func, args, kwargs, out)
         kind = "attention" if _is_attention(func) else "activations"
@@ -396,6 +428,7 @@ class Layout:
 class Rates:
     """What this device does per second, measured on the spot."""
     matmul: float               # FLOP/s of the step's largest GEMM shape
+    convolution: float          # FLOP/s of its heaviest convolution (forward; 1.0 when it has none)
     attention: float            # FLOP/s of an attention call (forward + backward) of its longest segment
     memory: float               # bytes/s read + written by an elementwise pass
     operation: float            # seconds of an operation's fixed cost (dispatch, autograd, launch)
@@ -429,6 +462,9 @@ class Estimate:
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)
         out["total"] = self.total
+        for work in out["work"].values():   # JSON keys are strings: the shapes as [shape, FLOPs] pairs
+            if isinstance(work, dict):
+                work["conv_shapes"] = [[list(spec), flops] for spec, flops in work["conv_shapes"].items()]
         return out
 
 
@@ -449,12 +485,17 @@ def trace_step(ctx, probe: Probe, layout: Layout) -> tuple[StepTrace, Work]:
              for phase in probe.phases}
     with fake_mode():
         models = {name: parallelised_fake(model, job, ctx.dims.cp) for name, model in ctx.models.items()}
+        # What each part trains (a frozen VAE encoder does not), before all is frozen between phases.
+        trained = {name: [p for p in model.parameters() if p.requires_grad] for name, model in models.items()}
         for model in models.values():
             model.train().requires_grad_(False)
+        models.update({name: fake_copy(helper) for name, helper in probe.helpers.items()})
         for phase in probe.phases:
-            model = models[phase.part].requires_grad_(True)
+            model = models[phase.part]
+            for p in trained[phase.part]:
+                p.requires_grad_(True)
             handles = [p.register_post_accumulate_grad_hook(lambda p: trace.as_gradient(p.grad))
-                       for p in model.parameters()]
+                       for p in trained[phase.part]]
             with trace, autocast(job.trainer.dtype):
                 phase.loss(models).backward()
             for h in handles:
@@ -527,11 +568,33 @@ def static_bytes(ctx, layout: Layout) -> dict[str, int]:
     return out
 
 
+# Sections of a job the traced step does not read: the micro-batch the data keys lead to is the
+# probe's, and paths, checkpoints, logging and validation do not change a training step.
+UNTRACED_SECTIONS = frozenset({"data", "checkpoint", "logging", "validation", "warm_start"})
+MAX_CACHED_TRACES = 32
+_TRACES: dict[tuple, tuple[StepTrace, Work]] = {}
+
+
+def cached_trace_step(ctx, probe: Probe, layout: Layout) -> tuple[StepTrace, Work]:
+    """`trace_step`, once per process for each step: a `pan check` of many configs (a test suite,
+    the suggested fixes) mostly traces the same step again. The key is every key of the job the step
+    reads, the probe's micro-batch and the layout."""
+    job = ctx.job
+    key = (tuple((f.name, repr(getattr(job, f.name))) for f in dataclasses.fields(job)
+                 if f.name not in UNTRACED_SECTIONS),
+           probe.describe, probe.tokens, probe.samples, ctx.dims.cp, layout.shard, layout.compute_bytes)
+    if key not in _TRACES:
+        if len(_TRACES) >= MAX_CACHED_TRACES:
+            _TRACES.pop(next(iter(_TRACES)))
+        _TRACES[key] = trace_step(ctx, probe, layout)
+    return _TRACES[key]
+
+
 def estimate_run(ctx, capacity: int | None = None) -> Estimate:
     """Memory per device and step time of the ctx's job on its planned layout."""
     probe = PROBES[ctx.job.recipe](ctx)
     layout = Layout.of(ctx.job, ctx.dims)
-    trace, optimizer_work = trace_step(ctx, probe, layout)
+    trace, optimizer_work = cached_trace_step(ctx, probe, layout)
     device = static_bytes(ctx, layout)
     # What was live at the step's peak: gradients as far as the backward had made them (FSDP's
     # share), activations, the attention workspace, the optimizer step's temporaries.
@@ -642,17 +705,19 @@ MAX_MEASURED_WIDTH = 4096
 
 def rates_for(work: Work, dtype: str) -> Rates:
     """`measure_rates` for the shapes of `work`, once per process for each."""
-    return _cached_rates(work.largest_gemm, work.longest_attention, dtype)
+    return _cached_rates(work.largest_gemm, work.longest_attention, work.main_convs(), dtype)
 
 
 @functools.cache
-def _cached_rates(gemm: tuple[int, int, int], attention_shape: tuple[int, int, int], dtype: str) -> Rates:
-    return measure_rates(gemm, attention_shape, dtype)
+def _cached_rates(gemm: tuple[int, int, int], attention_shape: tuple[int, int, int], convs: tuple,
+                  dtype: str) -> Rates:
+    return measure_rates(gemm, attention_shape, convs, dtype)
 
 
-def measure_rates(gemm: tuple[int, int, int], attention_shape: tuple[int, int, int], dtype: str) -> Rates:
+def measure_rates(gemm: tuple[int, int, int], attention_shape: tuple[int, int, int], convs: tuple,
+                  dtype: str) -> Rates:
     """Rates of the step's largest GEMM (M, K, N), of attention (heads, length, head dim) forward +
-    backward, and of an elementwise pass."""
+    backward, of its main convolutions (`Work.main_convs`; none: ()), and of an elementwise pass."""
     device = run_device()
     compute = torch.bfloat16 if dtype == "bf16" else torch.float32
     m, k, n = (min(x, cap) for x, cap in zip(gemm, (MAX_MEASURED_ROWS, MAX_MEASURED_WIDTH, MAX_MEASURED_WIDTH)))
@@ -660,7 +725,9 @@ def measure_rates(gemm: tuple[int, int, int], attention_shape: tuple[int, int, i
     matmul = 2.0 * m * k * n / _timed(lambda: a @ b, device)
     heads, length, dim = attention_shape
     length = min(length, MAX_MEASURED_ROWS)
-    heads = min(heads, max(1, MAX_MEASURED_ROWS * 16 // length))
+    # Heads run one after the other on a CPU: one long one times the rate as well as many.
+    most_heads = 1 if device.type == "cpu" else MAX_MEASURED_ROWS * 16 // length
+    heads = min(heads, max(1, most_heads))
     q = torch.randn(1, heads, length, dim, device=device, dtype=compute, requires_grad=True)
 
     def attend():
@@ -671,11 +738,34 @@ def measure_rates(gemm: tuple[int, int, int], attention_shape: tuple[int, int, i
     x = torch.randn(min(gemm[0] * gemm[2], 8 * 2 ** 20), device=device, dtype=compute)
     memory = 3 * x.numel() * x.element_size() / _timed(lambda: torch.add(x, x), device)
     operation = operation_seconds(device)
+    # The rate of their FLOPs together: each shape's time at its own rate.
+    convolution = (sum(f for _, f in convs) / sum(f / convolution_rate(spec, device, compute) for spec, f in convs)
+                   if convs else 1.0)
     what = "GPU" if device.type == "cuda" else "CPU"
-    return Rates(matmul, attention, memory, operation,
+    conv_text = f"convolution ({len(convs)} shapes) {convolution / 1e9:,.1f} GFLOP/s, " if convs else ""
+    return Rates(matmul, convolution, attention, memory, operation,
                  f"measured here on the {what}: {m}x{k}x{n} matmul {matmul / 1e9:,.1f} GFLOP/s, "
-                 f"attention over {length} tokens {attention / 1e9:,.1f} GFLOP/s, elementwise "
+                 f"{conv_text}attention over {length} tokens {attention / 1e9:,.1f} GFLOP/s, elementwise "
                  f"{memory / 1e9:,.1f} GB/s, {operation * 1e6:,.1f} us per operation")
+
+
+CONV_SHARE, MAX_TIMED_CONVS = 0.8, 6
+MAX_MEASURED_CONV_INPUT = 2 ** 22     # elements: the batch, then the first spatial axis are cut to this
+
+
+def convolution_rate(spec: tuple, device: torch.device, compute: torch.dtype) -> float:
+    """FLOP/s of a forward convolution of one shape (`Work.conv_shapes`), capped in size."""
+    shape, weight_shape, stride, padding, dilation, groups = spec
+    batch = max(1, min(shape[0], MAX_MEASURED_CONV_INPUT // math.prod(shape[1:])))
+    per_row = math.prod(shape[1:]) // shape[2]
+    rows = max(min(shape[2], MAX_MEASURED_CONV_INPUT // per_row), weight_shape[2])
+    x = torch.randn(batch, shape[1], rows, *shape[3:], device=device, dtype=compute)
+    weight = torch.randn(weight_shape, device=device, dtype=compute)
+
+    def convolve():
+        return aten.convolution(x, weight, None, stride, padding, dilation, False, [0] * len(stride), groups)
+    out = convolve()
+    return 2.0 * math.prod(weight_shape[1:]) * out.numel() / _timed(convolve, device)
 
 
 def operation_seconds(device: torch.device) -> float:

@@ -1118,7 +1118,9 @@ register_workflow(Workflow(
 
 # ---- pan check ---------------------------------------------------------------------------------
 
-from pan.preflight import Row, check_cpu, check_output_dir, register_check  # noqa: E402
+from pan.estimate import Phase, Probe, largest_batch, loader_bytes, register_probe  # noqa: E402
+from pan.preflight import (Row, check_cpu, check_memory, check_output_dir, check_step_time,  # noqa: E402
+                           register_check)
 
 register_check("causal_vae")(check_output_dir)
 register_check("causal_vae")(check_cpu)
@@ -1255,6 +1257,59 @@ def check_clips(ctx) -> list[Row]:
         rows.append(Row("clips", status, detail + ".", "" if status == "pass" else
                         "fix the media or the frame rules named above (such samples are skipped)."))
     return rows
+
+
+# ---- pan check: memory and step time (pan/estimate.py) ------------------------------------------
+
+@register_probe("causal_vae")
+def vae_probe(ctx) -> Probe:
+    """The recipe's largest micro-batch: the data budget's fullest pack of its longest, largest clips,
+    this rank's frames of them (context rank 0 holds the most); the VAE's phase (reconstruction,
+    LPIPS, KL and, once the GAN is on, the generator term scored by the discriminator's copy), then
+    the discriminator's phase on the same reconstructions."""
+    import math
+
+    job, task = ctx.job, ctx.task
+    cfg, size, f = task.vae_cfg, task.context_size, task.vae_cfg.temporal_factor
+    clips = largest_batch(job.data, task.tokens_of, images=bool(job.data.image_tar_paths))
+    if not clips:
+        raise ConfigError("max_tokens_per_batch", "no clip of the buckets and frame rules fits the "
+                          "token budget.")
+    own = [(frame_split(total, f, size)[0] if total > 1 and size > 1 else total, h, w) for total, h, w in clips]
+    gan = job.objective.add_discriminator and job.loss.disc_start < job.trainer.max_steps
+    helpers = {}
+    if job.loss.perceptual_weight > 0:
+        with torch.device("meta"):
+            helpers["lpips"] = LPIPS()
+    if gan:
+        helpers["discriminator copy"] = task.build_discriminator().requires_grad_(False)
+    made: dict[str, object] = {}
+
+    def vae_loss(models):
+        noises = [torch.empty(cfg.latent_channels, (t - 1) // f + 1, h // cfg.spatial_factor, w // cfg.spatial_factor)
+                  for t, h, w in own]
+        batch = ClipBatch([torch.empty(3, t, h, w) for t, h, w in own], noises, [total for total, _, _ in clips],
+                          [f"clip{i}" for i in range(len(clips))], float(len(clips)), sum(t for t, _, _ in own))
+        objective = Objective(job.loss, models.get("lpips"), models.get("discriminator copy"))
+        made.update(batch=batch, objective=objective)
+        return models[VAE](batch, objective)
+
+    def discriminator_loss(models):
+        return made["objective"].discriminator_loss(models[DISCRIMINATOR], made["batch"])
+
+    phases = [Phase(VAE, vae_loss)] + ([Phase(DISCRIMINATOR, discriminator_loss)] if gan else [])
+    # Both are loaded in fp32 on every rank.
+    frozen = {name: sum(t.numel() * 4 for t in (*m.parameters(), *m.buffers())) for name, m in helpers.items()}
+    shapes = ", ".join(f"{t}x{h}x{w}" for t, h, w in sorted(set(own), reverse=True))
+    return Probe(phases, tokens=sum(math.prod(c) for c in own), samples=len(clips),
+                 flops=sum(3 * vae_forward_flops(cfg, *c) for c in own), frozen=frozen,
+                 loader=loader_bytes(job.data, clips), helpers=helpers,
+                 describe=f"{len(clips)} clip(s) ({shapes} frames x H x W on this rank) = "
+                          f"{sum(math.prod(c) for c in own)} pixels" + (", GAN on" if gan else ""))
+
+
+register_check("causal_vae")(check_memory)
+register_check("causal_vae")(check_step_time)
 
 
 # ---- python -m pan.recipes.causal_vae export --------------------------------------------------

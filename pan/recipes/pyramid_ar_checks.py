@@ -17,10 +17,13 @@ and how their latent frame counts compare with the latent frames of max_frames.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from pan import preflight
 from pan.config.core import ErrorCollector
+from pan.estimate import register_probe
 from pan.launch_command import Workflow, register_workflow
 from pan.preflight import Preflight, Row, register_check
 from pan.recipes import pyramid_checks as shared
@@ -191,4 +194,53 @@ def check_annotation_rows(ctx: Preflight) -> list[Row]:
 
 for _shared in (preflight.check_cpu, preflight.check_output_dir, preflight.check_resume):
     register_check(RECIPE)(_shared)
+
+
+# ------------------------------------------------------------------------------------------------
+# Memory and step time (pan/estimate.py)
+# ------------------------------------------------------------------------------------------------
+
+def unit_sample(task, stage: int, unit: int, t: int, h: int, w: int) -> list[tuple[int, int, int]]:
+    """Latent shapes of a sample of `stage` training its `unit`-th unit: its history clips oldest
+    first, then the unit (as `pan.diffusion.pyramid.noise_unit` makes them)."""
+    from pan.diffusion.pyramid import history_spans, unit_frames
+    fpu = task.job.ar.frame_per_unit
+    frames = unit_frames(unit, fpu)
+    history = [shared.level_shape(task, end - start, h, w, level)
+               for level, start, end in reversed(history_spans(stage, unit, frames, fpu))]
+    return history + [shared.level_shape(task, min(fpu, frames), h, w, stage)]
+
+
+def slot_batches(task, clips: list[tuple[int, int, int]]):
+    """Every micro-batch a slot can make of `clips` (full-resolution latent shapes): for each turn
+    of the rotation, slot of the group and place the stage rotation starts at, the samples whose
+    clip holds the slot's unit at the sample's stage (`PyramidFlowARTask.prepare_slot`)."""
+    from pan.diffusion.pyramid import stage_unit_counts
+    job, cycle = task.job, task.column_stages
+    group, fpu = job.ar.video_sync_group, job.ar.frame_per_unit
+    for turn in range(task.units_max // group):
+        for slot in range(group):
+            units = stage_unit_counts(step=turn, rank=slot, video_sync_group=group, frame_per_unit=fpu,
+                                      max_frames=task.window, clip_units=task.units_max, stages=job.pyramid.stages)
+            for start in range(len(cycle)):
+                stages = [cycle[(start + i) % len(cycle)] for i in range(len(clips))]
+                yield [unit_sample(task, stage, units[stage], *clip) for stage, clip in zip(stages, clips)
+                       if units[stage] <= 1 + (min(clip[0], task.window) - 1) // fpu]
+
+
+@register_probe(RECIPE)
+def ar_probe(ctx: Preflight):
+    """The recipe's largest micro-batch: the fullest pack of the largest clips, each trained at the
+    unit the sync slot gives its stage, history included; of all slots, turns of the rotation and
+    stage orders, the one with the most tokens."""
+    task = ar_task_of(ctx)
+    clips = shared.largest_batch_clips(ctx, task)
+    tokens = lambda samples: sum(math.prod(task.model.patch_grid((0, *c))) for s in samples for c in s)  # noqa: E731
+    fullest = max(slot_batches(task, clips), key=tokens)
+    return shared.pyramid_probe(ctx, task, fullest, f"{len(fullest)} unit sample(s) of {len(clips)} clip(s), "
+                                f"{sum(len(s) for s in fullest)} clips with their history")
+
+
+register_check(RECIPE)(preflight.check_memory)
+register_check(RECIPE)(preflight.check_step_time)
 
