@@ -25,6 +25,7 @@ import yaml
 
 from dist_utils import free_port
 from launch_utils import ROOT, TESTS, last_logged_step, run_to_end
+from pan.checkpoint import dcp as layout
 from pan.checkpoint.export import consolidated_weights
 from pan.checkpoint.lease import (LEASE_FILE, LeaseHeldError, RunLease, process_alive, process_start,
                                   read_lease, this_process, why_stale)
@@ -186,6 +187,7 @@ def test_a_second_launch_is_refused_then_takes_over_once_the_first_is_killed(tmp
     assert f"is in use by the run started" in refusal and f"pids [{first.pid}]" in refusal, refusal
     assert first.poll() is None  # the first run was not disturbed
 
+    wait_for(lambda: layout.complete_checkpoints(out), "the first launch saves", log)
     first.send_signal(signal.SIGKILL)
     first.wait()
     killed_at = last_logged_step(out)
@@ -205,7 +207,9 @@ def test_ranks_of_a_killed_torchrun_stop_and_the_next_launch_takes_over(tmp_path
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
              str(ROOT / "train.py"), "--config", str(config)],
             cwd=ROOT, env=env_of(), stdout=f, stderr=subprocess.STDOUT)
-    wait_for(lambda: last_logged_step(out) >= 2, "torchrun's ranks train", log, timeout=180)
+    # A complete checkpoint first: the kill may otherwise land inside the first save, and the
+    # relaunch would rightly start afresh.
+    wait_for(lambda: layout.complete_checkpoints(out), "torchrun's ranks train and save", log, timeout=180)
     ranks = read_lease(out / LEASE_FILE)["processes"]
     assert len(ranks) == 2 and all(process_alive(p) for p in ranks)
 
