@@ -88,6 +88,19 @@ def frame_step(src_fps: float, rules: FrameRules) -> float:
     return max(1.0, src_fps / rules.target_fps)
 
 
+def video_stream(container):
+    """A decodable video's first video stream (threaded decoding on) and its frame rate; raises
+    SkipSample when it has no video stream or no frame rate."""
+    if not container.streams.video:
+        raise SkipSample("decode_error", "no video stream")
+    stream = container.streams.video[0]
+    stream.thread_type = "AUTO"  # frame + slice threads: several times faster on HD h264
+    rate = stream.average_rate or stream.guessed_rate
+    if not rate:
+        raise SkipSample("decode_error", "unknown frame rate")
+    return stream, rate
+
+
 def decode_video(path: str, rules: FrameRules, start: float = 0.0,
                  end: float | None = None) -> tuple[torch.Tensor, float]:
     """Decode [start, end) seconds of a video -> (uint8 frames [T, 3, H, W], output fps).
@@ -97,13 +110,7 @@ def decode_video(path: str, rules: FrameRules, start: float = 0.0,
     PyAV/FFmpeg errors propagate (the caller counts them as decode errors).
     """
     with av.open(path) as container:
-        if not container.streams.video:
-            raise SkipSample("decode_error", "no video stream")
-        stream = container.streams.video[0]
-        stream.thread_type = "AUTO"  # frame + slice threads: several times faster on HD h264
-        rate = stream.average_rate or stream.guessed_rate
-        if not rate:
-            raise SkipSample("decode_error", "unknown frame rate")
+        stream, rate = video_stream(container)
         src_fps = float(rate)
         step = frame_step(src_fps, rules)
         bucket, h, w, scale = pick_bucket(stream.codec_context.height, stream.codec_context.width, rules)

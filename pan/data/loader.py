@@ -39,7 +39,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from pan.data.config import DataConfig
 from pan.data.decode import (FrameRules, SkipSample, centre_crop, decode_image, decode_video, frame_step,
-                             pick_bucket)
+                             pick_bucket, video_stream)
 from pan.data.packing import LookaheadPacker
 from pan.data.sources import (AnnotationSource, ImageTarSet, SourceError, VideoCsvSource, caption_from_bytes,
                               read_annotations, read_image_tars, read_video_csv)
@@ -425,13 +425,7 @@ def decode_frames_at(path: str, indices: tuple[int, ...], rules: FrameRules) -> 
     target_fps does not: the row chose its frames."""
     wanted = indices[:rules.max_frames]
     with av.open(path) as container:
-        if not container.streams.video:
-            raise SkipSample("decode_error", "no video stream")
-        stream = container.streams.video[0]
-        stream.thread_type = "AUTO"
-        rate = stream.average_rate or stream.guessed_rate
-        if not rate:
-            raise SkipSample("decode_error", "unknown frame rate")
+        stream, rate = video_stream(container)
         bucket, h, w, scale = pick_bucket(stream.codec_context.height, stream.codec_context.width, rules)
         interpolation = "AREA" if scale < 1 else "BICUBIC"
         kept: list[np.ndarray] = []

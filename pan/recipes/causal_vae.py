@@ -47,7 +47,8 @@ from pan.checkpoint.manager import CheckpointConfig
 from pan.config import JobConfig
 from pan.config.core import ConfigError, knob, reject_unused, require
 from pan.data.config import DataConfig
-from pan.data.decode import FrameRules, SkipSample, centre_crop, decode_image, frame_step, pick_bucket
+from pan.data.decode import (FrameRules, SkipSample, centre_crop, decode_image, frame_step, pick_bucket,
+                             video_stream)
 from pan.data.loader import Ref, SampleReader, Sample, number, rules_of, stable_int
 from pan.data.sources import SourceError
 from pan.launch_command import Workflow, register_workflow
@@ -639,13 +640,7 @@ def decode_window(path: str, rules: FrameRules, share: FrameShare, pick: Callabl
     import numpy as np
 
     with av.open(path) as container:
-        if not container.streams.video:
-            raise SkipSample("decode_error", "no video stream")
-        stream = container.streams.video[0]
-        stream.thread_type = "AUTO"
-        rate = stream.average_rate or stream.guessed_rate
-        if not rate:
-            raise SkipSample("decode_error", "unknown frame rate")
+        stream, rate = video_stream(container)
         src_fps = float(rate)
         step = frame_step(src_fps, rules)
         bucket, h, w, scale = pick_bucket(stream.codec_context.height, stream.codec_context.width, rules)
