@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -98,3 +99,40 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# Dense kernels (matmuls and CPU flash attention): a step's share in them bounds what a faster
+# implementation of everything else can win.
+KERNELS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
+           "aten::_scaled_dot_product_flash_attention_for_cpu",
+           "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
+
+
+def kernel_share(step: Callable[[], object]) -> float:
+    """Fraction of one step's CPU time spent inside KERNELS (torch.profiler, self times)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    return sum(e.self_cpu_time_total for e in events if e.key in KERNELS) / total
+
+
+def import_original(src: Path, deps: str | None, load: Callable[[], object]):
+    """`load()` (which imports from the original Pyramid-Flow source) -> (its result, None), or
+    (None, why not). Runs after pan is imported, so the import-time stand-ins the original needs
+    (`import_stubs.py`) and its dependencies never change what pan imported."""
+    if not (src / "import_stubs.py").is_file() or not (src / "src").is_dir():
+        return None, f"the original's source is not at {src} (pass --original)"
+    for path in (str(src / "src"), str(src)) + ((deps,) if deps else ()):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    try:
+        import import_stubs
+        import_stubs.install()
+        return load(), None
+    except ImportError as e:
+        return None, (f"the original cannot be imported ({e}); install einops, timm and accelerate into "
+                      "a separate folder and pass it as --original-deps")

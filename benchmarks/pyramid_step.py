@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -48,9 +47,9 @@ from types import SimpleNamespace
 import torch
 
 try:
-    from benchmarks.common import interleaved_times, median, print_table, write_json
+    from benchmarks.common import import_original, interleaved_times, kernel_share, median, print_table, write_json
 except ModuleNotFoundError:  # run as `python benchmarks/pyramid_step.py`: its folder is on the path
-    from common import interleaved_times, median, print_table, write_json
+    from common import import_original, interleaved_times, kernel_share, median, print_table, write_json
 from pan.diffusion.pyramid import (GeneratorDraws, PyramidConfig, PyramidSchedule, latent_pyramid,
                                    noise_full_sequence, noise_temporal_pyramid, stage_unit_counts)
 from pan.models.attention import set_attention_backend
@@ -73,9 +72,6 @@ MODES = {"full": dict(frames=5),
 
 # The dense kernels of both models: BLAS matmuls and SDPA's fused CPU kernels (the original's masked
 # calls and pan's unmasked ones both land in the flash kernel for CPU).
-KERNELS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
-           "aten::_scaled_dot_product_flash_attention_for_cpu",
-           "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -207,41 +203,17 @@ def original_step(model, calculate_loss, inputs: StepInputs):
 
 
 def load_original(src: Path, deps: str | None):
-    """(the original's PyramidFluxTransformer class, its runner's calculate_loss), or (None, why not).
-
-    Imported after pan, so the import-time stand-ins it needs (torchvision, tensorboardX, IPython:
-    `import_stubs.py`) and its dependencies never change what pan imported."""
-    if not (src / "import_stubs.py").is_file() or not (src / "src").is_dir():
-        return None, f"the original's source is not at {src} (pass --original)"
-    for path in (str(src / "src"), str(src)) + ((deps,) if deps else ()):
-        if path not in sys.path:
-            sys.path.insert(0, path)
-    try:
-        import import_stubs
-        import_stubs.install()
+    """(the original's PyramidFluxTransformer class, its runner's calculate_loss), or (None, why not)."""
+    def load():
         from pyramid_dit import PyramidDiTForVideoGeneration
         from pyramid_dit.flux_modules import PyramidFluxTransformer as Original
-    except ImportError as e:
-        return None, (f"the original cannot be imported ({e}); install einops, timm and accelerate into "
-                      "a separate folder and pass it as --original-deps")
-    return (Original, PyramidDiTForVideoGeneration.calculate_loss), None
+        return Original, PyramidDiTForVideoGeneration.calculate_loss
+    return import_original(src, deps, load)
 
 
 # ------------------------------------------------------------------------------------------------
 # Measurements
 # ------------------------------------------------------------------------------------------------
-
-def kernel_share(step) -> float:
-    """Fraction of one step's CPU time spent inside KERNELS (torch.profiler, self times)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        step()
-    events = prof.key_averages()
-    total = sum(e.self_cpu_time_total for e in events)
-    return sum(e.self_cpu_time_total for e in events if e.key in KERNELS) / total
-
 
 def agreement(pan_model, pan_loss: torch.Tensor, original, original_loss: torch.Tensor) -> dict:
     """How far pan's loss and gradients are from the original's after one step each (fp32 rounding

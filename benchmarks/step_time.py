@@ -27,9 +27,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 try:
-    from benchmarks.common import interleaved_times, matmul_probe, median, print_table, write_json
+    from benchmarks.common import interleaved_times, kernel_share, matmul_probe, median, print_table, write_json
 except ModuleNotFoundError:  # run as `python benchmarks/step_time.py`: its folder is on the path
-    from common import interleaved_times, matmul_probe, median, print_table, write_json
+    from common import interleaved_times, kernel_share, matmul_probe, median, print_table, write_json
 from pan.models import PackInfo, PanDiTConfig, PanVideoDiffusionTransformer, patchify
 
 LATENT = (16, 7, 24, 32)        # [C, T, H, W] per sample -> (7, 12, 16) = 1344 tokens at patch (1, 2, 2)
@@ -104,20 +104,6 @@ def counted_step_flops(model: torch.nn.Module, loss_fn) -> int:
 
 
 # The dense kernels both models spend their FLOPs in: BLAS matmuls and the fused attention kernels.
-KERNELS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product_flash_attention_for_cpu",
-           "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
-
-
-def kernel_share(step) -> float:
-    """Fraction of one step's CPU time spent inside KERNELS (torch.profiler, self time)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        step()
-    events = prof.key_averages()
-    total = sum(e.self_cpu_time_total for e in events)
-    return sum(e.self_cpu_time_total for e in events if e.key in KERNELS) / total
 
 
 def training_step(model: torch.nn.Module, loss_fn):

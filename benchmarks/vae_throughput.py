@@ -24,16 +24,15 @@ script measures pan alone and says so.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
 try:
-    from benchmarks.common import interleaved_times, machine_info, median, print_table, write_json
+    from benchmarks.common import import_original, interleaved_times, machine_info, median, print_table, write_json
 except ModuleNotFoundError:  # run as `python benchmarks/vae_throughput.py`: its folder is on the path
-    from common import interleaved_times, machine_info, median, print_table, write_json
+    from common import import_original, interleaved_times, machine_info, median, print_table, write_json
 from pan.models.causal_vae import CausalVideoVAE
 from pan.recipes.causal_vae import CausalVAEModelConfig
 
@@ -44,21 +43,11 @@ COLUMNS = ["frames", "what", "pan_fps", "original_fps", "speedup", "speedup_cpu"
 
 
 def load_original(src: Path, deps: str | None):
-    """The original's CausalVideoVAE class, or (None, why not). Imported after pan, so its
-    import-time stand-ins (`import_stubs.py`) never change what pan imported."""
-    if not (src / "import_stubs.py").is_file() or not (src / "src").is_dir():
-        return None, f"the original's source is not at {src} (pass --original)"
-    for path in (str(src / "src"), str(src)) + ((deps,) if deps else ()):
-        if path not in sys.path:
-            sys.path.insert(0, path)
-    try:
-        import import_stubs
-        import_stubs.install()
+    """The original's CausalVideoVAE class, or (None, why not)."""
+    def load():
         from video_vae.modeling_causal_vae import CausalVideoVAE as Original
-    except ImportError as e:
-        return None, (f"the original cannot be imported ({e}); install einops, timm and accelerate into "
-                      "a separate folder and pass it as --original-deps")
-    return Original, None
+        return Original
+    return import_original(src, deps, load)
 
 
 def build_models(width: int, seed: int, original_cls):
