@@ -580,19 +580,20 @@ def check_resume(ctx: Preflight) -> list[Row]:
     dp, restart = ctx.dims.dp, ctx.job.data.restart_data_on_dp_change
     layout_text = (f"{good.name} was written by {meta['dp_size']} data-parallel ranks (world "
                    f"{meta['world_size']}, cp {meta['cp_size']}); this layout has {dp}")
-    if meta["dp_size"] != dp and not restart:  # the Pan recipe's loader continues on any dp size
-        old_batch = meta["dp_size"] * meta.get("gradient_accumulation_steps", 1)
-        new_batch = dp * ctx.job.trainer.gradient_accumulation_steps
-        if old_batch == new_batch:
-            rows.append(Row("resume", "pass", layout_text + f": the data continues from every old rank's "
-                            f"cursor; the global batch is kept ({new_batch} micro-batches a step)."))
-        else:
-            keep = (f"set gradient_accumulation_steps: {old_batch // dp} to keep it"
-                    if old_batch % dp == 0 else "no whole gradient_accumulation_steps keeps it")
-            rows.append(Row("resume", "warn", layout_text + f": the data continues from every old rank's "
-                            f"cursor, but a step trains {new_batch} micro-batches instead of {old_batch}.",
-                            keep + " (the LR schedule continues by step)."))
-    elif meta["dp_size"] != dp:
+    # The Pan recipe keeps one cursor per data shard (dp x accumulation: ShardedLoader) and
+    # continues on any layout.
+    old_shards = meta.get("data_shards", meta["dp_size"])
+    new_shards = dp * ctx.job.trainer.gradient_accumulation_steps
+    if old_shards == new_shards and meta["dp_size"] != dp:
+        rows.append(Row("resume", "pass", layout_text + f": each of the {new_shards} data shards continues "
+                        "exactly (the global batch, its samples and noise are kept)."))
+    elif old_shards != new_shards and not restart:
+        keep = (f"set gradient_accumulation_steps: {old_shards // dp} to keep it"
+                if old_shards % dp == 0 else "no whole gradient_accumulation_steps keeps it")
+        rows.append(Row("resume", "warn", layout_text + f": the data continues from every old shard's "
+                        f"cursor, but a step trains {new_shards} micro-batches instead of {old_shards}.",
+                        keep + " (the LR schedule continues by step)."))
+    elif old_shards != new_shards:
         rows.append(Row("resume", "warn", layout_text + ": the data streams restart "
                         "(restart_data_on_dp_change).", "keep the data-parallel size to continue the "
                         "data where it stopped."))

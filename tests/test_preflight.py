@@ -285,10 +285,10 @@ def test_resume_with_another_data_parallel_size(tmp_path, data):
     fewer = rows_of(args, gpus_per_node=2)["resume"]
     assert statuses(fewer) == {"warn", "pass"}
     assert "written by 4 data-parallel ranks" in fewer[0].detail and "this layout has 2" in fewer[0].detail
-    assert "continues from every old rank's cursor" in fewer[0].detail
+    assert "continues from every old shard's cursor" in fewer[0].detail
     assert "gradient_accumulation_steps: 2" in fewer[0].fix
     kept = rows_of(args + ["--gradient_accumulation_steps", "2"], gpus_per_node=2)["resume"]
-    assert statuses(kept) == {"pass"} and "the global batch is kept" in kept[0].detail
+    assert statuses(kept) == {"pass"} and "each of the 4 data shards continues exactly" in kept[0].detail
     allowed = rows_of(args + ["--restart_data_on_dp_change", "true"], gpus_per_node=2)["resume"]
     assert statuses(allowed) == {"warn", "pass"}
     same = rows_of(args, gpus_per_node=4)["resume"]

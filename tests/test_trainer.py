@@ -25,9 +25,16 @@ def one_clip_csv(tmp_path) -> Path:
     return csv
 
 
-def tiny_job(tmp_path, *extra):
+def two_clip_csv(tmp_path) -> Path:
+    csv = tmp_path / "two.csv"
+    csv.write_text(f"path,caption,start_time\n{BIKES},bikes riding past a wall,1.0\n"
+                   f"{BIKES},bikes riding past a wall later,2.0\n")
+    return csv
+
+
+def tiny_job(tmp_path, *extra, csv=one_clip_csv):
     argv = ["--config", str(REPO / "config/tiny_cpu.yaml"), "--output_dir", str(tmp_path / "run"),
-            "--video_csv_paths", str(one_clip_csv(tmp_path)), "--max_tokens_per_batch", "320",
+            "--video_csv_paths", str(csv(tmp_path)), "--max_tokens_per_batch", "320",
             "--max_samples_per_batch", "1", "--save_interval", "100000", "--log_interval", "1000", *extra]
     return load_job_config(argv, warn=lambda m: None)
 
@@ -52,16 +59,16 @@ def test_accumulation_equals_one_big_batch(tmp_path):
     """2 micro-batches of one sample give the update of one packed batch of both samples."""
     def params_after_one_step(*extra):
         torch.manual_seed(0)
-        job = tiny_job(tmp_path, "--max_steps", "1", "--warmup_steps", "0", "--cfg_drop_prob", "0", *extra)
+        job = tiny_job(tmp_path, "--max_steps", "1", "--warmup_steps", "0", "--cfg_drop_prob", "0", *extra,
+                       csv=two_clip_csv)
         trainer = build_trainer(job)
-        # Same two samples either way: take them from a loader of one-sample batches.
+        # Same two samples either way: one-sample batches of the two shards (accumulation 2) are
+        # the first two of the one shard (accumulation 1).
         raw = [next(trainer.loader) for _ in range(2)]
-        rng_state = trainer.task.generator.get_state()
+        trainer.task.seed_draws_for(raw[0])  # the same timesteps and noise, in the same order
         if job.trainer.gradient_accumulation_steps == 2:
             batches = [trainer.task.prepare(r) for r in raw]
         else:
-            # draw timesteps/noise in the same order as the two micro-batches did
-            trainer.task.generator.set_state(rng_state)
             batches = [prepare_like_two(trainer.task, raw)]
         trainer.train_step(batches)
         return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}

@@ -6,7 +6,8 @@
         ema/                    DCP shards of the EMA weights (only when the run keeps an EMA)
         <part>/, <part>_optimizer/, <part>_ema/   the same for every further part of the recipe
                                 (e.g. discriminator/); the main part of a DiT recipe is `transformer`
-        dataloader/<dp>.json    one data cursor per data-parallel rank
+        dataloader/<s>.json     one data cursor per data shard (data-parallel rank, or rank x
+                                accumulation + micro-batch for ShardedLoader recipes)
         training_state.pt       step, LR schedulers of every part, train state, every rank's RNG states
         meta.json               parts, world_size, cp_size, dp_size, step, pan/torch versions
         COMPLETE.json           written last: the size and CRC32 of every file above

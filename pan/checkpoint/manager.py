@@ -130,7 +130,26 @@ def _optimizers(optimizer) -> list[torch.optim.Optimizer]:
 
 def _has_cursor(loader) -> bool:
     """Only cp rank 0 of each cp group holds a real data loader."""
-    return loader is not None and hasattr(loader, "state_dict")
+    return loader is not None and (hasattr(loader, "shard_states") or hasattr(loader, "state_dict"))
+
+
+def loader_shards(loader, dp_rank: int) -> list[int]:
+    """The data shards whose cursors a loader keeps: its own list (ShardedLoader, PackedLoader), or
+    for a loader that offers only state_dict / load_state_dict, its rank's share."""
+    return list(getattr(loader, "shards", [dp_rank]))
+
+
+def loader_cursors(loader, dp_rank: int) -> dict[int, dict]:
+    if hasattr(loader, "shard_states"):
+        return loader.shard_states()
+    return {dp_rank: loader.state_dict()}
+
+
+def load_loader_cursors(loader, cursors: dict[int, dict]) -> None:
+    if hasattr(loader, "load_shard_states"):
+        loader.load_shard_states(cursors)
+    else:
+        loader.load_state_dict(next(iter(cursors.values())))
 
 
 def rank_rng_state(task) -> dict:
@@ -152,6 +171,11 @@ def restore_rng_state(state: dict, task) -> None:
         task.load_state_dict(state["task"])
 
 
+def same_shards(meta: dict, data_shards: int) -> bool:
+    """Whether a checkpoint's data cursors are those of a run with `data_shards` shards."""
+    return meta.get("data_shards", meta["dp_size"]) == data_shards
+
+
 class Checkpointer:
     """Writes and resumes `output_dir/checkpoint-N/` (layout in pan/checkpoint/dcp.py).
 
@@ -161,16 +185,19 @@ class Checkpointer:
     `restart_data_on_dp_change` (the data config's key) the data streams restart instead; otherwise
     it is refused. Model and optimizer states reshard through DCP either way. `accumulation` (the
     run's micro-batches per step) goes into meta.json, so a new layout can say how the global batch
-    changed.
+    changed. The data cursors are one per data shard (`data_shards`: the data-parallel size, or dp x
+    accumulation for a recipe with `sharded_micro_batches`); a run of the same shard count continues
+    every shard exactly, whatever its data-parallel size.
     """
 
     def __init__(self, cfg: CheckpointConfig, world, dims, *, restart_data_on_dp_change: bool = False,
-                 elastic_data: bool = False, accumulation: int = 1):
+                 elastic_data: bool = False, accumulation: int = 1, data_shards: int | None = None):
         self.cfg, self.world, self.dims = cfg, world, dims
         self.output_dir = Path(cfg.output_dir)
         self.restart_data_on_dp_change = restart_data_on_dp_change
         self.elastic_data = elastic_data and not restart_data_on_dp_change
         self.accumulation = accumulation
+        self.data_shards = data_shards or dims.dp
         self.log = get_logger()
         # (checkpoint, what was wrong) for each checkpoint the last resume skipped.
         self.skipped: list[tuple[Path, str]] = []
@@ -189,7 +216,7 @@ class Checkpointer:
                 "world_size": self.world.size,
                 "cp_size": self.dims.cp, "dp_size": self.dims.dp,
                 "dp_replicate": self.dims.dp_replicate, "dp_shard": self.dims.dp_shard,
-                "gradient_accumulation_steps": self.accumulation,
+                "gradient_accumulation_steps": self.accumulation, "data_shards": self.data_shards,
                 "torch": torch.__version__, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
     # -- save -------------------------------------------------------------------------------------
@@ -214,7 +241,8 @@ class Checkpointer:
 
         loader = parts.get("loader")
         if _has_cursor(loader) and self.cp_rank == 0:
-            self._write_json(tmp / layout.DATALOADER / f"{self.dp_rank}.json", loader.state_dict(), sums)
+            for shard, cursor in loader_cursors(loader, self.dp_rank).items():
+                self._write_json(tmp / layout.DATALOADER / f"{shard}.json", cursor, sums)
 
         mine = {"rng": rank_rng_state(parts.get("task")),
                 "crc32": None if sums is None else {str(Path(p).relative_to(tmp).as_posix()): crc
@@ -318,7 +346,7 @@ class Checkpointer:
             return None  # resume() reports it when it gets to this checkpoint
 
     def _check_layout(self, meta: dict) -> None:
-        if meta["dp_size"] == self.dims.dp or self.restart_data_on_dp_change or self.elastic_data:
+        if same_shards(meta, self.data_shards) or self.restart_data_on_dp_change or self.elastic_data:
             return
         raise ConfigError(
             "restart_data_on_dp_change",
@@ -388,12 +416,12 @@ class Checkpointer:
         meta = _broadcast_from_main(self._read_meta(path))
         self._check_layout(meta)
         self._check_parts(meta, list(parts["parts"]))
-        same_dp = meta["dp_size"] == self.dims.dp
+        same_data = same_shards(meta, self.data_shards)
 
         # Small files first, each rank its own; all ranks agree before any collective load.
         local, problem = None, None
         try:
-            local = self._read_local_state(path, meta, same_dp, parts.get("loader"), list(parts["parts"]))
+            local = self._read_local_state(path, meta, same_data, parts.get("loader"), list(parts["parts"]))
         except Exception as e:
             problem = f"{type(e).__name__}: {e}"
         ok, problem = _all_ok(problem is None, problem)
@@ -410,7 +438,7 @@ class Checkpointer:
             return f"{type(e).__name__}: {_first_line(e)}"
         for name, part in parts["parts"].items():
             self._apply_part(path, part, *states[name])
-        self._apply_local_state(local, parts, same_dp)
+        self._apply_local_state(local, parts, same_data)
         return None
 
     def _verify_my_share_of_checksums(self, path: Path) -> tuple[bool, str | None]:
@@ -452,21 +480,24 @@ class Checkpointer:
             part.ema.load_state_dict({n: p.detach() for n, p in part.model.named_parameters()
                                       if p.requires_grad})
 
-    def _read_local_state(self, path: Path, meta: dict, same_dp: bool, loader, part_names) -> dict:
+    def _read_local_state(self, path: Path, meta: dict, same_data: bool, loader, part_names) -> dict:
         state = torch.load(path / layout.TRAINING_STATE, map_location="cpu", weights_only=True)
         optim_keys = {name: set(layout.dcp_metadata(path / layout.part_dirs(name)[1]).state_dict_metadata)
                       for name in part_names}
         local = {"state": state, "cursor": None, "optim_keys": optim_keys, "meta": meta}
         if not _has_cursor(loader):
             return local
-        if not same_dp and self.elastic_data:  # every old rank's cursor: the loader deals the rest
+        if same_data:  # each shard its own cursor (written by whichever rank served it)
+            local["cursor"] = {s: layout.read_json(path / layout.DATALOADER / f"{s}.json")
+                               for s in loader_shards(loader, self.dp_rank)}
+        elif self.elastic_data:  # every old shard's cursor: the loader deals the rest
             local["cursors"] = [layout.read_json(path / layout.DATALOADER / f"{r}.json")
-                                for r in range(meta["dp_size"])]
-            return local
-        # After a dp change with restart_data_on_dp_change, hand the loader any cursor: it sees the
-        # other dp size and restarts its streams (resume_video_csv is handled there too).
-        name = f"{self.dp_rank}.json" if same_dp else "0.json"
-        local["cursor"] = layout.read_json(path / layout.DATALOADER / name)
+                                for r in range(meta.get("data_shards", meta["dp_size"]))]
+        else:
+            # After a dp change with restart_data_on_dp_change, hand the loader any cursor: it sees
+            # the other size and restarts its streams (resume_video_csv is handled there too).
+            first = layout.read_json(path / layout.DATALOADER / "0.json")
+            local["cursor"] = {s: first for s in loader_shards(loader, self.dp_rank)}
         return local
 
     def _rng_source(self, state: dict) -> int | None:
@@ -479,7 +510,7 @@ class Checkpointer:
             return self.dp_rank * state["cp_size"]
         return None
 
-    def _apply_local_state(self, local: dict, parts: dict, same_dp: bool) -> None:
+    def _apply_local_state(self, local: dict, parts: dict, same_data: bool) -> None:
         state = local["state"]
         schedulers = state.get("schedulers") or {layout.TRANSFORMER: state["scheduler"]}
         for name, part in parts["parts"].items():
@@ -487,21 +518,26 @@ class Checkpointer:
         parts["train_state"].load_state_dict(state["train_state"])
         source = self._rng_source(state)
         if source is None:
-            self.log.warning("data-parallel size changed: RNG streams start from the seed")
+            self.log.warning("data-parallel size changed: the processes' global RNG streams start from the seed")
         else:
             restore_rng_state(state["rng"][source], parts.get("task"))
         if local["cursor"] is not None:
-            parts["loader"].load_state_dict(local["cursor"])
+            load_loader_cursors(parts["loader"], local["cursor"])
         if local.get("cursors"):
             parts["loader"].load_elastic_state(local["cursors"])
-        if not same_dp:
-            self._log_global_batch(local["meta"])
+        if local["meta"]["dp_size"] != self.dims.dp or not same_data:
+            self._log_global_batch(local["meta"], same_data)
 
-    def _log_global_batch(self, meta: dict) -> None:
+    def _log_global_batch(self, meta: dict, same_data: bool) -> None:
         """Say how a new data-parallel size changes the micro-batches of one step, and the key that
         keeps it (the LR schedule continues by step either way)."""
         old = meta["dp_size"] * meta.get("gradient_accumulation_steps", 1)
         new = self.dims.dp * self.accumulation
+        if same_data and self.data_shards == new:
+            self.log.info("data-parallel size %d -> %d: each of the %d data shards continues exactly (a step "
+                          "trains the micro-batches the old layout would have)", meta["dp_size"], self.dims.dp,
+                          new)
+            return
         if old == new:
             self.log.info("data-parallel size %d -> %d: the global batch is kept (%d micro-batches a step)",
                           meta["dp_size"], self.dims.dp, new)

@@ -71,7 +71,8 @@ class DataConfig:
         32, "decoded samples (at least) held back to choose from when filling a batch (best fit); "
             "more packs tighter, costs host memory", ge=1)
     packed_dataloader_num_workers: int = knob(
-        4, "decoding processes per rank (0 decodes in the training process)", ge=0)
+        4, "decoding processes per rank (0 decodes in the training process); a rank reading several "
+           "data shards (Pan, gradient_accumulation_steps > 1) splits them, at least one each", ge=0)
     packed_dataloader_prefetch_factor: int = knob(
         2, "packed batches decoded ahead of the trainer: each decoding process keeps this many "
            "batches' share of samples (max_samples_per_batch / workers) in flight", ge=1)

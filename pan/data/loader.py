@@ -11,7 +11,11 @@ process replays the plan in step with what it receives, so its cursor (n, and ea
 and position) describes exactly what reached the buffer, however far the workers ran ahead. The
 buffer's samples are saved as references and decoded again on resume.
 
-Elastic resume (another data-parallel size, `load_elastic_state`): from every old rank's cursor, the
+A "rank" here is a data shard: one per data-parallel rank, or with `build_sharded_loader` one per
+micro-batch of a step (ShardedLoader), so that the data a step trains depends on the shard count
+only and a run continues exactly on any layout with the same count.
+
+Elastic resume (another number of shards, `load_elastic_state`): from every old rank's cursor, the
 samples of each stream's unfinished epochs that no old rank consumed (their buffers included) are
 dealt round robin to the new ranks as a head, drawn before the stream continues with the new
 shares from the next epoch. No sample is lost or trained twice in any epoch.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import dataclasses
 import hashlib
 import logging
 import math
@@ -131,6 +136,8 @@ class RawBatch:
     tokens: int                          # sum of the samples' tokens
     token_budget: int                    # max_tokens_per_batch
     skipped: dict[str, int]              # bad samples dropped since the previous batch, by reason
+    shard: int = 0                       # the data shard that made it (see ShardedLoader) ...
+    number: int = 0                      # ... and its count of batches made before it
 
     @property
     def packing_efficiency(self) -> float:
@@ -514,6 +521,7 @@ class PackedLoader:
         # The run's record of bad samples: (stream, index) -> (reason, detail). Each is read once
         # per run (carried in the checkpoint); later visits are skipped without reading it.
         self.known_bad: dict[tuple[str, int], tuple[str, str]] = {}
+        self.batches = 0                    # batches made so far (saved: it numbers the next one)
         self._results = None
         self._closes_at_exit = False
 
@@ -528,13 +536,15 @@ class PackedLoader:
             if self._receive():
                 last_good = dict(self.planner.cursor)
             elif self._passed_everything_since(last_good):
-                raise SourceError(f"no usable sample in a whole pass over the data of data-parallel "
-                                  f"rank {self.dp_rank}; skipped so far: {dict(self.skipped_total)}. "
+                raise SourceError(f"no usable sample in a whole pass over the data of data shard "
+                                  f"{self.dp_rank}; skipped so far: {dict(self.skipped_total)}. "
                                   "See the warnings above for why each was skipped.")
         chosen = self.packer.take()
         skipped, self._skipped_since = dict(self._skipped_since), collections.Counter()
+        self.batches += 1
         return RawBatch(samples=[p.item[1] for p in chosen], tokens=sum(p.tokens for p in chosen),
-                        token_budget=self.cfg.max_tokens_per_batch, skipped=skipped)
+                        token_budget=self.cfg.max_tokens_per_batch, skipped=skipped,
+                        shard=self.dp_rank, number=self.batches - 1)
 
     def _passed_everything_since(self, cursor: dict[str, tuple[int, int]]) -> bool:
         """Has every stream gone through one whole epoch (not just `share` samples: epochs are
@@ -625,11 +635,27 @@ class PackedLoader:
 
     # --- state -----------------------------------------------------------------------------------
 
+    # The data shards this loader serves, as the checkpointer sees them (cursor file per shard):
+    # one, its rank's share. ShardedLoader serves several.
+    @property
+    def shards(self) -> list[int]:
+        return [self.dp_rank]
+
+    @property
+    def shard_count(self) -> int:
+        return self.dp_size
+
+    def shard_states(self) -> dict[int, dict]:
+        return {self.dp_rank: self.state_dict()}
+
+    def load_shard_states(self, states: dict[int, dict]) -> None:
+        self.load_state_dict(states[self.dp_rank])
+
     def state_dict(self) -> dict:
         """The cursor of what the trainer has consumed (JSON-serialisable)."""
         pending = [p.item[0] for p in sorted(self.packer.buffer, key=lambda p: p.seq)] + self.replay
         return {"version": STATE_VERSION, "dp_rank": self.dp_rank, "dp_size": self.dp_size,
-                "seed": self.seed, "planner": self.planner.state_dict(),
+                "seed": self.seed, "batches": self.batches, "planner": self.planner.state_dict(),
                 "buffer": [[r.seq, r.stream, r.epoch, r.pos, r.index] for r in pending],
                 "skipped_total": dict(self.skipped_total),
                 "bad_samples": [[stream, index, reason, detail]
@@ -663,6 +689,7 @@ class PackedLoader:
             logger.warning("data seed changed from %s to %s: the streams keep their positions in "
                            "differently shuffled epochs", state["seed"], self.seed)
         self.skipped_total = collections.Counter(state.get("skipped_total", {}))
+        self.batches = state.get("batches", 0)
         self.planner, restarted = self._restored_planner(state["planner"])
         for seq, stream, epoch, pos, *index in state["buffer"]:
             if stream not in restarted:
@@ -689,6 +716,7 @@ class PackedLoader:
                                       f"version {state.get('version')})")
         planner = self._initial.copy()
         planner.step = max(state["planner"]["step"] for state in states)  # fresh mixing draws
+        self.batches = max(state.get("batches", 0) for state in states)
         restarted = set()
         for name, order in planner.streams.items():
             saved = [state["planner"]["streams"].get(name) for state in states]
@@ -804,6 +832,14 @@ def build_data_loader(cfg: DataConfig, *, tokens_of: TokensOf, dp_rank: int, dp_
     has a latent_path column or an annotation row names a latent). Every rank reads a disjoint
     share of every stream.
     """
+    return build_sharded_loader(cfg, tokens_of=tokens_of, dp_rank=dp_rank, dp_size=dp_size, seed=seed,
+                                latent_tokens_of=latent_tokens_of).loaders[dp_rank]
+
+
+def build_sharded_loader(cfg: DataConfig, *, tokens_of: TokensOf, dp_rank: int, dp_size: int, seed: int,
+                         accumulation: int = 1, latent_tokens_of: TokensOf | None = None) -> ShardedLoader:
+    """The `accumulation` data shards of one data-parallel rank (see ShardedLoader), the sources
+    read once for all of them; arguments as for build_data_loader."""
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank {dp_rank} is outside 0..{dp_size - 1}")
     sources = read_row_sources(cfg)
@@ -814,12 +850,92 @@ def build_data_loader(cfg: DataConfig, *, tokens_of: TokensOf, dp_rank: int, dp_
     sizes = {name: len(s) for name, s in sources.items()}
     if tars is not None:
         sizes[IMAGE_STREAM] = len(tars)
+    count = dp_size * accumulation
+    sharers = (f"{count} data-parallel ranks" if accumulation == 1 else
+               f"{count} data shards (data-parallel ranks x gradient_accumulation_steps)")
     for name, size in sizes.items():
-        if size < dp_size:
-            raise SourceError(f"{name} has {size} samples, fewer than the {dp_size} data-parallel ranks "
-                              "that share it.")
-    streams = {name: StreamOrder(name, size, seed, dp_rank, dp_size) for name, size in sizes.items()}
+        if size < count:
+            raise SourceError(f"{name} has {size} samples, fewer than the {sharers} that share it.")
+    if accumulation > 1 and cfg.packed_dataloader_num_workers:  # the rank's workers, split
+        cfg = dataclasses.replace(cfg, packed_dataloader_num_workers=-(-cfg.packed_dataloader_num_workers
+                                                                         // accumulation))
     image_prob = cfg.image_sample_prob if tars is not None else 0.0
-    planner = Planner(streams, row_weights(cfg, sources), image_prob, seed, dp_rank)
-    return PackedLoader(cfg, sources=sources, tars=tars, planner=planner, tokens_of=tokens_of,
-                        latent_tokens_of=latent_tokens_of, dp_rank=dp_rank, dp_size=dp_size, seed=seed)
+    loaders = {}
+    for shard in range(dp_rank * accumulation, (dp_rank + 1) * accumulation):
+        streams = {name: StreamOrder(name, size, seed, shard, count) for name, size in sizes.items()}
+        planner = Planner(streams, row_weights(cfg, sources), image_prob, seed, shard)
+        loaders[shard] = PackedLoader(cfg, sources=sources, tars=tars, planner=planner, tokens_of=tokens_of,
+                                      latent_tokens_of=latent_tokens_of, dp_rank=shard, dp_size=count,
+                                      seed=seed)
+    return ShardedLoader(loaders, count)
+
+
+class ShardedLoader:
+    """The data of one data-parallel rank as `accumulation` shards of the run's data: micro-batch m
+    of every step comes from shard dp_rank x accumulation + m, each shard a PackedLoader of its own
+    (its share of every stream, its cursor, its buffer).
+
+    The data a step trains is then a function of the shard count alone (data-parallel ranks x
+    gradient_accumulation_steps), not of how the shards are spread over ranks: a resume on another
+    data-parallel size whose accumulation keeps the count continues every shard exactly, and each
+    step trains the same micro-batches as the uninterrupted run would have. Another count continues
+    through `load_elastic_state` (nothing lost or repeated, but other batches). The shards of a rank
+    share one record of bad samples and split its decoding workers.
+    """
+
+    def __init__(self, loaders: dict[int, PackedLoader], count: int):
+        self.loaders, self.shard_count = loaders, count
+        self._turn = 0  # the shard of the next micro-batch
+        self._share_bad_sample_record()
+
+    @property
+    def shards(self) -> list[int]:
+        return list(self.loaders)
+
+    def __iter__(self) -> ShardedLoader:
+        return self
+
+    def __next__(self) -> RawBatch:
+        loader = self.loaders[self.shards[self._turn]]
+        self._turn = (self._turn + 1) % len(self.loaders)
+        return next(loader)
+
+    def shard_states(self) -> dict[int, dict]:
+        return {shard: loader.state_dict() for shard, loader in self.loaders.items()}
+
+    def load_shard_states(self, states: dict[int, dict]) -> None:
+        """Continue each shard exactly (states: shard -> its state_dict, from any data-parallel size)."""
+        for shard, loader in self.loaders.items():
+            loader.load_state_dict(states[shard])
+        self._turn = 0
+        self._share_bad_sample_record()
+
+    def load_elastic_state(self, states: list[dict]) -> None:
+        """Continue a run of another shard count from all its shards' cursors."""
+        for loader in self.loaders.values():
+            loader.load_elastic_state(states)
+        self._turn = 0
+        self._share_bad_sample_record()
+
+    def _share_bad_sample_record(self) -> None:
+        record = {}
+        for loader in self.loaders.values():
+            record.update(loader.known_bad)
+        for loader in self.loaders.values():
+            loader.known_bad = record
+
+    @property
+    def known_bad(self) -> dict[tuple[str, int], tuple[str, str]]:
+        return next(iter(self.loaders.values())).known_bad
+
+    @property
+    def bad_samples(self) -> dict[str, tuple[str, str]]:
+        return next(iter(self.loaders.values())).bad_samples
+
+    @property
+    def skipped_total(self) -> collections.Counter:
+        return sum((loader.skipped_total for loader in self.loaders.values()), collections.Counter())
+
+    def close(self) -> None:
+        for loader in self.loaders.values():
+            loader.close()

@@ -137,6 +137,10 @@ class Task(abc.ABC):
     # Whether the loader continues on another data-parallel size from all old ranks' cursors
     # (`load_elastic_state`); otherwise such a resume is refused (or restarts the data streams).
     elastic_data: bool = False
+    # Whether each micro-batch of a step comes from a data shard of its own (ShardedLoader: shard
+    # dp_rank x accumulation + m): a step's data then depends on dp x accumulation only, and the
+    # checkpoint keeps one cursor per shard.
+    sharded_micro_batches: bool = False
 
     @abc.abstractmethod
     def __init__(self, job, world, dims, cp=None):

@@ -169,6 +169,7 @@ class PanTask(Task):
     prepared micro-batch is broadcast to the group and each rank keeps its strided share.
     """
     elastic_data = True   # PackedLoader.load_elastic_state: resumable on another data-parallel size
+    sharded_micro_batches = True  # ShardedLoader: exact on any dp x accumulation of the same product
 
     def __init__(self, job: PanJobConfig, world, dims, cp=None):
         from pan.encoders.vae import vae_geometry
@@ -179,10 +180,11 @@ class PanTask(Task):
         self.cp_rank = cp.rank if cp is not None else 0
         self.reads_data = self.cp_rank == 0
         self.dp_rank = dims.dp_rank_of(world.rank)
-        # Noise, timesteps and task draws: one stream per data-parallel rank, saved in checkpoints so
-        # that a resumed run draws exactly what the uninterrupted run would have drawn.
-        self.generator = torch.Generator().manual_seed(job.trainer.seed * 100003 + self.dp_rank)
-        self.rng = random.Random(job.trainer.seed * 100003 + self.dp_rank)
+        # Noise, timesteps, caption dropout and condition frames: drawn from streams seeded afresh for
+        # each micro-batch by (seed, its data shard, the shard's batch number) (`seed_draws_for`), so
+        # a resumed run, on any layout, draws exactly what the uninterrupted run would have drawn.
+        self.generator = torch.Generator().manual_seed(job.trainer.seed)
+        self.rng = random.Random(job.trainer.seed)
         self.text_encoder = self.vae = None
         self._empty_text: Tensor | None = None
         self.bad_samples = 0  # skipped by this rank's data loader since the run started
@@ -223,11 +225,12 @@ class PanTask(Task):
         return (t // pt) * (h // ph) * (w // pw)
 
     def build_loader(self, dims):
-        from pan.data.loader import build_data_loader
+        from pan.data.loader import build_sharded_loader
 
-        return build_data_loader(self.job.data, tokens_of=self.tokens_of, dp_rank=self.dp_rank,
-                                 dp_size=dims.dp, seed=self.job.trainer.seed,
-                                 latent_tokens_of=self.latent_tokens_of)
+        return build_sharded_loader(self.job.data, tokens_of=self.tokens_of, dp_rank=self.dp_rank,
+                                    dp_size=dims.dp, seed=self.job.trainer.seed,
+                                    accumulation=self.job.trainer.gradient_accumulation_steps,
+                                    latent_tokens_of=self.latent_tokens_of)
 
     # -- one micro-batch -------------------------------------------------------------------------
     def sample_latent(self, sample) -> Tensor:
@@ -297,10 +300,21 @@ class PanTask(Task):
         t0 = time.perf_counter()
         raw = next(loader) if self.reads_data else None
         waited = time.perf_counter() - t0
-        inputs = self.prepare(raw) if self.reads_data else None
+        inputs = None
+        if self.reads_data:
+            self.seed_draws_for(raw)
+            inputs = self.prepare(raw)
         if self.cp is not None:
             inputs = self.cp.distribute(inputs)
         return inputs.to(self.world.device), waited
+
+    def seed_draws_for(self, batch) -> None:
+        """Seed the noise and task draws of one training micro-batch from what names it."""
+        from pan.data.loader import stable_int
+
+        seed = stable_int(self.job.trainer.seed, "draws", batch.shard, batch.number)
+        self.generator.manual_seed(seed >> 1)  # torch takes 63 bits
+        self.rng.seed(seed)
 
     def loss_count(self, inputs: ModelInputs) -> float:
         """Loss elements of this process's rows (summed over ranks to normalise the loss)."""
@@ -366,13 +380,10 @@ class PanTask(Task):
             loader.close()
         for sigma in self.job.validation.validation_timesteps:
             inputs = None
-            if self.reads_data:
-                saved = (self.generator.get_state(), self.rng.getstate())
+            if self.reads_data:  # (each training micro-batch seeds its own draws again)
                 self.generator.manual_seed(self.job.validation.validation_noise_seed)
                 self.rng.seed(self.job.validation.validation_noise_seed)
                 inputs = self.prepare(batch, fixed_sigma=sigma, training=False)
-                self.generator.set_state(saved[0])
-                self.rng.setstate(saved[1])
             if self.cp is not None:
                 inputs = self.cp.distribute(inputs)
             inputs = inputs.to(self.world.device)
@@ -427,12 +438,9 @@ class PanTask(Task):
 
     # -- what a checkpoint keeps of the task ------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"generator": self.generator.get_state(), "rng": self.rng.getstate(),
-                "bad_samples": self.bad_samples}
+        return {"bad_samples": self.bad_samples}
 
     def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"])
-        self.rng.setstate(state["rng"])
         self.bad_samples = state["bad_samples"]
 
 
