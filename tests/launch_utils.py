@@ -65,3 +65,34 @@ def consumed(output_dir: Path) -> dict[str, dict[int, str]]:
         out[path.name] = {int(line.split()[0]): line.split(" ", 1)[1]
                           for line in path.read_text().splitlines()}
     return out
+
+
+def consumed_per_step(output_dir: Path) -> dict[int, list[str]]:
+    """Step -> the sample ids every rank trained in it (sorted), each rank's last line of the step."""
+    steps: dict[int, dict[str, list[str]]] = {}
+    for path in (output_dir / "consumed").glob("*.txt"):
+        for line in path.read_text().splitlines():
+            step, *ids = line.split()
+            steps.setdefault(int(step), {})[path.name] = ids
+    return {step: sorted(i for ids in by_rank.values() for i in ids) for step, by_rank in steps.items()}
+
+
+def loss_per_step(output_dir: Path) -> dict[int, float]:
+    """Step -> logged loss (a step trained again after a kill: its last row)."""
+    path = output_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+    return {row["step"]: row["loss"] for row in rows if "loss" in row}
+
+
+def assert_continues_the_run(reference: Path, continued: Path, first_step: int, last_step: int) -> None:
+    """From `first_step` on, a run continued on another layout trains exactly the samples the
+    reference run trained at each step, and its loss is the reference's within floating-point noise
+    (the same global batch and draws, reduced in another order)."""
+    want, got = consumed_per_step(reference), consumed_per_step(continued)
+    assert sorted(got) == list(range(first_step, last_step + 1))
+    for step in got:
+        assert got[step] == want[step], step
+    want_loss, got_loss = loss_per_step(reference), loss_per_step(continued)
+    for step in got:
+        assert abs(got_loss[step] - want_loss[step]) <= 1e-5 * abs(want_loss[step]), (
+            step, got_loss[step], want_loss[step])

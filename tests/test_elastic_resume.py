@@ -14,7 +14,8 @@ import pytest
 import yaml
 
 from pan.data.synth import synth_dataset
-from test_kill_resume import MAX_STEPS, Job, assert_continues_the_run, consumed_per_step, tail, tiny_config
+from launch_utils import assert_continues_the_run, consumed_per_step
+from test_kill_resume import MAX_STEPS, Job, tail, tiny_config
 
 
 def config_for(root: Path, name: str, data_csv: Path, out: Path, accumulation: int) -> Path:
@@ -59,14 +60,14 @@ def on_two(four_ranks) -> Path:
 def test_four_ranks_continue_on_two_exactly(four_ranks, on_two):
     straight, _ = four_ranks
     assert sorted(p.name for p in (on_two / "consumed").iterdir()) == ["0.txt", "1.txt"]
-    assert_continues_the_run(straight, on_two, first_step=5)
+    assert_continues_the_run(straight, on_two, first_step=5, last_step=MAX_STEPS)
 
 
 def test_two_ranks_continue_on_four_exactly(four_ranks, on_two):
     """The 2-rank continuation's checkpoint-6 goes back to 4 ranks x 1 micro-batch."""
     straight, data_csv = four_ranks
     out, _ = continue_from(on_two / "checkpoint-6", straight.parent, "back_to_four", data_csv, world=4)
-    assert_continues_the_run(straight, out, first_step=7)
+    assert_continues_the_run(straight, out, first_step=7, last_step=MAX_STEPS)
 
 
 def test_no_sample_is_lost_or_trained_twice_across_the_resumes(four_ranks, on_two):

@@ -28,6 +28,7 @@ import torch
 import yaml
 
 from dist_utils import free_port
+from launch_utils import assert_continues_the_run
 from pan.checkpoint import dcp as layout
 from pan.checkpoint.export import consolidated_weights
 from pan.data.synth import synth_dataset
@@ -298,29 +299,6 @@ def test_sigterm_stopped_run_trains_each_step_once_and_ends_bit_identical(runs, 
     assert straight["cursors"] == resumed["cursors"]
 
 
-def consumed_per_step(output_dir: Path) -> dict[int, list[str]]:
-    """Step -> the sample ids every rank trained in it (sorted), each rank's last line of the step."""
-    steps: dict[int, dict[str, list[str]]] = {}
-    for path in (output_dir / "consumed").glob("*.txt"):
-        for line in path.read_text().splitlines():
-            step, *ids = line.split()
-            steps.setdefault(int(step), {})[path.name] = ids
-    return {step: sorted(i for ids in by_rank.values() for i in ids) for step, by_rank in steps.items()}
-
-
-def assert_continues_the_run(reference: Path, continued: Path, first_step: int) -> None:
-    """From `first_step` on, the continued run trains exactly the samples the reference run trained
-    at each step, and its loss is the reference's within floating-point noise (the same global
-    batch and draws, reduced in another order)."""
-    want, got = consumed_per_step(reference), consumed_per_step(continued)
-    assert sorted(got) == list(range(first_step, MAX_STEPS + 1))
-    for step in got:
-        assert got[step] == want[step], step
-    want_loss, got_loss = last_loss_per_step(logged_steps(reference)), last_loss_per_step(logged_steps(continued))
-    for step in got:
-        assert got_loss[step] == pytest.approx(want_loss[step], rel=1e-5), (step, got_loss[step], want_loss[step])
-
-
 def test_a_checkpoint_of_two_ranks_continues_on_one_exactly(runs, tmp_path):
     """Elastic resume: the dp2 run's checkpoint-8 continues on one process with twice the
     accumulation (the same 2 data shards): each step trains the samples the two-rank run trained,
@@ -344,7 +322,7 @@ def test_a_checkpoint_of_two_ranks_continues_on_one_exactly(runs, tmp_path):
     finally:
         get_logger().removeHandler(handler)
     assert any("each of the 2 data shards continues exactly" in r.getMessage() for r in records)
-    assert_continues_the_run(runs.straight, out, first_step=9)
+    assert_continues_the_run(runs.straight, out, first_step=9, last_step=MAX_STEPS)
 
 
 def test_a_checkpoint_of_two_ranks_continues_on_one_cp_group_of_two(runs, tmp_path):
@@ -363,4 +341,4 @@ def test_a_checkpoint_of_two_ranks_continues_on_one_cp_group_of_two(runs, tmp_pa
     assert "resuming from checkpoint-8" in log.read_text()
     assert "each of the 2 data shards continues exactly" in log.read_text()
     assert sorted(p.name for p in (out / "consumed").iterdir()) == ["0.txt"]  # one data-parallel rank
-    assert_continues_the_run(runs.straight, out, first_step=9)
+    assert_continues_the_run(runs.straight, out, first_step=9, last_step=MAX_STEPS)

@@ -7,13 +7,14 @@ fixture causal VAE and exports as it was given; the same recipe trains pan's own
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-from launch_utils import consumed, kill_after_step, launch, run_to_end
+from launch_utils import assert_continues_the_run, consumed, kill_after_step, launch, run_to_end
 from pan.checkpoint.export import main_export
 from pan.config import ConfigError
 from pan.data.synth import synth_dataset
@@ -169,3 +170,13 @@ def test_two_processes_killed_and_resumed_bit_identically(tmp_path, released, da
         for key, value in reference[folder].items():
             assert torch.equal(value, resumed[folder][key]), (folder, key)
     assert consumed(tmp_path / "straight") == consumed(killed_dir)
+    if distributed["cp_size"] == 1:
+        # Elastic: checkpoint-6 of 2 data-parallel ranks continues on 1 with 2 micro-batches a step
+        # (the same 2 data shards): the same samples, draws and stage rotation at every step.
+        elastic = tmp_path / "elastic"
+        shutil.copytree(tmp_path / "straight" / "checkpoint-6", elastic / "checkpoint-6")
+        config = write_config(tmp_path / "elastic.yaml", released, data, elastic,
+                              training={"max_steps": steps, "gradient_accumulation_steps": 2})
+        run_to_end(config, tmp_path / "elastic.log", world_size=1)
+        assert "each of the 2 data shards continues exactly" in (tmp_path / "elastic.log").read_text()
+        assert_continues_the_run(tmp_path / "straight", elastic, first_step=7, last_step=steps)

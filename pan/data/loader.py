@@ -138,6 +138,7 @@ class RawBatch:
     skipped: dict[str, int]              # bad samples dropped since the previous batch, by reason
     shard: int = 0                       # the data shard that made it (see ShardedLoader) ...
     number: int = 0                      # ... and its count of batches made before it
+    first_sample: int = 0                # ... and of samples batched before it
 
     @property
     def packing_efficiency(self) -> float:
@@ -522,6 +523,7 @@ class PackedLoader:
         # per run (carried in the checkpoint); later visits are skipped without reading it.
         self.known_bad: dict[tuple[str, int], tuple[str, str]] = {}
         self.batches = 0                    # batches made so far (saved: it numbers the next one)
+        self.batched_samples = 0            # samples in them
         self._results = None
         self._closes_at_exit = False
 
@@ -541,10 +543,12 @@ class PackedLoader:
                                   "See the warnings above for why each was skipped.")
         chosen = self.packer.take()
         skipped, self._skipped_since = dict(self._skipped_since), collections.Counter()
+        batch = RawBatch(samples=[p.item[1] for p in chosen], tokens=sum(p.tokens for p in chosen),
+                         token_budget=self.cfg.max_tokens_per_batch, skipped=skipped, shard=self.dp_rank,
+                         number=self.batches, first_sample=self.batched_samples)
         self.batches += 1
-        return RawBatch(samples=[p.item[1] for p in chosen], tokens=sum(p.tokens for p in chosen),
-                        token_budget=self.cfg.max_tokens_per_batch, skipped=skipped,
-                        shard=self.dp_rank, number=self.batches - 1)
+        self.batched_samples += len(chosen)
+        return batch
 
     def _passed_everything_since(self, cursor: dict[str, tuple[int, int]]) -> bool:
         """Has every stream gone through one whole epoch (not just `share` samples: epochs are
@@ -655,7 +659,8 @@ class PackedLoader:
         """The cursor of what the trainer has consumed (JSON-serialisable)."""
         pending = [p.item[0] for p in sorted(self.packer.buffer, key=lambda p: p.seq)] + self.replay
         return {"version": STATE_VERSION, "dp_rank": self.dp_rank, "dp_size": self.dp_size,
-                "seed": self.seed, "batches": self.batches, "planner": self.planner.state_dict(),
+                "seed": self.seed, "batches": self.batches,
+                "batched_samples": self.batched_samples, "planner": self.planner.state_dict(),
                 "buffer": [[r.seq, r.stream, r.epoch, r.pos, r.index] for r in pending],
                 "skipped_total": dict(self.skipped_total),
                 "bad_samples": [[stream, index, reason, detail]
@@ -690,6 +695,7 @@ class PackedLoader:
                            "differently shuffled epochs", state["seed"], self.seed)
         self.skipped_total = collections.Counter(state.get("skipped_total", {}))
         self.batches = state.get("batches", 0)
+        self.batched_samples = state.get("batched_samples", 0)
         self.planner, restarted = self._restored_planner(state["planner"])
         for seq, stream, epoch, pos, *index in state["buffer"]:
             if stream not in restarted:
@@ -717,6 +723,7 @@ class PackedLoader:
         planner = self._initial.copy()
         planner.step = max(state["planner"]["step"] for state in states)  # fresh mixing draws
         self.batches = max(state.get("batches", 0) for state in states)
+        self.batched_samples = max(state.get("batched_samples", 0) for state in states)
         restarted = set()
         for name, order in planner.streams.items():
             saved = [state["planner"]["streams"].get(name) for state in states]

@@ -474,16 +474,41 @@ class PyramidTask(Task):
 
 
 class PyramidFlowTask(PyramidTask):
-    """The full-sequence spatial-pyramid recipe on the one loop (see the module docstring)."""
+    """The full-sequence spatial-pyramid recipe on the one loop (see the module docstring).
+
+    Its data is read as one shard per micro-batch (ShardedLoader), and each micro-batch's draws
+    (noise, table indices, caption dropout, its place in the stage rotation) follow from its shard
+    and its number in it: a run continues exactly on any layout with the same number of shards.
+    """
+    elastic_data = True
+    sharded_micro_batches = True
 
     def __init__(self, job: PyramidJobConfig, world, dims, cp=None):
         super().__init__(job, world, dims, cp)
-        seed = job.trainer.seed * 100003 + self.dp_rank
-        self.generator = torch.Generator().manual_seed(seed)  # noise and table indices
-        self.rng = random.Random(seed)                        # caption dropout
+        # Noise and table indices; caption dropout: seeded again for each micro-batch (seed_draws_for).
+        self.generator = torch.Generator().manual_seed(job.trainer.seed)
+        self.rng = random.Random(job.trainer.seed)
 
     def data_share(self) -> tuple[int, int]:
         return self.dp_rank, self.dims.dp
+
+    def build_loader(self, dims):
+        from pan.data.loader import build_sharded_loader
+
+        return build_sharded_loader(self.job.data, tokens_of=self.tokens_of, dp_rank=self.dp_rank,
+                                    dp_size=dims.dp, seed=self.job.trainer.seed,
+                                    accumulation=self.job.trainer.gradient_accumulation_steps,
+                                    latent_tokens_of=self.latent_tokens_of)
+
+    def seed_draws_for(self, batch) -> None:
+        """The draws of one training micro-batch, from what names it: (seed, shard, batch number);
+        its samples take the next places of the shard's stage rotation."""
+        from pan.data.loader import stable_int
+
+        seed = stable_int(self.job.trainer.seed, "draws", batch.shard, batch.number)
+        self.generator.manual_seed(seed >> 1)  # torch takes 63 bits
+        self.rng.seed(seed)
+        self.stage_slot = batch.shard + batch.first_sample
 
     # -- data --------------------------------------------------------------------------------------
     def stage_cost(self) -> float:
@@ -534,7 +559,10 @@ class PyramidFlowTask(PyramidTask):
         t0 = time.perf_counter()
         raw = next(loader) if self.reads_data else None
         waited = time.perf_counter() - t0
-        inputs = self.prepare(raw) if self.reads_data else None
+        inputs = None
+        if self.reads_data:
+            self.seed_draws_for(raw)
+            inputs = self.prepare(raw)
         if self.cp is not None:
             inputs = self.cp.distribute(inputs)
         return inputs.to(self.world.device), waited
@@ -547,13 +575,9 @@ class PyramidFlowTask(PyramidTask):
 
     # -- checkpoint --------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"generator": self.generator.get_state(), "rng": self.rng.getstate(),
-                "stage_slot": self.stage_slot, "bad_samples": self.bad_samples}
+        return {"bad_samples": self.bad_samples}  # the draws are seeded per micro-batch
 
     def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"])
-        self.rng.setstate(state["rng"])
-        self.stage_slot = state["stage_slot"]
         self.bad_samples = state["bad_samples"]
 
 
