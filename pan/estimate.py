@@ -27,9 +27,16 @@ attention FLOPs, and the bytes every other (memory-bound) operation reads and wr
 forward, the backward, recomputation and the optimizer step. Each class is timed with a rate
 measured on the spot on this machine's device (a matmul of the step's own largest GEMM shape, its
 main convolution shapes, an attention call of its longest segment, an elementwise pass over a
-large tensor). A process keeps the trace of each step it has traced and the rates of each set of
-shapes (`cached_trace_step`, `rates_for`): `pan check` of many configs traces a step once. Tokens per second,
-the run's wall time and GPU-hours follow from max_steps. The recipe's exact FLOP count (its
+large tensor). With several ranks the step also communicates (`step_traffic`): FSDP's all-gathers
+of every unit (forward and backward) and reduce-scatters of the gradients (all-reduces over HSDP's
+or ddp's replicas), Muon's exchanges of sharded matrices, Ulysses' all-to-alls (counted where the
+trace simulates them, again in a fully checkpointed block's recomputation) and a few scalar sums.
+Each kind costs its calls times a fixed cost per call plus its bytes over a bandwidth: gloo's on
+the CPU, measured on the spot between two threads; NCCL's on GPUs, from datasheet figures
+(`measure_network`). A process keeps the trace of each step it has traced, the rates of each set of
+shapes and the network (`cached_trace_step`, `rates_for`, `network_of_this_machine`): `pan check`
+of many configs traces a step once. Tokens per second, the run's wall time and GPU-hours follow
+from max_steps. The recipe's exact FLOP count (its
 `forward_flops`) is reported beside it, with the MFU it implies.
 """
 
@@ -187,6 +194,8 @@ class Work:
     attention_flops: float = 0.0
     memory_bytes: float = 0.0
     operations: float = 0.0                                 # every operation dispatched, views too
+    exchanges: float = 0.0                                  # Ulysses all-to-alls (forward, backward,
+    exchange_bytes: float = 0.0                             # recomputed) and the bytes this rank sends
     largest_gemm: tuple[int, int, int] = (1, 1, 1)          # (M, K, N) of the heaviest matmul
     longest_attention: tuple[int, int, int] = (1, 1, 1)     # (heads, length, head dim)
     # forward convolutions: (input shape, weight shape, stride, padding, dilation, groups) -> FLOPs
@@ -198,6 +207,8 @@ class Work:
         self.attention_flops += scale * other.attention_flops
         self.memory_bytes += scale * other.memory_bytes
         self.operations += scale * other.operations
+        self.exchanges += scale * other.exchanges
+        self.exchange_bytes += scale * other.exchange_bytes
         self.largest_gemm = max(self.largest_gemm, other.largest_gemm, key=math.prod)
         self.longest_attention = max(self.longest_attention, other.longest_attention, key=math.prod)
         for spec, flops in other.conv_shapes.items():
@@ -216,12 +227,22 @@ class Work:
 
 
 @dataclass
+class Traffic:
+    """The collectives of one kind a rank issues in an optimizer step (`step_traffic`)."""
+    calls: float
+    bytes: float                 # what this rank sends
+    across_nodes: bool = False   # over the network between nodes, else within one node
+
+
+@dataclass
 class StepWork:
     """The work of one optimizer step: `micro` per micro-batch (forward, backward, recomputation),
-    `accumulation` of them, then the optimizer step (this rank's share)."""
+    `accumulation` of them, then the optimizer step (this rank's share); and the step's collectives
+    on this rank by kind (none in a single process)."""
     micro: Work
     optimizer: Work
     accumulation: int
+    traffic: dict[str, Traffic] = field(default_factory=dict)
 
     def seconds(self, rates: Rates) -> dict[str, float]:
         """Seconds per step by kind of work, at `rates`."""
@@ -232,7 +253,16 @@ class StepWork:
                 "memory-bound": n * m.memory_bytes / rates.memory,
                 "optimizer": o.matmul_flops / rates.matmul + o.memory_bytes / rates.memory,
                 # A small model's thousands of small operations cost more than their arithmetic.
-                "per-operation": (n * m.operations + o.operations) * rates.operation}
+                "per-operation": (n * m.operations + o.operations) * rates.operation,
+                "communication": self.communication_seconds(rates)}
+
+    def communication_seconds(self, rates: Rates) -> float:
+        if not self.traffic:
+            return 0.0
+        if rates.network is None:
+            raise ValueError("this step has collectives: time it with rates that have a network "
+                             "(`with_network`)")
+        return sum(rates.network.seconds(t) for t in self.traffic.values())
 
 
 def _is_attention(func) -> bool:
@@ -253,6 +283,7 @@ class StepTrace(TorchDispatchMode):
         self.peak = 0.0
         self.at_peak = dict(self.bytes)
         self.work = Work()
+        self.graded: dict[str, set[str]] = {}           # part -> its parameters that got a gradient
 
     # -- memory --------------------------------------------------------------------------------
     def level(self) -> float:
@@ -354,26 +385,44 @@ def fake_copy(model: nn.Module) -> nn.Module:
 
 
 class _Exchange(torch.autograd.Function):
-    """An all-to-all as far as memory goes: a new tensor of the received shape (and back)."""
+    """An all-to-all as far as memory goes: a new tensor of the received shape (and back). Each
+    way, `ulysses.count` counts the call and what it sends."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, shape: tuple[int, ...]) -> Tensor:
-        ctx.shape = x.shape
+    def forward(ctx, x: Tensor, shape: tuple[int, ...], ulysses: SimulatedUlysses) -> Tensor:
+        ctx.shape, ctx.ulysses = x.shape, ulysses
+        ulysses.count(x, recomputation=_in_backward())
         return x.new_empty(shape)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return grad.new_empty(ctx.shape), None
+        ctx.ulysses.count(grad)
+        return grad.new_empty(ctx.shape), None, None
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward (a forward now is a checkpoint's recomputation)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class SimulatedUlysses(nn.Module):
     """Ulysses attention of cp rank 0 of `size`, without a process group: the same tensors and
     shapes as `pan.parallel.context_parallel.UlyssesAttention` (the other ranks' rows arrive as
-    new tensors of the right size), for tracing one rank's step."""
+    new tensors of the right size), for tracing one rank's step. Its all-to-alls are counted in
+    `work`; a recomputed block exchanges again only under full checkpointing (`exchanges_again`):
+    the selective policy keeps the all-to-alls' results."""
 
-    def __init__(self, inner: nn.Module, size: int):
+    def __init__(self, inner: nn.Module, size: int, work: Work, exchanges_again: bool):
         super().__init__()
         self.inner, self.size = inner, size
+        self.work, self.exchanges_again = work, exchanges_again
+
+    def count(self, sent: Tensor, recomputation: bool = False) -> None:
+        """One all-to-all of `sent`: all of it but this rank's own 1/size leaves the rank."""
+        if recomputation and not self.exchanges_again:
+            return
+        self.work.exchanges += 1
+        self.work.exchange_bytes += sent.numel() * sent.element_size() * (self.size - 1) / self.size
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, segments) -> Tensor:
         if not segments.is_sharded:
@@ -381,16 +430,18 @@ class SimulatedUlysses(nn.Module):
         n, (rows, heads, head_dim) = self.size, q.shape
         total = segments.total
         qkv = torch.stack([q, k, v]).unflatten(2, (n, heads // n)).permute(2, 0, 1, 3, 4)
-        full = _Exchange.apply(qkv.reshape(n * 3 * rows, heads // n, head_dim), (3 * total, heads // n, head_dim))
+        full = _Exchange.apply(qkv.reshape(n * 3 * rows, heads // n, head_dim), (3 * total, heads // n, head_dim),
+                               self)
         full = full.unflatten(0, (3, total))
         out = self.inner(full[0], full[1], full[2], segments.unsharded())
-        back = _Exchange.apply(out, (n * rows, heads // n, head_dim))
+        back = _Exchange.apply(out, (n * rows, heads // n, head_dim), self)
         return back.unflatten(0, (n, rows)).permute(1, 0, 2, 3).reshape(rows, heads, head_dim)
 
 
-def parallelised_fake(model: nn.Module, job, cp: int) -> nn.Module:
+def parallelised_fake(model: nn.Module, job, cp: int, work: Work) -> nn.Module:
     """A fake copy of `model` with the run's activation checkpointing and, for cp > 1, simulated
-    Ulysses attention (the order of `pan.parallel.fsdp.parallelize_model`)."""
+    Ulysses attention (the order of `pan.parallel.fsdp.parallelize_model`), whose all-to-alls
+    count in `work`."""
     from pan.models.attention import InnerAttention
     from pan.parallel.checkpointing import apply_activation_checkpointing
     from pan.parallel.fsdp import declared_blocks
@@ -403,7 +454,8 @@ def parallelised_fake(model: nn.Module, job, cp: int) -> nn.Module:
     if cp > 1:
         for module in list(twin.modules()):
             if isinstance(getattr(module, "inner_attention", None), InnerAttention):
-                module.inner_attention = SimulatedUlysses(module.inner_attention, cp)
+                module.inner_attention = SimulatedUlysses(module.inner_attention, cp, work,
+                                                          not p.use_dedicated_gradient_checkpointing)
     return twin
 
 
@@ -426,13 +478,41 @@ class Layout:
 
 @dataclass
 class Rates:
-    """What this device does per second, measured on the spot."""
+    """What this device does per second, measured on the spot; and with several ranks how fast
+    their collectives run (`network`: gloo's measured, NCCL's from datasheets)."""
     matmul: float               # FLOP/s of the step's largest GEMM shape
     convolution: float          # FLOP/s of its heaviest convolution (forward; 1.0 when it has none)
     attention: float            # FLOP/s of an attention call (forward + backward) of its longest segment
     memory: float               # bytes/s read + written by an elementwise pass
     operation: float            # seconds of an operation's fixed cost (dispatch, autograd, launch)
     source: str
+    network: Network | None = None   # how fast collectives run (`with_network`); None: not timed
+
+
+@dataclass
+class Link:
+    """What collectives cost over one kind of link: a fixed cost per call, and the bytes a rank
+    sends per second (NCCL's "bus bandwidth")."""
+    latency: float
+    bandwidth: float
+    source: str
+
+
+@dataclass
+class Network:
+    """The links of a run: between the ranks of one node, and between nodes."""
+    within: Link
+    across: Link
+
+    def seconds(self, traffic: Traffic) -> float:
+        link = self.across if traffic.across_nodes else self.within
+        return traffic.calls * link.latency + traffic.bytes / link.bandwidth
+
+    @property
+    def source(self) -> str:
+        if self.across == self.within:
+            return self.within.source
+        return f"within a node {self.within.source}; between nodes {self.across.source}"
 
 
 @dataclass
@@ -446,7 +526,7 @@ class Estimate:
     batch: str                             # the micro-batch it was made for
     tokens_per_rank: int
     step_time: float                       # seconds per optimizer step
-    time_parts: dict[str, float]           # seconds per step by kind of work
+    time_parts: dict[str, float]           # seconds per step by kind of work, communication included
     tokens_per_second: float               # whole run
     run_hours: float                       # wall time of max_steps
     gpu_hours: float
@@ -462,9 +542,9 @@ class Estimate:
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)
         out["total"] = self.total
-        for work in out["work"].values():   # JSON keys are strings: the shapes as [shape, FLOPs] pairs
-            if isinstance(work, dict):
-                work["conv_shapes"] = [[list(spec), flops] for spec, flops in work["conv_shapes"].items()]
+        # JSON keys are strings: the convolution shapes as [shape, FLOPs] pairs.
+        for work in (out["work"]["micro"], out["work"]["optimizer"]):
+            work["conv_shapes"] = [[list(spec), flops] for spec, flops in work["conv_shapes"].items()]
         return out
 
 
@@ -484,7 +564,7 @@ def trace_step(ctx, probe: Probe, layout: Layout) -> tuple[StepTrace, Work]:
     steps = {phase.part: optimizer_step_trace(ctx.models[phase.part], specs[phase.part].optim.optim())
              for phase in probe.phases}
     with fake_mode():
-        models = {name: parallelised_fake(model, job, ctx.dims.cp) for name, model in ctx.models.items()}
+        models = {name: parallelised_fake(model, job, ctx.dims.cp, trace.work) for name, model in ctx.models.items()}
         # What each part trains (a frozen VAE encoder does not), before all is frozen between phases.
         trained = {name: [p for p in model.parameters() if p.requires_grad] for name, model in models.items()}
         for model in models.values():
@@ -498,6 +578,8 @@ def trace_step(ctx, probe: Probe, layout: Layout) -> tuple[StepTrace, Work]:
                        for p in trained[phase.part]]
             with trace, autocast(job.trainer.dtype):
                 phase.loss(models).backward()
+            # Only these are reduced over the ranks and stepped (`step_traffic`).
+            trace.graded[phase.part] = {name for name, p in model.named_parameters() if p.grad is not None}
             for h in handles:
                 h.remove()
             # The part's gradients stay until its optimizer step, whose temporaries come on top.
@@ -548,7 +630,6 @@ def autocast(dtype: str):
 def static_bytes(ctx, layout: Layout) -> dict[str, int]:
     """Parameters, optimizer states, EMA and FSDP's gathered blocks of every part (the gradients
     come from the trace: how many exist at the peak depends on when it is)."""
-    from pan.parallel.fsdp import declared_blocks
     from pan.preflight import state_bytes
 
     out = {"parameters": 0, "optimizer states": 0, "ema": 0, "fsdp gathered": 0}
@@ -559,12 +640,104 @@ def static_bytes(ctx, layout: Layout) -> dict[str, int]:
         out["optimizer states"] += (state["muon"] + state["adamw"]) // layout.shard
         out["ema"] += state["ema"] // layout.shard
         if layout.shard > 1:
-            blocks = declared_blocks(model)
-            block = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
-            in_blocks = sum(p.numel() for b in blocks for p in b.parameters())
-            root = sum(p.numel() for p in model.parameters()) - in_blocks
+            blocks, root = unit_sizes(model)
+            block = max(blocks, default=0)
             # current + prefetched block, one block's unsharded gradients, the root's own weights
             out["fsdp gathered"] += (2 * block + root) * layout.compute_bytes + block * FP32_BYTES
+    return out
+
+
+def unit_sizes(model: nn.Module) -> tuple[list[int], int]:
+    """Parameters of each FSDP unit of a part: of each declared block, and the root's own."""
+    from pan.parallel.fsdp import declared_blocks
+
+    blocks = [sum(p.numel() for p in b.parameters()) for b in declared_blocks(model)]
+    return blocks, sum(p.numel() for p in model.parameters()) - sum(blocks)
+
+
+# ================================================================================================
+# Communication: the collectives of a step on one rank
+# ================================================================================================
+
+# Host numbers summed over the world in each phase: the loss count and the loss
+# (`StepContext.backward_mean`), and the gradient norm.
+SCALAR_REDUCTIONS_PER_PHASE = 3
+
+
+def step_traffic(ctx, probe: Probe, layout: Layout, trace: StepTrace, accumulation: int) -> dict[str, Traffic]:
+    """The collectives one rank issues in an optimizer step, by kind: FSDP's and Muon's for each
+    trained part (of the parameters that got a gradient in the trace), Ulysses' all-to-alls
+    (counted by the trace) and the scalar sums. None in a single process."""
+    dims, micro = ctx.dims, trace.work
+    if dims.world_size == 1:
+        return {}
+    specs = {spec.name: spec for spec in ctx.part_specs}
+    out: dict[str, Traffic] = {}
+    for part, graded in trace.graded.items():
+        model = ctx.models[part]
+        _add(out, parameter_traffic(model, graded, layout, dims, accumulation))
+        _add(out, muon_traffic(model, graded, specs[part].optim.optim(), layout, dims))
+    if micro.exchanges:   # within the cp group, which sits inside one node
+        out["ulysses all-to-all"] = Traffic(accumulation * micro.exchanges, accumulation * micro.exchange_bytes)
+    out["scalar all-reduce"] = Traffic(SCALAR_REDUCTIONS_PER_PHASE * len(probe.phases), 0.0,
+                                       dims.world_size > dims.local_world_size)
+    return out
+
+
+def _add(into: dict[str, Traffic], more: dict[str, Traffic]) -> None:
+    for kind, t in more.items():
+        if kind in into:
+            into[kind] = Traffic(into[kind].calls + t.calls, into[kind].bytes + t.bytes, t.across_nodes)
+        else:
+            into[kind] = t
+
+
+def parameter_traffic(model: nn.Module, graded: set[str], layout: Layout, dims, accumulation: int
+                      ) -> dict[str, Traffic]:
+    """FSDP2's collectives for one part (`pan.parallel.fsdp.parallelize_model`). Every unit is
+    all-gathered in the compute dtype for the forward and again for the backward of each
+    micro-batch (a checkpointed block's recomputation uses the backward's gather); the gradients
+    (of the `graded` parameters) are reduce-scattered in fp32 once per step, with the last
+    micro-batch, and under HSDP or ddp then all-reduced over the replicas (a ring: twice their bytes)."""
+    blocks, root = unit_sizes(model)
+    units = len(blocks) + (root > 0)
+    weights = sum(blocks) + root
+    trained = sum(p.numel() for name, p in model.named_parameters() if name in graded)
+    shard, replicas = layout.shard, dims.world_size // layout.shard
+    out = {}
+    if shard > 1:   # each rank sends all but its own 1/shard of a unit
+        share, across = (shard - 1) / shard, shard > dims.local_world_size
+        out["fsdp all-gather"] = Traffic(2 * accumulation * units,
+                                         2 * accumulation * share * weights * layout.compute_bytes, across)
+        out["fsdp reduce-scatter"] = Traffic(units, share * trained * FP32_BYTES, across)
+    if replicas > 1:
+        out["gradient all-reduce"] = Traffic(units, 2 * (replicas - 1) / replicas * trained * FP32_BYTES / shard,
+                                             dims.world_size > dims.local_world_size)
+    return out
+
+
+def muon_traffic(model: nn.Module, graded: set[str], optim, layout: Layout, dims) -> dict[str, Traffic]:
+    """Muon's orthogonalisation of sharded matrices (`pan.optim.muon.ShardedOrthogonaliser`): they
+    go shard x replicas at a time; each round, two all-to-alls over the shard group (each matrix's
+    shards to the rank that orthogonalises it, the result's rows back: a rank sends (shard - 1) /
+    shard of its rows of its replica's matrices), then an all-gather of the results over the
+    replicas. The updates (of the `graded` matrices) are fp32, as the master weights."""
+    from pan.optim.builder import split_parameters
+
+    if not optim.use_muon:
+        return {}
+    groups, _, _ = split_parameters(model, True)
+    matrices = [p.numel() for name, p in groups["muon"] if name in graded]
+    shard, replicas = layout.shard, dims.world_size // layout.shard
+    rounds = math.ceil(len(matrices) / (shard * replicas))
+    rows = sum(matrices) * FP32_BYTES / shard           # this rank's rows of every matrix
+    out = {}
+    if shard > 1 and rounds:
+        out["muon all-to-all"] = Traffic(2 * rounds, 2 * (shard - 1) / shard * rows / replicas,
+                                         shard > dims.local_world_size)
+    if replicas > 1 and rounds:
+        out["muon all-gather"] = Traffic(rounds, (replicas - 1) / replicas * rows,
+                                         dims.world_size > dims.local_world_size)
     return out
 
 
@@ -610,8 +783,11 @@ def estimate_run(ctx, capacity: int | None = None) -> Estimate:
         device.update(host)
     cap, source = capacity_of(ctx, capacity)
     accumulation = getattr(ctx.job.trainer, "gradient_accumulation_steps", 1)
-    work = StepWork(trace.work, optimizer_work, accumulation)
+    work = StepWork(trace.work, optimizer_work, accumulation,
+                    step_traffic(ctx, probe, layout, trace, accumulation))
     rates = rates_for(work.micro, ctx.job.trainer.dtype)
+    if work.traffic:
+        rates = with_network(rates, network_of_this_machine())
     parts = work.seconds(rates)
     step_time = sum(parts.values())
     dims = ctx.dims
@@ -782,6 +958,102 @@ def operation_seconds(device: torch.device) -> float:
     with counter:
         chain()
     return _timed(chain, device) / counter.work.operations
+
+
+# ------------------------------------------------------------------------------------------------
+# Collectives: gloo measured here, NCCL from datasheets
+# ------------------------------------------------------------------------------------------------
+
+# A GPU check cannot time the links between GPUs from one GPU, so a CUDA run's collectives take
+# datasheet figures, not measured ones: NVLink 4 of an H100 / H200 SXM node moves 450 GB/s each way
+# per GPU, and one 400 Gb/s InfiniBand NDR port per GPU 50 GB/s; a collective is taken to reach 80%
+# of that, with a fixed cost per call of 10 us within a node and 20 us between nodes (assumed).
+NVLINK = Link(10e-6, 0.8 * 450e9, "NCCL over NVLink 4, datasheet 450 GB/s x 0.8 and 10 us per call "
+                                  "(not measured)")
+INFINIBAND = Link(20e-6, 0.8 * 50e9, "NCCL over 400 Gb/s InfiniBand per GPU, datasheet 50 GB/s x 0.8 "
+                                     "and 20 us per call (not measured)")
+
+# The all-to-alls gloo is timed with: bytes of each rank's input, calls per timing, timings (median).
+SMALL_EXCHANGE, LARGE_EXCHANGE = 2 ** 10, 2 ** 22
+EXCHANGE_CALLS, EXCHANGE_ROUNDS = 8, 5
+
+
+def with_network(rates: Rates, network: Network) -> Rates:
+    return dataclasses.replace(rates, network=network, source=f"{rates.source}; collectives: {network.source}")
+
+
+def network_of_this_machine() -> Network:
+    """`measure_network`, once per process."""
+    return _cached_network(run_device().type)
+
+
+@functools.cache
+def _cached_network(device_type: str) -> Network:
+    return measure_network()
+
+
+def measure_network() -> Network:
+    """The links of the backend a run here uses: NCCL's on a GPU (datasheet figures), gloo's on
+    the CPU (measured now; between nodes a real network is slower than this machine's loopback)."""
+    if run_device().type == "cuda":
+        return Network(NVLINK, INFINIBAND)
+    link = measure_gloo_link()
+    return Network(link, link)
+
+
+def measure_gloo_link() -> Link:
+    """gloo's cost per call and bandwidth: two ranks in two threads of this process all-to-all
+    SMALL_EXCHANGE and LARGE_EXCHANGE bytes each (an all-to-all of two ranks sends half of it)."""
+    small, large = _gloo_alltoall_seconds((SMALL_EXCHANGE, LARGE_EXCHANGE))
+    bandwidth = (LARGE_EXCHANGE - SMALL_EXCHANGE) / 2 / max(large - small, 1e-9)
+    return Link(small, bandwidth, f"gloo measured here between two threads: {small * 1e6:,.0f} us per call, "
+                                  f"{bandwidth / 1e9:,.2f} GB/s sent per rank")
+
+
+def _gloo_alltoall_seconds(sizes: tuple[int, ...]) -> list[float]:
+    """Seconds of one rank's all-to-all of each of `sizes` bytes, over a gloo group of two threads of
+    this process (an in-memory store). On the clock of the CPU rates: the process's CPU seconds
+    (both ranks' and gloo's own threads), halved for one rank; the median of EXCHANGE_ROUNDS."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    turn = threading.Barrier(3, timeout=60)     # the two ranks, and this thread reading the clock
+
+    def rank(r: int) -> None:
+        try:
+            group = dist.ProcessGroupGloo(store, r, 2, timedelta(seconds=60))
+            pairs = [(torch.zeros(n // FP32_BYTES), torch.empty(n // FP32_BYTES)) for n in sizes]
+            for x, y in pairs:                  # untimed: connections, buffers
+                group.alltoall_base(y, x, [], []).wait()
+            for _ in range(EXCHANGE_ROUNDS):
+                for x, y in pairs:
+                    turn.wait()
+                    for _ in range(EXCHANGE_CALLS):
+                        group.alltoall_base(y, x, [], []).wait()
+                    turn.wait()
+        except BaseException:
+            turn.abort()                        # nobody waits for a rank that failed
+            raise
+
+    seconds: list[list[float]] = [[] for _ in sizes]
+    with ThreadPoolExecutor(2) as pool:
+        ranks = [pool.submit(rank, r) for r in range(2)]
+        try:
+            for _ in range(EXCHANGE_ROUNDS):
+                for timings in seconds:
+                    turn.wait()
+                    t0 = time.process_time()
+                    turn.wait()
+                    timings.append((time.process_time() - t0) / (2 * EXCHANGE_CALLS))
+        except threading.BrokenBarrierError:
+            for r in ranks:
+                r.result()                      # a rank's own error, if one failed
+            raise
+    return [sorted(t)[len(t) // 2] for t in seconds]
 
 
 # ================================================================================================
