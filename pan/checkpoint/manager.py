@@ -134,8 +134,8 @@ def _has_cursor(loader) -> bool:
 
 
 def loader_shards(loader, dp_rank: int) -> list[int]:
-    """The data shards whose cursors a loader keeps: its own list (ShardedLoader, PackedLoader), or
-    for a loader that offers only state_dict / load_state_dict, its rank's share."""
+    """The data shards whose cursors a loader keeps: its own list (ShardedLoader), or for a loader
+    that offers only state_dict / load_state_dict, this rank's (the file named by its dp rank)."""
     return list(getattr(loader, "shards", [dp_rank]))
 
 

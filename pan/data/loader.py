@@ -639,22 +639,6 @@ class PackedLoader:
 
     # --- state -----------------------------------------------------------------------------------
 
-    # The data shards this loader serves, as the checkpointer sees them (cursor file per shard):
-    # one, its rank's share. ShardedLoader serves several.
-    @property
-    def shards(self) -> list[int]:
-        return [self.dp_rank]
-
-    @property
-    def shard_count(self) -> int:
-        return self.dp_size
-
-    def shard_states(self) -> dict[int, dict]:
-        return {self.dp_rank: self.state_dict()}
-
-    def load_shard_states(self, states: dict[int, dict]) -> None:
-        self.load_state_dict(states[self.dp_rank])
-
     def state_dict(self) -> dict:
         """The cursor of what the trainer has consumed (JSON-serialisable)."""
         pending = [p.item[0] for p in sorted(self.packer.buffer, key=lambda p: p.seq)] + self.replay
