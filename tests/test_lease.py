@@ -282,6 +282,56 @@ def test_a_warned_slurm_job_saves_requeues_itself_and_resumes(slurm_cluster, tmp
         assert all(torch.equal(weights[k], resumed[k]) for k in weights), part
 
 
+def test_a_job_warned_by_its_real_time_limit_saves_requeues_itself_and_finishes(slurm_cluster, tmp_path):
+    """The same through a real time limit: `--time=2 --signal=B:USR1@30`. slurmctld checks time
+    limits every 30 s and sends the warning up to 30 s early, so it comes 60-90 s into the run, which
+    is made slow enough to be still training then (0.2 s a step, in the first run only). The job
+    saves, requeues itself before the limit, and its second run finishes: the weights of an
+    uninterrupted run, every step trained once."""
+    steps = 1000
+    straight, warned = tmp_path / "straight", tmp_path / "warned"
+
+    def config(name: str, output_dir: Path, sleep: float) -> Path:
+        path = toy_config(tmp_path / f"{name}.yaml", output_dir, max_steps=steps)
+        cfg = yaml.safe_load(path.read_text())
+        cfg["model"].update(toy_step_sleep=sleep, toy_sleep_first_run_only=True)
+        cfg["output"].update(save_interval=100, log_interval=10)
+        path.write_text(yaml.safe_dump(cfg))
+        return path
+    run_to_end(config("straight", straight, 0.0), tmp_path / "straight.log", world_size=2, **PLUGIN)
+
+    log = tmp_path / "job.out"
+    env = {**slurm_cluster.env, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{TESTS}", **PLUGIN,
+           "PAN_ROOT": str(ROOT), "PAN_PYTHON": sys.executable, "PAN_NPROC_PER_NODE": "2",
+           "MASTER_PORT": str(free_port())}
+    submitted = subprocess.run(["sbatch", "--parsable", "--time=2", "--signal=B:USR1@30", "--requeue",
+                                "--open-mode=append", f"--output={log}", str(ROOT / "scripts" / "pretrain.sh"),
+                                str(config("warned", warned, 0.2))],
+                               env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60, check=True)
+    job = submitted.stdout.strip().split(";")[0]
+
+    def state() -> str:
+        return subprocess.run(["squeue", "-h", "-o", "%T", "-j", job], env=env, capture_output=True, text=True,
+                              timeout=60).stdout.strip()
+    def requeued() -> bool:
+        return log.exists() and "requeueing job" in log.read_text() and state() == "PENDING"
+    wait_for(requeued, "the job is warned and requeued", log, timeout=240)
+    time.sleep(5)  # (see the test above: skip the requeued job's BeginTime)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, check=True, timeout=60)
+    wait_for(lambda: state() == "", "the requeued job finishes", log, timeout=300)
+
+    text = log.read_text()
+    assert "warning signal (USR1" in text and f"requeueing job {job}" in text, text[-3000:]
+    stopped = int(re.search(r"stopped by SIGTERM after step (\d+)", text).group(1))
+    assert 0 < stopped < steps and f"resuming from checkpoint-{stopped}" in text, text[-3000:]
+    assert f"training finished at step {steps}" in text, text[-3000:]
+    assert consumed_steps(warned) == {name: list(range(1, steps + 1)) for name in ("0.txt", "1.txt")}
+    for part in ("generator", "discriminator"):
+        want = consolidated_weights(straight / f"checkpoint-{steps}" / part)
+        got = consolidated_weights(warned / f"checkpoint-{steps}" / part)
+        assert all(torch.equal(want[k], got[k]) for k in want), part
+
+
 def test_every_sbatch_script_asks_for_the_warning_signal_and_requeue():
     """The save-and-requeue path only runs when the job asks Slurm for USR1 before its time limit and
     may be requeued; a requeued job appends to its output file instead of truncating it."""

@@ -9,6 +9,7 @@ own preflight check and launch workflow. The generator's optimizer keys are the 
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import ClassVar
@@ -42,6 +43,8 @@ class ToyConfig:
     toy_batch: int = knob(3, "samples per micro-batch and data-parallel rank", ge=1)
     toy_discriminator: bool = knob(True, "train the discriminator part (false: the generator alone)")
     toy_step_sleep: float = knob(0.0, "seconds to sleep in each step (gives a kill test time)", ge=0)
+    toy_sleep_first_run_only: bool = knob(False, "sleep only in a Slurm job's first run (SLURM_RESTART_COUNT "
+                                                 "unset or 0): a requeued run finishes fast")
 
 
 DiscOptimConfig = prefixed_optim_config(
@@ -157,7 +160,8 @@ class ToyGanTask(Task):
     def train_step(self, ctx: StepContext, micro_batches: list[Batch]) -> dict[str, float]:
         """Generator first (non-saturating loss through the discriminator, or a plain regression
         onto the real samples without one), then the discriminator on detached fakes."""
-        time.sleep(self.job.toy.toy_step_sleep)
+        if not (self.job.toy.toy_sleep_first_run_only and os.environ.get("SLURM_RESTART_COUNT", "0") != "0"):
+            time.sleep(self.job.toy.toy_step_sleep)
         gen = ctx.parts["generator"]
         disc = ctx.parts.get("discriminator")
         count = lambda mb: float(len(mb.sample_ids))  # noqa: E731
