@@ -378,8 +378,7 @@ def build_trainer(job) -> Trainer:
     checkpointer = Checkpointer(job.checkpoint, world, dims,
                                 restart_data_on_dp_change=getattr(data_cfg, "restart_data_on_dp_change", False),
                                 elastic_data=task.elastic_data, accumulation=cfg.gradient_accumulation_steps,
-                                data_shards=dims.dp * (cfg.gradient_accumulation_steps
-                                                       if task.sharded_micro_batches else 1))
+                                data_shards=task.data_shards())
     specs = task.part_specs()
     # Before any model is built: a run of other parts (or another dp size) in output_dir is refused.
     latest = checkpointer.latest_step([spec.name for spec in specs])

@@ -84,15 +84,23 @@ def loss_per_step(output_dir: Path) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in rows if "loss" in row}
 
 
-def assert_continues_the_run(reference: Path, continued: Path, first_step: int, last_step: int) -> None:
+def assert_continues_the_run(reference: Path, continued: Path, first_step: int, last_step: int,
+                             rel: float = 1e-5) -> None:
     """From `first_step` on, a run continued on another layout trains exactly the samples the
-    reference run trained at each step, and its loss is the reference's within floating-point noise
-    (the same global batch and draws, reduced in another order)."""
+    reference run trained at each step, and its loss is the reference's within `rel` (default:
+    floating-point noise: the same global batch and draws, reduced in another order)."""
     want, got = consumed_per_step(reference), consumed_per_step(continued)
     assert sorted(got) == list(range(first_step, last_step + 1))
     for step in got:
         assert got[step] == want[step], step
     want_loss, got_loss = loss_per_step(reference), loss_per_step(continued)
     for step in got:
-        assert abs(got_loss[step] - want_loss[step]) <= 1e-5 * abs(want_loss[step]), (
+        assert abs(got_loss[step] - want_loss[step]) <= rel * abs(want_loss[step]), (
             step, got_loss[step], want_loss[step])
+
+
+def logged_rows(output_dir: Path) -> dict[int, dict]:
+    """Step -> its last logged row of metrics."""
+    path = output_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+    return {row["step"]: row for row in rows if "loss" in row}

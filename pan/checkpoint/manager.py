@@ -185,9 +185,8 @@ class Checkpointer:
     `restart_data_on_dp_change` (the data config's key) the data streams restart instead; otherwise
     it is refused. Model and optimizer states reshard through DCP either way. `accumulation` (the
     run's micro-batches per step) goes into meta.json, so a new layout can say how the global batch
-    changed. The data cursors are one per data shard (`data_shards`: the data-parallel size, or dp x
-    accumulation for a recipe with `sharded_micro_batches`); a run of the same shard count continues
-    every shard exactly, whatever its data-parallel size.
+    changed. The data cursors are one per data shard (`data_shards`: `Task.data_shards()`); a run
+    of the same shard count continues every shard exactly, whatever its data-parallel size.
     """
 
     def __init__(self, cfg: CheckpointConfig, world, dims, *, restart_data_on_dp_change: bool = False,
@@ -240,7 +239,9 @@ class Checkpointer:
                 _dcp_save(part.ema.state_dict(), tmp / ema_dir, sums)
 
         loader = parts.get("loader")
-        if _has_cursor(loader) and self.cp_rank == 0:
+        # (A loader whose shards other ranks hold too, a VAE context group's or an AR sync group's,
+        # leaves them to one of them: `writes_cursors`.)
+        if _has_cursor(loader) and self.cp_rank == 0 and getattr(loader, "writes_cursors", True):
             for shard, cursor in loader_cursors(loader, self.dp_rank).items():
                 self._write_json(tmp / layout.DATALOADER / f"{shard}.json", cursor, sums)
 

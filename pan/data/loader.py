@@ -828,7 +828,8 @@ def build_data_loader(cfg: DataConfig, *, tokens_of: TokensOf, dp_rank: int, dp_
 
 
 def build_sharded_loader(cfg: DataConfig, *, tokens_of: TokensOf, dp_rank: int, dp_size: int, seed: int,
-                         accumulation: int = 1, latent_tokens_of: TokensOf | None = None) -> ShardedLoader:
+                         accumulation: int = 1, latent_tokens_of: TokensOf | None = None,
+                         writes_cursors: bool = True) -> ShardedLoader:
     """The `accumulation` data shards of one data-parallel rank (see ShardedLoader), the sources
     read once for all of them; arguments as for build_data_loader."""
     if not 0 <= dp_rank < dp_size:
@@ -858,7 +859,7 @@ def build_sharded_loader(cfg: DataConfig, *, tokens_of: TokensOf, dp_rank: int, 
         loaders[shard] = PackedLoader(cfg, sources=sources, tars=tars, planner=planner, tokens_of=tokens_of,
                                       latent_tokens_of=latent_tokens_of, dp_rank=shard, dp_size=count,
                                       seed=seed)
-    return ShardedLoader(loaders, count)
+    return ShardedLoader(loaders, count, writes_cursors)
 
 
 class ShardedLoader:
@@ -874,8 +875,11 @@ class ShardedLoader:
     share one record of bad samples and split its decoding workers.
     """
 
-    def __init__(self, loaders: dict[int, PackedLoader], count: int):
+    def __init__(self, loaders: dict[int, PackedLoader], count: int, writes_cursors: bool = True):
         self.loaders, self.shard_count = loaders, count
+        # Whether this rank writes its shards' cursors into checkpoints: False where other ranks
+        # read the same shards and one of them writes (a context group, an AR sync group).
+        self.writes_cursors = writes_cursors
         self._turn = 0  # the shard of the next micro-batch
         self._share_bad_sample_record()
 

@@ -749,7 +749,13 @@ class ClipReader(SampleReader):
 # ================================================================================================
 
 class CausalVAETask(Task):
-    """The causal VAE recipe's side of the loop: parts, LPIPS, data, the two-part step, validation."""
+    """The causal VAE recipe's side of the loop: parts, LPIPS, data, the two-part step, validation.
+
+    Its data is one shard per context group and micro-batch (ShardedLoader; every rank of a group
+    reads the group's shards), and each micro-batch's posterior noise is seeded by its shard and
+    batch number: a run continues exactly on any layout with the same number of shards."""
+    elastic_data = True
+    sharded_micro_batches = True
 
     def __init__(self, job: CausalVAEJobConfig, world, dims, cp=None):
         self.job, self.world, self.dims = job, world, dims
@@ -764,8 +770,8 @@ class CausalVAETask(Task):
         self.data_rank, self.data_size = world.rank // size, world.size // size
         self.reads_data = True              # every rank decodes its own frames of the group's clips
         self.dp_rank = world.rank           # (for the trainer: each rank's own record of what it saw)
-        # Posterior noise: one stream per data rank (the ranks of a context group draw alike).
-        self.generator = torch.Generator().manual_seed(job.trainer.seed * 100003 + self.data_rank)
+        # Posterior noise: seeded for each micro-batch by its shard (the ranks of a context group draw alike).
+        self.generator = torch.Generator().manual_seed(job.trainer.seed)
         self.group: ContextGroup | None = None
         self.lpips: LPIPS | None = None
         self.disc_copy: NLayerDiscriminator | None = None
@@ -835,7 +841,7 @@ class CausalVAETask(Task):
         return num_frames * height * width
 
     def build_loader(self, dims):
-        from pan.data.loader import build_data_loader
+        from pan.data.loader import build_sharded_loader
         from pan.data.sources import read_video_csv
 
         for path in self.job.data.video_csv_paths:
@@ -844,18 +850,24 @@ class CausalVAETask(Task):
                 raise SourceError(f"{path} holds precomputed latents (latent_path, no path column): the "
                                   "VAE trains on pixels; give it the CSV of the videos.")
         # Annotation rows that name a latent are decoded from their video (the reader uses no latents).
-        loader = build_data_loader(self.job.data, tokens_of=self.tokens_of, dp_rank=self.data_rank,
-                                   dp_size=self.data_size, seed=self.job.trainer.seed,
-                                   latent_tokens_of=self.tokens_of)
-        loader.reader = ClipReader(loader.reader, seed=self.job.trainer.seed,
-                                   temporal_factor=self.vae_cfg.temporal_factor,
-                                   context_rank=self.context_rank, context_size=self.context_size)
+        loader = build_sharded_loader(self.job.data, tokens_of=self.tokens_of, dp_rank=self.data_rank,
+                                      dp_size=self.data_size, seed=self.job.trainer.seed,
+                                      accumulation=self.job.trainer.gradient_accumulation_steps,
+                                      latent_tokens_of=self.tokens_of, writes_cursors=self.context_rank == 0)
+        for shard in loader.loaders.values():
+            shard.reader = ClipReader(shard.reader, seed=self.job.trainer.seed,
+                                      temporal_factor=self.vae_cfg.temporal_factor,
+                                      context_rank=self.context_rank, context_size=self.context_size)
         return loader
+
+    def data_shards(self) -> int:
+        return self.data_size * self.job.trainer.gradient_accumulation_steps
 
     def next_batch(self, loader) -> tuple[ClipBatch, float]:
         t0 = time.perf_counter()
         raw = next(loader)
         waited = time.perf_counter() - t0
+        self.generator.manual_seed(stable_int(self.job.trainer.seed, "draws", raw.shard, raw.number) >> 1)
         self.bad_samples += sum(raw.skipped.values())
         batch = self.clip_batch(raw.samples)
         batch.bad_samples, batch.packing = self.bad_samples, raw.packing_efficiency
@@ -1017,11 +1029,10 @@ class CausalVAETask(Task):
     # -- checkpoint -----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         warm = self.job.model.warm_start_checkpoint
-        return {"generator": self.generator.get_state(), "bad_samples": self.bad_samples,
+        return {"bad_samples": self.bad_samples,   # (the noise is seeded per micro-batch)
                 "warm_start": None if warm is None else str(Path(warm).resolve())}
 
     def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"])
         self.bad_samples = state["bad_samples"]
 
 

@@ -155,6 +155,13 @@ class Task(abc.ABC):
         by one; may be empty), and optionally `hidden_matrices()` (Muon) and `inner_attention`
         submodules (Ulysses context parallel wraps them)."""
 
+    def data_shards(self) -> int:
+        """How many data cursors a checkpoint of this run keeps (see ShardedLoader): one per
+        data-parallel rank, or per micro-batch of a step with `sharded_micro_batches`. A resume
+        with the same number continues every cursor as it is, on any layout."""
+        accumulation = self.job.trainer.gradient_accumulation_steps if self.sharded_micro_batches else 1
+        return self.dims.dp * accumulation
+
     def warm_start_source(self) -> str | None:
         """Where a fresh run's `warm_start` parts start from (see pan/checkpoint/warm_start.py): a
         state dict or another run's checkpoint; None: their init. Default: the job's `warm_start`
