@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -394,6 +395,34 @@ def test_tiny_run_learns_and_a_killed_run_resumes_exactly_through_the_launch_scr
         for key, value in reference[folder].items():
             assert torch.equal(value, resumed[folder][key]), (folder, key)
     assert consumed(straight) == consumed(killed_dir)   # the same (video, unit) pairs, step by step
+
+
+def test_a_checkpoint_of_two_ranks_continues_on_one_exactly(tmp_path, two_ranks, released, data):
+    """Elastic: checkpoint-6 of the 2-rank run (one sync group of 2 slots on 2 ranks) continues on 1
+    process x 2 micro-batches (the same group on 1 rank): every step trains the same (video, unit)
+    pairs with the same draws, and the loss is the 2-rank run's within floating-point noise."""
+    import shutil
+
+    from launch_utils import assert_continues_the_run
+    from pan.logging import get_logger
+    from pan.trainer import build_trainer
+
+    tmp, _ = two_ranks
+    out = tmp_path / "elastic"
+    shutil.copytree(tmp / "straight" / "checkpoint-6", out / "checkpoint-6")
+    config = ar_config(tmp_path, "elastic", released, data["long"],
+                       training={"max_steps": STEPS, "learning_rate": 3e-3, "gradient_accumulation_steps": 2},
+                       output={"save_interval": 6})
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    get_logger().addHandler(handler)
+    try:
+        build_trainer(load(config)).fit()
+    finally:
+        get_logger().removeHandler(handler)
+    assert any("each of the 1 data shards continues exactly" in r.getMessage() for r in records)
+    assert_continues_the_run(tmp / "straight", out, first_step=7, last_step=STEPS)
 
 
 @needs_reference

@@ -534,10 +534,10 @@ class Checkpointer:
         keeps it (the LR schedule continues by step either way)."""
         old = meta["dp_size"] * meta.get("gradient_accumulation_steps", 1)
         new = self.dims.dp * self.accumulation
-        if same_data and self.data_shards == new:
+        if same_data:
             self.log.info("data-parallel size %d -> %d: each of the %d data shards continues exactly (a step "
                           "trains the micro-batches the old layout would have)", meta["dp_size"], self.dims.dp,
-                          new)
+                          self.data_shards)
             return
         if old == new:
             self.log.info("data-parallel size %d -> %d: the global batch is kept (%d micro-batches a step)",

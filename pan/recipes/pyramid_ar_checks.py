@@ -95,9 +95,9 @@ def check_sync_group(ctx: Preflight) -> list[Row]:
     if group < units:
         return [Row("sync group", "warn", detail + f"; each video trains {group} of its {units} units (the "
                     f"rotation moves the group's units batch by batch).", f"set video_sync_group: {units} "
-                    f"(with gradient_accumulation_steps so that ranks x micro-batches is a multiple of it) "
+                    "(with gradient_accumulation_steps so that ranks x micro-batches is a multiple of it) "
                     "to train every unit of every video.")]
-    return [Row("sync group", "pass", detail + f"; every unit of every video is trained once per group.")]
+    return [Row("sync group", "pass", detail + "; every unit of every video is trained once per group.")]
 
 
 @register_check(RECIPE)

@@ -21,8 +21,9 @@ mix of clip lengths. A group's slots are its g = gcd(dp, G) consecutive data-par
 k = G / g consecutive micro-batches of each (g x k = G): the same gradient on fewer GPUs. Each slot
 has its own random streams, seeded by its place in the groups, so 1 rank x 4 micro-batches makes
 the update of 4 ranks x 1. The ranks of a group read one data-parallel share (the group's index),
-so they choose the same videos by construction; the rotation counter and the streams are in the
-checkpoint.
+so they choose the same videos by construction: the group's data shard. The rotation counter and
+the slots' streams follow from the number of the group's batch, so a checkpoint continues on any
+layout with the same number of groups.
 
 The loss is the original's: the mean over trained samples of each one's MSE over its trained unit.
 Keys beyond the full-sequence recipe's: `frame_per_unit`, `video_sync_group`,
@@ -44,7 +45,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from pan.config.core import ConfigError, knob, require
+from pan.config.core import knob, require
 from pan.diffusion.pyramid import (Draws, GeneratorDraws, NoisedColumn, denormalize_latent, history_spans,
                                    latent_pyramid, noise_unit, normalize_latent, stage_unit_counts,
                                    unit_frames)
@@ -230,7 +231,14 @@ def unit_inputs(model: nn.Module, samples: list[UnitSample], device) -> PyramidI
 
 
 class PyramidFlowARTask(PyramidTask):
-    """The autoregressive temporal-pyramid recipe on the one loop (see the module docstring)."""
+    """The autoregressive temporal-pyramid recipe on the one loop (see the module docstring).
+
+    Its data is one shard per sync group (ShardedLoader; every rank of a group reads it, the
+    group's first rank writes its cursor), and each slot's draws on a batch are seeded by the
+    slot's place among all groups' slots and the batch's number: a run continues exactly on any
+    layout with the same number of groups (data-parallel ranks x micro-batches / video_sync_group).
+    """
+    elastic_data = True
 
     def __init__(self, job: PyramidARJobConfig, world, dims, cp=None):
         # Refused before anything is built: ranks x micro-batches that cannot hold whole groups.
@@ -238,10 +246,10 @@ class PyramidFlowARTask(PyramidTask):
                                 job.trainer.gradient_accumulation_steps)
         super().__init__(job, world, dims, cp)
         self.window, self.units_max = latent_window(job), window_units(job)
-        seeds = [job.trainer.seed * 100003 + self.plan.virtual_rank(s) for s in self.plan.slots]
-        self.generators = [torch.Generator().manual_seed(s) for s in seeds]   # noise, positions, history
-        self.rngs = [random.Random(s) for s in seeds]                          # caption dropout
-        self.batches = 0                            # batches each slot trained: the rotation counter
+        # Noise, positions and history; caption dropout: one stream per slot, seeded for each batch.
+        self.generators = [torch.Generator() for _ in self.plan.slots]
+        self.rngs = [random.Random() for _ in self.plan.slots]
+        self.batches = 0                            # the held batch's number: the rotation counter
         self.slot_index = 0                         # which of this rank's slots the next micro-batch is
         self.held: list[HeldSample] = []
         self.held_packing = 0.0
@@ -249,6 +257,29 @@ class PyramidFlowARTask(PyramidTask):
     def data_share(self) -> tuple[int, int]:
         # Every rank of a sync group reads the group's share: the same videos, by construction.
         return self.plan.loader_rank, self.plan.loader_size
+
+    def build_loader(self, dims):
+        from pan.data.loader import build_sharded_loader
+
+        return build_sharded_loader(self.job.data, tokens_of=self.tokens_of, dp_rank=self.plan.loader_rank,
+                                    dp_size=self.plan.loader_size, seed=self.job.trainer.seed,
+                                    latent_tokens_of=self.latent_tokens_of,
+                                    writes_cursors=self.plan.slots[0] == 0)
+
+    def data_shards(self) -> int:
+        return self.plan.loader_size
+
+    def seed_draws_for(self, batch) -> None:
+        """Each slot's streams for a new batch of the group, from (seed, the slot's place among all
+        groups' slots, the batch's number); its samples take the next places of the stage rotation."""
+        from pan.data.loader import stable_int
+
+        for generator, rng, slot in zip(self.generators, self.rngs, self.plan.slots):
+            seed = stable_int(self.job.trainer.seed, "draws", self.plan.virtual_rank(slot), batch.number)
+            generator.manual_seed(seed >> 1)  # torch takes 63 bits
+            rng.seed(seed)
+        self.batches = batch.number
+        self.stage_slot = self.plan.loader_rank + batch.first_sample
 
     # -- token budget ------------------------------------------------------------------------------
     @functools.lru_cache(maxsize=4096)  # noqa: B019 - the task lives as long as the run
@@ -276,6 +307,7 @@ class PyramidFlowARTask(PyramidTask):
     def hold(self, batch) -> None:
         """Take a new batch for this rank's slots: window-cut pyramids, stages, caption features."""
         fpu = self.job.ar.frame_per_unit
+        self.seed_draws_for(batch)
         stages = self.next_stages(len(batch.samples))
         feats = self.caption_features(batch.samples)
         self.held = []
@@ -321,8 +353,6 @@ class PyramidFlowARTask(PyramidTask):
             inputs = self.prepare_slot(self.slot_index)
         waited = time.perf_counter() - t0
         self.slot_index = (self.slot_index + 1) % len(self.plan.slots)
-        if self.slot_index == 0:
-            self.batches += 1
         if self.cp is not None:
             inputs = self.cp.distribute(inputs)
         return inputs.to(self.world.device), waited
@@ -339,25 +369,12 @@ class PyramidFlowARTask(PyramidTask):
     # -- checkpoint --------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         # Saved at step boundaries, where every slot of the held batch has trained (k divides the
-        # micro-batches of a step), so the next step starts with a new batch: nothing held to save.
-        return {"generators": [g.get_state() for g in self.generators],
-                "rngs": [r.getstate() for r in self.rngs], "batches": self.batches,
-                "stage_slot": self.stage_slot, "slot_index": self.slot_index,
-                "bad_samples": self.bad_samples, "slots": list(self.plan.slots)}
+        # micro-batches of a step), so the next step starts with a new batch: nothing held to save;
+        # the streams, the rotation counter and the stage rotation follow from that batch.
+        return {"bad_samples": self.bad_samples}
 
     def load_state_dict(self, state: dict) -> None:
-        if state["slots"] != list(self.plan.slots):
-            if self.job.data.restart_data_on_dp_change:  # the data restarts too: fresh streams
-                return
-            raise ConfigError("video_sync_group", f"the checkpoint's sync slots {state['slots']} are not "
-                              f"this run's {list(self.plan.slots)}: resume with the same video_sync_group, "
-                              "data-parallel size and gradient_accumulation_steps.")
-        for g, s in zip(self.generators, state["generators"]):
-            g.set_state(s)
-        for r, s in zip(self.rngs, state["rngs"]):
-            r.setstate(s)
-        self.batches, self.stage_slot = state["batches"], state["stage_slot"]
-        self.slot_index, self.bad_samples = state["slot_index"], state["bad_samples"]
+        self.bad_samples = state["bad_samples"]
 
     # -- validation --------------------------------------------------------------------------------
     def sample_clips(self, model: nn.Module, prompts: list[str], seed: int) -> list[Tensor]:
