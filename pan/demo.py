@@ -213,8 +213,10 @@ def main(argv: list[str] | None = None) -> int:
         return recipe_demo(args)
     from pan.cli import load_config_or_exit
     from pan.eval import format_table, score_videos
+    from pan.logging import quiet_library_progress_bars
     from pan.trainer import build_trainer
 
+    quiet_library_progress_bars()  # (the encoders load for the precompute, before the trainer)
     out = Path(args.out or "demo_out")
     seconds: dict[str, float] = {}
     run_dir = out / "run"

@@ -200,7 +200,7 @@ def precompute_csv(source: VideoCsvSource, reader: SampleReader, encoders: Encod
     todo = [Ref(i, stream, 0, i, i) for i in missing[share.rank::share.world]]
     decoded = DataLoader(reader, batch_size=None, sampler=todo, collate_fn=_keep, num_workers=workers,
                          prefetch_factor=prefetch if workers else None)
-    for got in tqdm(decoded, total=len(todo), desc=source.name, unit="clip", file=sys.stderr):
+    for got in tqdm(decoded, total=len(todo), desc=source.name, unit="clip", file=sys.stderr, disable=None):
         row = got.ref.index
         if got.sample is None:
             report.failures.append(Failure(str(source.path), row, got.reason, got.detail))
@@ -425,7 +425,7 @@ def encode_pyramid_rows(source: RowSource, rows: list[int], reader: SampleReader
     refs = [Ref(i, stream, 0, i, i) for i in rows]
     decoded = DataLoader(reader, batch_size=None, sampler=refs, collate_fn=_keep, num_workers=workers,
                          prefetch_factor=prefetch if workers else None)
-    for got in tqdm(decoded, total=len(refs), desc=source.name, unit="row", file=sys.stderr):
+    for got in tqdm(decoded, total=len(refs), desc=source.name, unit="row", file=sys.stderr, disable=None):
         row = got.ref.index
         if got.sample is None:
             report.failures.append(Failure(str(source.path), row, got.reason, got.detail))
@@ -498,6 +498,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=None, help="only the first N rows of each CSV")
     parser.add_argument("--device", default=None, help="encoder device (default: cuda if present, else cpu)")
     args, rest = parser.parse_known_args(argv)
+    from pan.logging import quiet_library_progress_bars
+    quiet_library_progress_bars()
     if args.limit is not None and args.limit < 1:
         parser.error("--limit must be at least 1")
     from pan.cli import load_config_or_exit
