@@ -859,7 +859,7 @@ def build_sharded_loader(cfg: DataConfig, *, tokens_of: TokensOf, dp_rank: int, 
         loaders[shard] = PackedLoader(cfg, sources=sources, tars=tars, planner=planner, tokens_of=tokens_of,
                                       latent_tokens_of=latent_tokens_of, dp_rank=shard, dp_size=count,
                                       seed=seed)
-    return ShardedLoader(loaders, count, writes_cursors)
+    return ShardedLoader(loaders, writes_cursors)
 
 
 class ShardedLoader:
@@ -875,8 +875,8 @@ class ShardedLoader:
     share one record of bad samples and split its decoding workers.
     """
 
-    def __init__(self, loaders: dict[int, PackedLoader], count: int, writes_cursors: bool = True):
-        self.loaders, self.shard_count = loaders, count
+    def __init__(self, loaders: dict[int, PackedLoader], writes_cursors: bool = True):
+        self.loaders = loaders
         # Whether this rank writes its shards' cursors into checkpoints: False where other ranks
         # read the same shards and one of them writes (a context group, an AR sync group).
         self.writes_cursors = writes_cursors
@@ -926,10 +926,6 @@ class ShardedLoader:
     @property
     def bad_samples(self) -> dict[str, tuple[str, str]]:
         return next(iter(self.loaders.values())).bad_samples
-
-    @property
-    def skipped_total(self) -> collections.Counter:
-        return sum((loader.skipped_total for loader in self.loaders.values()), collections.Counter())
 
     def close(self) -> None:
         for loader in self.loaders.values():
