@@ -169,6 +169,16 @@ def stable_int(*parts) -> int:
     return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little")
 
 
+def seed_draws(generator: torch.Generator, rng: random.Random | None, seed: int, drawer: int, number: int) -> None:
+    """Seed the random streams of one micro-batch from what names it: the run's seed, who draws (a
+    data shard, or an AR slot's place among all slots) and the drawer's batch number. The draws
+    then do not depend on which rank holds the shard, so a run continues exactly on another layout."""
+    value = stable_int(seed, "draws", drawer, number)
+    generator.manual_seed(value >> 1)  # torch takes 63 bits
+    if rng is not None:
+        rng.seed(value)
+
+
 class StreamOrder:
     """A source's per-epoch seeded shuffle and one rank's share of it."""
 
@@ -860,6 +870,15 @@ def build_sharded_loader(cfg: DataConfig, *, tokens_of: TokensOf, dp_rank: int, 
                                       latent_tokens_of=latent_tokens_of, dp_rank=shard, dp_size=count,
                                       seed=seed)
     return ShardedLoader(loaders, writes_cursors)
+
+
+def build_step_shards(task, dims) -> ShardedLoader:
+    """The loader of a recipe whose micro-batches are data shards (`Task.sharded_micro_batches`):
+    its job's data keys, seed and accumulation, and its `tokens_of` / `latent_tokens_of`."""
+    job = task.job
+    return build_sharded_loader(job.data, tokens_of=task.tokens_of, dp_rank=task.dp_rank, dp_size=dims.dp,
+                                seed=job.trainer.seed, accumulation=job.trainer.gradient_accumulation_steps,
+                                latent_tokens_of=task.latent_tokens_of)
 
 
 class ShardedLoader:

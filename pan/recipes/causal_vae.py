@@ -49,7 +49,7 @@ from pan.config.core import ConfigError, knob, reject_unused, require
 from pan.data.config import DataConfig
 from pan.data.decode import (FrameRules, SkipSample, centre_crop, decode_image, frame_step, pick_bucket,
                              video_stream)
-from pan.data.loader import Ref, SampleReader, Sample, number, rules_of, stable_int
+from pan.data.loader import Ref, SampleReader, Sample, number, rules_of, seed_draws, stable_int
 from pan.data.sources import SourceError
 from pan.launch_command import Workflow, register_workflow
 from pan.metrics import MetricsConfig
@@ -755,7 +755,6 @@ class CausalVAETask(Task):
     reads the group's shards), and each micro-batch's posterior noise is seeded by its shard and
     batch number: a run continues exactly on any layout with the same number of shards."""
     elastic_data = True
-    sharded_micro_batches = True
 
     def __init__(self, job: CausalVAEJobConfig, world, dims, cp=None):
         self.job, self.world, self.dims = job, world, dims
@@ -867,7 +866,7 @@ class CausalVAETask(Task):
         t0 = time.perf_counter()
         raw = next(loader)
         waited = time.perf_counter() - t0
-        self.generator.manual_seed(stable_int(self.job.trainer.seed, "draws", raw.shard, raw.number) >> 1)
+        seed_draws(self.generator, None, self.job.trainer.seed, raw.shard, raw.number)
         self.bad_samples += sum(raw.skipped.values())
         batch = self.clip_batch(raw.samples)
         batch.bad_samples, batch.packing = self.bad_samples, raw.packing_efficiency

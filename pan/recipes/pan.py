@@ -225,12 +225,9 @@ class PanTask(Task):
         return (t // pt) * (h // ph) * (w // pw)
 
     def build_loader(self, dims):
-        from pan.data.loader import build_sharded_loader
+        from pan.data.loader import build_step_shards
 
-        return build_sharded_loader(self.job.data, tokens_of=self.tokens_of, dp_rank=self.dp_rank,
-                                    dp_size=dims.dp, seed=self.job.trainer.seed,
-                                    accumulation=self.job.trainer.gradient_accumulation_steps,
-                                    latent_tokens_of=self.latent_tokens_of)
+        return build_step_shards(self, dims)
 
     # -- one micro-batch -------------------------------------------------------------------------
     def sample_latent(self, sample) -> Tensor:
@@ -310,11 +307,9 @@ class PanTask(Task):
 
     def seed_draws_for(self, batch) -> None:
         """Seed the noise and task draws of one training micro-batch from what names it."""
-        from pan.data.loader import stable_int
+        from pan.data.loader import seed_draws
 
-        seed = stable_int(self.job.trainer.seed, "draws", batch.shard, batch.number)
-        self.generator.manual_seed(seed >> 1)  # torch takes 63 bits
-        self.rng.seed(seed)
+        seed_draws(self.generator, self.rng, self.job.trainer.seed, batch.shard, batch.number)
 
     def loss_count(self, inputs: ModelInputs) -> float:
         """Loss elements of this process's rows (summed over ranks to normalise the loss)."""

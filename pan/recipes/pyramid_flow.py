@@ -493,21 +493,16 @@ class PyramidFlowTask(PyramidTask):
         return self.dp_rank, self.dims.dp
 
     def build_loader(self, dims):
-        from pan.data.loader import build_sharded_loader
+        from pan.data.loader import build_step_shards
 
-        return build_sharded_loader(self.job.data, tokens_of=self.tokens_of, dp_rank=self.dp_rank,
-                                    dp_size=dims.dp, seed=self.job.trainer.seed,
-                                    accumulation=self.job.trainer.gradient_accumulation_steps,
-                                    latent_tokens_of=self.latent_tokens_of)
+        return build_step_shards(self, dims)
 
     def seed_draws_for(self, batch) -> None:
         """The draws of one training micro-batch, from what names it: (seed, shard, batch number);
         its samples take the next places of the shard's stage rotation."""
-        from pan.data.loader import stable_int
+        from pan.data.loader import seed_draws
 
-        seed = stable_int(self.job.trainer.seed, "draws", batch.shard, batch.number)
-        self.generator.manual_seed(seed >> 1)  # torch takes 63 bits
-        self.rng.seed(seed)
+        seed_draws(self.generator, self.rng, self.job.trainer.seed, batch.shard, batch.number)
         self.stage_slot = batch.shard + batch.first_sample
 
     # -- data --------------------------------------------------------------------------------------

@@ -272,12 +272,10 @@ class PyramidFlowARTask(PyramidTask):
     def seed_draws_for(self, batch) -> None:
         """Each slot's streams for a new batch of the group, from (seed, the slot's place among all
         groups' slots, the batch's number); its samples take the next places of the stage rotation."""
-        from pan.data.loader import stable_int
+        from pan.data.loader import seed_draws
 
         for generator, rng, slot in zip(self.generators, self.rngs, self.plan.slots):
-            seed = stable_int(self.job.trainer.seed, "draws", self.plan.virtual_rank(slot), batch.number)
-            generator.manual_seed(seed >> 1)  # torch takes 63 bits
-            rng.seed(seed)
+            seed_draws(generator, rng, self.job.trainer.seed, self.plan.virtual_rank(slot), batch.number)
         self.batches = batch.number
         self.stage_slot = self.plan.loader_rank + batch.first_sample
 
