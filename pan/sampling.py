@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from pan.diffusion.conditioning import model_input_latent
+from pan.diffusion.flow import FlowConfig, output_velocity
 from pan.diffusion.sampler import euler_sample, known_frames
 from pan.models.packing import PackInfo, patchify, unpatchify
 
@@ -26,8 +27,9 @@ class SampleSettings:
 
 
 def latent_velocity(model, schema: str, patch, texts: list[Tensor], given: int,
-                    known: Tensor | None):
-    """velocity_fn(x [C, T, H, W], sigma) for each caption in `texts` (one packed forward for all)."""
+                    known: Tensor | None, flow: FlowConfig):
+    """velocity_fn(x [C, T, H, W], sigma) for each caption in `texts` (one packed forward for all);
+    `flow` says what the model outputs (`prediction_type`)."""
     def velocity(x: Tensor, sigma: float) -> list[Tensor]:
         cond = known if known is not None else torch.zeros_like(x)
         tokens = patchify(model_input_latent(x, cond, given, schema), patch)
@@ -35,20 +37,21 @@ def latent_velocity(model, schema: str, patch, texts: list[Tensor], given: int,
         pack = PackInfo.build([grid] * len(texts), [t.shape[0] for t in texts], device=x.device)
         out = model(tokens.repeat(len(texts), 1), torch.full((len(texts),), sigma, device=x.device),
                     torch.cat(texts), pack)
-        return [unpatchify(o, grid, patch).float() for o in out.chunk(len(texts))]
+        return [output_velocity(flow, unpatchify(o, grid, patch).float(), x, sigma)
+                for o in out.chunk(len(texts))]
     return velocity
 
 
 @torch.no_grad()
 def sample_latent(model, *, schema: str, patch, latent_shape, text: Tensor, empty_text: Tensor,
-                  settings: SampleSettings, known: Tensor | None = None, given: int = 0,
+                  settings: SampleSettings, flow: FlowConfig, known: Tensor | None = None, given: int = 0,
                   device=None) -> Tensor:
     """One latent [C, T, H, W] for one caption. `known`/`given`: the first `given` latent frames of
     `known` are the condition (image-to-video: 1; continuation: k)."""
     generator = torch.Generator().manual_seed(settings.seed)
     noise = torch.randn(latent_shape, generator=generator).to(device)
     guided = settings.guidance_scale != 1.0
-    both = latent_velocity(model, schema, patch, [text, empty_text] if guided else [text], given, known)
+    both = latent_velocity(model, schema, patch, [text, empty_text] if guided else [text], given, known, flow)
 
     def velocity(x, sigma):
         v = both(x, sigma)
@@ -356,7 +359,7 @@ def _sample_pan(job, argv: list[str]) -> int:
     for i, (prompt, text) in enumerate(zip(args.prompt, texts)):
         with compute_dtype(dtype, device):
             latent = sample_latent(model, schema=job.tasks.conditioning_schema, patch=arch.patch_size,
-                                   latent_shape=shape, text=text, empty_text=empty,
+                                   flow=job.flow, latent_shape=shape, text=text, empty_text=empty,
                                    settings=SampleSettings(**{**vars(settings), "seed": settings.seed + i}),
                                    known=known, given=given, device=device)
         if not world.is_main:

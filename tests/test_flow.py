@@ -11,7 +11,8 @@ from scipy import stats
 
 from pan.config.core import ConfigError, check_bounds
 from pan.diffusion.flow import (MIX_LOGNORM_PROB, MODE_SCALE_MAX, FlowConfig, add_noise, dynamic_shift,
-                                mode_map, sample_timesteps, shift_timesteps, velocity_target)
+                                mode_map, output_velocity, sample_timesteps, shift_timesteps,
+                                velocity_target)
 
 N = 20_000
 
@@ -170,10 +171,36 @@ def test_add_noise_per_token_timesteps_on_packed_tokens():
     torch.testing.assert_close(xt[3:], 0.2 * x0[3:] + 0.8 * noise[3:])
 
 
+def test_a_clean_sample_prediction_stands_for_the_velocity_target():
+    """prediction_type sample: the exact x0 reads as exactly the target velocity wherever t is above
+    prediction_sigma_min (below it, as that share of it); the velocity type passes the output on."""
+    g = torch.Generator().manual_seed(0)
+    x0, noise = torch.randn(6, 8, generator=g), torch.randn(6, 8, generator=g)
+    t = torch.tensor([0.9, 0.5, 0.2, 0.06, 0.03, 0.01])  # per token row
+    x_t = add_noise(x0, noise, t)
+    cfg = FlowConfig(prediction_type="sample", prediction_sigma_min=0.05)
+    v = output_velocity(cfg, x0, x_t, t)
+    torch.testing.assert_close(v[:4], velocity_target(x0, noise)[:4])
+    torch.testing.assert_close(v[4:], (t[4:, None] / 0.05) * velocity_target(x0, noise)[4:])
+    wrong = output_velocity(cfg, x0 + 0.1, x_t, t)
+    assert not torch.allclose(wrong, velocity_target(x0, noise))
+    assert output_velocity(FlowConfig(), x0, x_t, t) is x0
+    # A scalar t (the sampler's) on a latent
+    torch.testing.assert_close(output_velocity(cfg, x0, add_noise(x0, noise, 0.4), 0.4), noise - x0)
+
+
 # --- config rejections -----------------------------------------------------------------------------
 
-def job_with(cfg: FlowConfig, explicit: set[str]):
-    return SimpleNamespace(flow=cfg, explicit_keys=explicit)
+def job_with(cfg: FlowConfig, explicit: set[str], recipe: str = "pan"):
+    return SimpleNamespace(flow=cfg, explicit_keys=explicit, recipe=recipe)
+
+
+def test_sample_prediction_is_refused_outside_the_pan_recipe():
+    cfg = FlowConfig(prediction_type="sample")
+    cfg.check(job_with(cfg, {"prediction_type"}))
+    with pytest.raises(ConfigError, match="predict the velocity") as err:
+        cfg.check(job_with(cfg, {"prediction_type"}, recipe="pyramid_flow"))
+    assert err.value.key == "prediction_type"
 
 
 @pytest.mark.parametrize("kwargs, key", [
@@ -182,6 +209,7 @@ def job_with(cfg: FlowConfig, explicit: set[str]):
     (dict(flow_snr_type="lognorm", flow_mode_scale=0.5), "flow_mode_scale"),
     (dict(train_timestep_shift_mode="fixed", train_timestep_shift_ref_tokens=1000),
      "train_timestep_shift_ref_tokens"),
+    (dict(prediction_type="velocity", prediction_sigma_min=0.1), "prediction_sigma_min"),
 ])
 def test_keys_without_effect_are_rejected(kwargs, key):
     cfg = FlowConfig(**kwargs)
@@ -197,6 +225,7 @@ def test_keys_without_effect_are_rejected(kwargs, key):
     dict(train_timestep_shift=2.0, train_timestep_shift_mode="dynamic",
          train_timestep_shift_ref_tokens=1000),
     dict(train_timestep_shift=3.0),
+    dict(prediction_type="sample", prediction_sigma_min=0.1),
 ])
 def test_keys_with_effect_are_accepted(kwargs):
     cfg = FlowConfig(**kwargs)
@@ -206,6 +235,7 @@ def test_keys_with_effect_are_accepted(kwargs):
 @pytest.mark.parametrize("key, value", [
     ("flow_mode_scale", MODE_SCALE_MAX + 0.01), ("flow_mode_scale", -1.01),
     ("flow_lognorm_scale", 0.0), ("train_timestep_shift", 0.0), ("train_timestep_shift_ref_tokens", 0),
+    ("prediction_sigma_min", 0.0), ("prediction_sigma_min", 1.0),
 ])
 def test_bounds_reject_bad_values(key, value):
     meta = {f.name: f.metadata for f in dataclasses.fields(FlowConfig)}[key]

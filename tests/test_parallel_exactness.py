@@ -24,7 +24,9 @@ from pan.parallel.dims import ParallelConfig, ParallelDims
 from pan.parallel.fsdp import clip_grad_norm, materialize_and_init, parallelize_model, set_gradient_sync
 from pan.parallel.mesh import build_mesh, cp_group, cp_rank
 from pan.parallel.world import init_world
+from pan.diffusion.flow import FlowConfig
 from pan.recipes.contract import autocast_context
+from pan.recipes.pan import loss_sum
 from pan.trainer import TrainerConfig
 
 ARCH = PanDiTConfig(in_channels=9, out_channels=4, patch_size=[1, 2, 2], hidden_size=32,
@@ -50,6 +52,8 @@ class Layout:
     muon: bool = True
     dtype: str = "fp32"           # bf16: FSDP's mixed precision (bf16 parameters, fp32 reduction)
                                   # under the trainer's bf16 autocast
+    prediction: str = "velocity"  # the model's output (FlowConfig.prediction_type): sample reads each
+                                  # row's sigma through the cp share's pack
 
 
 def make_samples(step: int) -> list[dict]:
@@ -76,12 +80,6 @@ def model_inputs(samples: list[dict]):
                        timesteps=cat("timestep"), text=cat("text"), pack=pack,
                        sample_ids=[str(i) for i in range(len(samples))], samples=len(samples),
                        tokens=pack.num_video_tokens, packing=1.0, bad_samples=0)
-
-
-def loss_sum(model, inputs) -> torch.Tensor:
-    """The Pan recipe's loss numerator: squared velocity error summed over the loss rows."""
-    pred = model(inputs.x, inputs.timesteps, inputs.text, inputs.pack)
-    return ((pred.float() - inputs.target).square().sum(dim=1) * inputs.weight).sum()
 
 
 def loss_count(inputs) -> float:
@@ -128,7 +126,7 @@ def train_two_steps(layout: Layout, world_size: int, local_world_size: int) -> d
         for i, mb in enumerate(micro):
             set_gradient_sync(model, i == len(micro) - 1)
             with autocast_context(layout.dtype, world.device):  # as StepContext.backward_mean
-                loss = loss_sum(model, mb)
+                loss = loss_sum(model, mb, FlowConfig(prediction_type=layout.prediction))
             (loss / count.item()).backward()
             sse += loss.detach().double()
         if mesh is not None:
@@ -143,9 +141,10 @@ def train_two_steps(layout: Layout, world_size: int, local_world_size: int) -> d
     return out
 
 
-def reference(muon: bool) -> dict:
+def reference(muon: bool, prediction: str) -> dict:
     """The same two steps on one process, plain model, whole global batch."""
-    return train_two_steps(Layout("reference", muon=muon), world_size=1, local_world_size=1)
+    return train_two_steps(Layout("reference", muon=muon, prediction=prediction), world_size=1,
+                           local_world_size=1)
 
 
 def differences(result: dict, ref: dict) -> dict[str, float]:
@@ -160,10 +159,10 @@ def differences(result: dict, ref: dict) -> dict[str, float]:
 
 def _run_layouts(layouts: list[Layout]) -> dict[str, dict[str, float]]:
     world_size, local = dist.get_world_size(), int(__import__("os").environ["LOCAL_WORLD_SIZE"])
-    refs = {muon: reference(muon) for muon in {l.muon for l in layouts}}
+    refs = {key: reference(*key) for key in {(l.muon, l.prediction) for l in layouts}}
     # A cp group sits inside one node (ParallelDims refuses otherwise): a cp 4 layout runs as one
     # node of 4; the 2-node simulation matters to the hybrid-shard layouts.
-    return {l.name: differences(train_two_steps(l, world_size, max(local, l.cp)), refs[l.muon])
+    return {l.name: differences(train_two_steps(l, world_size, max(local, l.cp)), refs[l.muon, l.prediction])
             for l in layouts}
 
 
@@ -187,6 +186,7 @@ LAYOUTS_4 = [
     Layout("dp2xcp2-full-ac-accum2", cp=2, checkpointing="full", accumulation=2),
     Layout("cp4-selective-ac", cp=4, checkpointing="selective"),
     Layout("cp4-adamw-accum2", cp=4, muon=False, accumulation=2),
+    Layout("cp4-sample-prediction", cp=4, prediction="sample"),
     Layout("hsdp-2nodes", hybrid=True),
     Layout("hsdp-2nodes-cp2-adamw-full-ac", hybrid=True, cp=2, muon=False, checkpointing="full"),
     Layout("ddp4-cp2", mode="ddp", cp=2),
@@ -204,7 +204,7 @@ def check(results: list[dict]) -> None:
 def test_single_process_checkpointing_and_accumulation_match():
     """World of one: activation checkpointing (full, selective) and accumulation change nothing."""
     torch.set_num_threads(1)
-    ref = reference(muon=True)
+    ref = reference(muon=True, prediction="velocity")
     for layout in (Layout("full-ac-accum2", checkpointing="full", accumulation=2),
                    Layout("selective-ac", checkpointing="selective"),
                    Layout("accum4", accumulation=4)):

@@ -59,7 +59,8 @@ def test_config_refusals_name_the_key(tmp_path, released, data):
                        (["--transformer_config_overrides.num_layers", "2"], "transformer_config_overrides"),
                        (["--attention_backend", "flash"], "attention_backend"),
                        (["--sample_steps", "[10, 10]"], "sample_steps"),
-                       (["--cp_size", "4"], "cp_size")):
+                       (["--cp_size", "4"], "cp_size"),
+                       (["--prediction_type", "sample"], "prediction_type")):
         with pytest.raises(ConfigError) as err:
             load(config, *extra)
         assert key in str(err.value), (extra, str(err.value))

@@ -104,3 +104,24 @@ def test_known_frames_batched_image_to_video():
     torch.testing.assert_close(out[:, :, 1:], x[:, :, 1:])
     with pytest.raises(ValueError, match="num_frames"):
         known_frames(known, 2)
+
+
+def test_a_model_predicting_the_clean_sample_lands_on_it():
+    """`pan sample` and validation under prediction_type sample: a model whose output is always the
+    same clean latent x0 (as a perfectly trained one on a single clip) samples exactly x0, with CFG."""
+    from pan.diffusion.flow import FlowConfig
+    from pan.models.packing import patchify
+    from pan.sampling import SampleSettings, sample_latent
+
+    x0 = torch.randn(3, 2, 4, 4, generator=torch.Generator().manual_seed(1))
+    patch = (1, 2, 2)
+
+    def oracle(x, timesteps, text, pack):  # [tokens of every caption, C * patch volume]
+        return patchify(x0, patch).repeat(len(timesteps), 1)
+
+    settings = SampleSettings(num_frames=2, height=4, width=4, steps=6, guidance_scale=3.0, shift=2.0)
+    sample = lambda flow: sample_latent(oracle, schema="none", patch=patch, latent_shape=x0.shape,  # noqa: E731
+                                        text=torch.zeros(3, 8), empty_text=torch.zeros(1, 8),
+                                        settings=settings, flow=flow)
+    torch.testing.assert_close(sample(FlowConfig(prediction_type="sample")), x0, atol=1e-5, rtol=0)
+    assert not torch.allclose(sample(FlowConfig()), x0, atol=0.1)  # read as a velocity: elsewhere

@@ -16,6 +16,16 @@ shift grows like sqrt(k)):
 
 so s equals `train_timestep_shift` at L = `train_timestep_shift_ref_tokens` (the anchor) and, e.g.,
 doubles at 4x the anchor's tokens. L is the sample's latent (video) token count, text excluded.
+
+What the transformer outputs (`prediction_type`): the velocity itself (the released Pan model), or
+the clean sample x0_hat, which stands for the velocity
+
+    v_hat = (x_t - x0_hat) / max(t, prediction_sigma_min)
+
+in the loss and the sampler alike (x-prediction, as in Li & He 2025, "Back to Basics: Let Denoising
+Generative Models Denoise"). The loss is the same velocity loss either way; what changes is the
+function the network has to learn: a clean frame is flat colour and edges, the velocity is mostly
+noise, which a small pixel-space model reproduces poorly (the CPU demo's squares came out round).
 Every draw comes from an explicit `torch.Generator`, so a resumed run that restores the generator's
 state reproduces the same timesteps.
 """
@@ -62,6 +72,12 @@ class FlowConfig:
     train_timestep_shift_ref_tokens: int = knob(
         4096, "anchor of the dynamic shift: the token count at which the shift equals "
         "train_timestep_shift (dynamic only)", gt=0)
+    prediction_type: Literal["velocity", "sample"] = knob(
+        "velocity", "what the transformer outputs: velocity (noise - x0; the released Pan model) or "
+        "sample (x0, read as the velocity (x_t - x0) / max(t, prediction_sigma_min)); pan recipe only")
+    prediction_sigma_min: float = knob(
+        0.05, "floor of t in that division, which bounds the loss weight of nearly clean inputs "
+        "(sample only)", gt=0, lt=1)
 
     def check(self, job) -> None:
         uses_lognorm = self.flow_snr_type in ("lognorm", "mix")
@@ -74,6 +90,10 @@ class FlowConfig:
         reject_unused(self, job, "train_timestep_shift_ref_tokens",
                        self.train_timestep_shift_mode == "dynamic",
                        "applies only with train_timestep_shift_mode dynamic")
+        reject_unused(self, job, "prediction_type", job.recipe == "pan",
+                      f"the {job.recipe} recipe's models predict the velocity")
+        reject_unused(self, job, "prediction_sigma_min", self.prediction_type == "sample",
+                      "applies only with prediction_type sample")
 
 
 def shift_timesteps(t: Tensor, shift: float | Tensor) -> Tensor:
@@ -146,3 +166,12 @@ def add_noise(x0: Tensor, noise: Tensor, t: Tensor | float) -> Tensor:
 def velocity_target(x0: Tensor, noise: Tensor) -> Tensor:
     """The regression target v = d x_t / dt = noise - x0."""
     return noise - x0
+
+
+def output_velocity(cfg: FlowConfig, out: Tensor, x_t: Tensor, t: Tensor | float) -> Tensor:
+    """The velocity the transformer's output `out` stands for (`prediction_type`). `x_t` is laid out
+    like `out`; `t` is a scalar or covers their leading dims ([N] per token row)."""
+    if cfg.prediction_type == "velocity":
+        return out
+    t = _expand_like(t, out).clamp(min=cfg.prediction_sigma_min)
+    return (x_t - out) / t

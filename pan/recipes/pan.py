@@ -19,7 +19,7 @@ from pan.config import JobConfig
 from pan.config.core import ConfigError, knob, require
 from pan.data.config import DataConfig
 from pan.diffusion.conditioning import condition_frames, model_input_latent
-from pan.diffusion.flow import FlowConfig, add_noise, sample_timesteps, velocity_target
+from pan.diffusion.flow import FlowConfig, add_noise, output_velocity, sample_timesteps, velocity_target
 from pan.encoders.text import TextEncoderConfig, text_feature_width
 from pan.encoders.vae import VAEConfig
 from pan.metrics import MetricsConfig
@@ -316,10 +316,7 @@ class PanTask(Task):
         return float(inputs.weight.sum().item()) * inputs.target.shape[1]
 
     def loss_sum(self, model, inputs: ModelInputs) -> Tensor:
-        """Sum of squared velocity errors over the loss elements of this process's rows."""
-        pred = model(inputs.x, inputs.timesteps, inputs.text, inputs.pack)
-        err = (pred.float() - inputs.target).square().sum(dim=1)
-        return (err * inputs.weight).sum()
+        return loss_sum(model, inputs, self.job.flow)
 
     def flops(self, batches: list[ModelInputs]) -> float:
         """Training FLOPs this process executes for these micro-batches (3x forward)."""
@@ -415,7 +412,7 @@ class PanTask(Task):
         settings = SampleSettings(v.sample_num_frames, v.sample_height, v.sample_width, v.sample_steps,
                                   v.sample_guidance_scale, v.sample_shift, seed=self.job.trainer.seed)
         with self.validation_precision():
-            latents = [sample_latent(model, schema=self.job.tasks.conditioning_schema,
+            latents = [sample_latent(model, schema=self.job.tasks.conditioning_schema, flow=self.job.flow,
                                      patch=self.arch.patch_size, latent_shape=shape, text=text,
                                      empty_text=empty, settings=dataclasses.replace(settings, seed=settings.seed + i),
                                      device=self.world.device)
@@ -437,6 +434,16 @@ class PanTask(Task):
 
     def load_state_dict(self, state: dict) -> None:
         self.bad_samples = state["bad_samples"]
+
+
+def loss_sum(model, inputs: ModelInputs, flow: FlowConfig) -> Tensor:
+    """Sum of squared velocity errors over the loss elements of this process's rows (its cp share:
+    `pack.video_sample` names each row's sample)."""
+    out = model(inputs.x, inputs.timesteps, inputs.text, inputs.pack).float()
+    x_t = inputs.x[:, :out.shape[1]]  # a token's first values are x_t's (channel-major patches)
+    pred = output_velocity(flow, out, x_t, inputs.timesteps[inputs.pack.video_sample])
+    err = (pred - inputs.target).square().sum(dim=1)
+    return (err * inputs.weight).sum()
 
 
 def prompts_written_by(num_prompts: int, reader: int, readers: int) -> range:
