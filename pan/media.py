@@ -21,8 +21,12 @@ def video_codec() -> str:
     return "libx264" if "libx264" in av.codecs_available else "mpeg4"
 
 
-def write_mp4(path: str | Path, frames: np.ndarray, fps: float, quantiser: int = 10) -> None:
+def write_mp4(path: str | Path, frames: np.ndarray, fps: float, quantiser: int = 10,
+              pix_fmt: str = "yuv420p") -> None:
     """Encode frames as an MP4 readable by PyAV and browsers (odd sizes are padded to even).
+
+    `pix_fmt` yuv420p (what browsers play) stores colour at half the resolution on each axis;
+    yuv444p keeps it at full resolution (H.264 High 4:4:4: PyAV and FFmpeg read it, few browsers do).
 
     A constant quantiser and one thread make the bytes reproducible: x264's rate control and frame
     threads write different bytes for the same frames from one run to the next.
@@ -32,7 +36,7 @@ def write_mp4(path: str | Path, frames: np.ndarray, fps: float, quantiser: int =
     with av.open(str(path), "w") as container:
         stream = container.add_stream(codec, rate=round(fps))
         stream.height, stream.width = frames.shape[1:3]
-        stream.pix_fmt = "yuv420p"
+        stream.pix_fmt = pix_fmt if codec == "libx264" else "yuv420p"  # MPEG-4 part 2: 4:2:0 only
         stream.options = {"qp": str(quantiser)} if codec == "libx264" else {"qscale": "2"}
         stream.codec_context.thread_count = 1
         for frame in frames:

@@ -47,6 +47,7 @@ CSV_COLUMNS = ("path", "caption", "fps", "num_frames", "width", "height")
 SUPERSAMPLE = 4  # shapes are drawn at 4x and box-filtered down: anti-aliased edges, sub-pixel motion
 SHAPE_SIZE_RANGE = (0.28, 0.36)  # side of the shape's bounding box, as a fraction of the frame
 TRAVEL_RANGE = (0.45, 1.0)  # distance covered over the clip, as a fraction of the free room
+PIX_FMTS = ("yuv420p", "yuv444p")  # the MP4s' colour sampling: 4:2:0 or full resolution
 
 
 @dataclass(frozen=True)
@@ -151,7 +152,7 @@ def render_clip(spec: ClipSpec, size: int, num_frames: int) -> np.ndarray:
 
 
 def _write_split(out_dir: Path, split: str, specs: list[ClipSpec], size: int, num_frames: int,
-                 fps: int) -> Path:
+                 fps: int, pix_fmt: str) -> Path:
     clip_dir = out_dir / split
     clip_dir.mkdir(parents=True, exist_ok=True)
     csv_path = out_dir / f"{split}.csv"
@@ -160,20 +161,25 @@ def _write_split(out_dir: Path, split: str, specs: list[ClipSpec], size: int, nu
         writer.writerow(CSV_COLUMNS)
         for i, spec in enumerate(specs):
             relative = f"{split}/{i:06d}.mp4"
-            write_mp4(out_dir / relative, render_clip(spec, size, num_frames), fps)
+            write_mp4(out_dir / relative, render_clip(spec, size, num_frames), fps, pix_fmt=pix_fmt)
             writer.writerow([relative, spec.caption, fps, num_frames, size, size])
     return csv_path
 
 
 def synth_dataset(out_dir: str | Path, *, num_train: int = 480, num_heldout: int = 60, size: int = 32,
                   num_frames: int = 9, fps: int = 8, seed: int = 0,
-                  shape_size: tuple[float, float] = SHAPE_SIZE_RANGE) -> dict[str, Path]:
+                  shape_size: tuple[float, float] = SHAPE_SIZE_RANGE,
+                  pix_fmt: str = "yuv420p") -> dict[str, Path]:
     """Write the synthetic dataset under `out_dir` and return the paths of what was written.
 
     Returns {"train_csv", "heldout_csv", "heldout_prompts"}. Deterministic for a given `seed` (and
     arguments). `num_frames` = 1 + 4k suits a causal VAE with 4x temporal compression (9, 13, ...).
     `shape_size` = (smallest, largest) side of a shape's bounding box as a fraction of the frame.
+    `pix_fmt` yuv444p keeps colour at full resolution: in yuv420p a 16-pixel frame's colour is 8 x 8
+    samples, and a colour edge is smeared over two pixels (a model trained on it learns the smear).
     """
+    if pix_fmt not in PIX_FMTS:
+        raise ValueError(f"pix_fmt must be one of {PIX_FMTS}, got {pix_fmt!r}")
     if size < 16 or size % 2:
         raise ValueError(f"size must be an even number >= 16 (yuv420p needs even sides), got {size}")
     if num_frames < 2:
@@ -194,8 +200,8 @@ def synth_dataset(out_dir: str | Path, *, num_train: int = 480, num_heldout: int
                for c, s, d in heldout_combinations()]
     prompts_path.write_text(json.dumps(prompts, indent=1) + "\n")
     return {
-        "train_csv": _write_split(out, "train", train_specs, size, num_frames, fps),
-        "heldout_csv": _write_split(out, "heldout", heldout_specs, size, num_frames, fps),
+        "train_csv": _write_split(out, "train", train_specs, size, num_frames, fps, pix_fmt),
+        "heldout_csv": _write_split(out, "heldout", heldout_specs, size, num_frames, fps, pix_fmt),
         "heldout_prompts": prompts_path,
     }
 
@@ -212,10 +218,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed: the same seed writes the same files")
     parser.add_argument("--shape-size", type=float, nargs=2, default=SHAPE_SIZE_RANGE,
                         metavar=("MIN", "MAX"), help="side of a shape's box, fraction of the frame")
+    parser.add_argument("--pix-fmt", choices=PIX_FMTS, default="yuv420p",
+                        help="yuv420p (plays in browsers) or yuv444p (colour at full resolution)")
     args = parser.parse_args(argv)
     paths = synth_dataset(args.out, num_train=args.num_train, num_heldout=args.num_heldout,
                           size=args.size, num_frames=args.num_frames, fps=args.fps, seed=args.seed,
-                          shape_size=tuple(args.shape_size))
+                          shape_size=tuple(args.shape_size), pix_fmt=args.pix_fmt)
     for name, path in paths.items():
         print(f"{name}: {path}")
     return 0
