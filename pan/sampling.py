@@ -24,6 +24,7 @@ class SampleSettings:
     guidance_scale: float = 2.5
     shift: float = 9.0
     seed: int = 0
+    fresh_noise: float = 0.0  # 0: Euler; see pan.diffusion.sampler.renoise_step
 
 
 def latent_velocity(model, schema: str, patch, texts: list[Tensor], given: int,
@@ -59,7 +60,8 @@ def sample_latent(model, *, schema: str, patch, latent_shape, text: Tensor, empt
 
     # Given frames follow the noise level, as they did in training (x_t covers every frame).
     condition = known_frames(known, given, noise=noise) if given else None
-    return euler_sample(velocity, noise, settings.steps, settings.shift, condition_fn=condition)
+    return euler_sample(velocity, noise, settings.steps, settings.shift, condition_fn=condition,
+                        fresh_noise=settings.fresh_noise, generator=generator)
 
 
 
@@ -304,6 +306,9 @@ def _sample_pan(job, argv: list[str]) -> int:
     parser.add_argument("--steps", type=int)
     parser.add_argument("--guidance-scale", type=float)
     parser.add_argument("--shift", type=float)
+    parser.add_argument("--fresh-noise", type=float,
+                        help="share of fresh noise per step: 0 = Euler, 1 = re-noise the predicted "
+                             "sample (default: the run's sample_fresh_noise)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fps", type=float, default=8.0)
     parser.add_argument("--ema", action="store_true", help="use the EMA weights of the checkpoint")
@@ -315,6 +320,8 @@ def _sample_pan(job, argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.image and args.video:
         parser.error("give --image or --video, not both")
+    if args.fresh_noise is not None and not 0 <= args.fresh_noise <= 1:
+        parser.error(f"--fresh-noise must be in [0, 1], got {args.fresh_noise}")
 
     world = init_world()
     if args.offload and world.size > 1:
@@ -331,7 +338,8 @@ def _sample_pan(job, argv: list[str]) -> int:
         num_frames=args.num_frames or v.sample_num_frames, height=args.height or v.sample_height,
         width=args.width or v.sample_width, steps=args.steps or v.sample_steps,
         guidance_scale=v.sample_guidance_scale if args.guidance_scale is None else args.guidance_scale,
-        shift=args.shift or v.sample_shift, seed=args.seed)
+        shift=args.shift or v.sample_shift, seed=args.seed,
+        fresh_noise=v.sample_fresh_noise if args.fresh_noise is None else args.fresh_noise)
     device, dtype = world.device, sample_dtype(args.dtype, world.device)
     arch = job.model.transformer_config_overrides
     # The text encoder first, and gone before the transformer comes: they never share the GPU.

@@ -22,11 +22,15 @@ class ValidationConfig:
                                              "measured (same noise every time)", ge=0.0, le=1.0)
     validation_noise_seed: int = knob(12345, "seed of the held-out loss's noise and draws (the same at "
                                              "every validation, so values compare across a run)", ge=0)
-    sample_steps: int = knob(30, "Euler steps when sampling", ge=1)
+    sample_steps: int = knob(30, "sampling steps", ge=1)
     sample_guidance_scale: float = knob(2.5, "classifier-free guidance scale when sampling (1: off)",
                                         ge=0.0)
     sample_shift: float = knob(9.0, "timestep shift s of the sampling schedule "
                                     "s*sigma / (1 + (s - 1)*sigma)", gt=0.0)
+    sample_fresh_noise: float = knob(0.0, "share of fresh noise in each sampling step: 0 = Euler (the "
+                                          "flow's ODE), 1 = re-noise the predicted clean sample with "
+                                          "fresh noise only (sharper, less diverse; "
+                                          "pan.diffusion.sampler.renoise_step)", ge=0.0, le=1.0)
     sample_num_frames: int = knob(121, "frames of validation samples (pixel frames)", ge=1)
     sample_height: int = knob(704, "height of validation samples in pixels", ge=1)
     sample_width: int = knob(1248, "width of validation samples in pixels", ge=1)

@@ -124,4 +124,38 @@ def test_a_model_predicting_the_clean_sample_lands_on_it():
                                         text=torch.zeros(3, 8), empty_text=torch.zeros(1, 8),
                                         settings=settings, flow=flow)
     torch.testing.assert_close(sample(FlowConfig(prediction_type="sample")), x0, atol=1e-5, rtol=0)
+    settings = SampleSettings(num_frames=2, height=4, width=4, steps=6, guidance_scale=3.0, shift=2.0,
+                              fresh_noise=1.0)  # re-noised at every step: still x0
+    torch.testing.assert_close(sample(FlowConfig(prediction_type="sample")), x0, atol=1e-5, rtol=0)
     assert not torch.allclose(sample(FlowConfig()), x0, atol=0.1)  # read as a velocity: elsewhere
+
+
+def test_fresh_noise_zero_is_euler_and_one_renoises_the_predicted_sample():
+    """renoise_step: f = 0 is the Euler step; f = 1 rebuilds x at the next level from the predicted
+    clean sample and fresh noise alone; every f lands on a point mass, whatever noise is drawn."""
+    from pan.diffusion.sampler import renoise_step
+
+    g = torch.Generator().manual_seed(0)
+    x, v = torch.randn(5, generator=g), torch.randn(5, generator=g)
+    torch.testing.assert_close(renoise_step(x, v, 0.6, 0.4, 0.0, None), x - 0.2 * v)
+    z = torch.randn(5, generator=torch.Generator().manual_seed(3))
+    out = renoise_step(x, v, 0.6, 0.4, 1.0, torch.Generator().manual_seed(3))
+    torch.testing.assert_close(out, 0.6 * (x - 0.6 * v) + 0.4 * z)
+    torch.testing.assert_close(renoise_step(x, v, 0.3, 0.0, 1.0, None), x - 0.3 * v)  # last step: x0
+    x0 = torch.tensor([[0.5, -2.0, 3.0]])
+    noise = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    for fresh in (0.5, 1.0):
+        out = euler_sample(point_velocity(x0), noise, 6, 2.0, fresh_noise=fresh,
+                           generator=torch.Generator().manual_seed(1))
+        torch.testing.assert_close(out, x0.expand_as(out), atol=1e-5, rtol=0)
+
+
+def test_fresh_noise_is_drawn_from_the_generator():
+    """Stochastic steps repeat with the generator's seed and differ with another seed."""
+    velocity = gaussian_velocity(1.5, 0.3)
+    noise = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    run = lambda seed: euler_sample(velocity, noise, 8, 2.0, fresh_noise=1.0,  # noqa: E731
+                                    generator=torch.Generator().manual_seed(seed))
+    torch.testing.assert_close(run(1), run(1))
+    assert not torch.allclose(run(1), run(2))
+    assert not torch.allclose(run(1), euler_sample(velocity, noise, 8, 2.0))

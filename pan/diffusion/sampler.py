@@ -11,6 +11,7 @@ and maps sigma to whatever the model takes. Keep x in fp32 (the released model s
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -75,19 +76,41 @@ def known_frames(known: Tensor, num_frames: int, noise: Tensor | None = None,
 
 @torch.no_grad()
 def euler_sample(velocity_fn: VelocityFn, noise: Tensor, steps: int, shift: float = 1.0,
-                 condition_fn: ConditionFn | None = None) -> Tensor:
+                 condition_fn: ConditionFn | None = None, fresh_noise: float = 0.0,
+                 generator: torch.Generator | None = None) -> Tensor:
     """Integrate from `noise` (sigma = 1) to a sample (sigma = 0) with `steps` Euler steps.
 
     `condition_fn(x, sigma) -> x`, if given, is applied before every velocity evaluation and once
     more at sigma = 0, so conditioned regions (see `known_frames`) hold exactly what it imposes.
+    `fresh_noise` > 0 makes the steps stochastic (`renoise_step`), drawing from `generator`.
     """
     sigmas = sampling_sigmas(steps, shift).tolist()
     x = noise
     for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:]):
         if condition_fn is not None:
             x = condition_fn(x, sigma)
-        v = velocity_fn(x, sigma)
-        x = x + (sigma_next - sigma) * v.to(x.dtype)
+        v = velocity_fn(x, sigma).to(x.dtype)
+        x = renoise_step(x, v, sigma, sigma_next, fresh_noise, generator)
     if condition_fn is not None:
         x = condition_fn(x, 0.0)
     return x
+
+
+def renoise_step(x: Tensor, v: Tensor, sigma: float, sigma_next: float, fresh_noise: float,
+                 generator: torch.Generator | None) -> Tensor:
+    """One step from sigma to sigma_next. The velocity splits x into its predicted clean sample
+    x0 = x - sigma v and noise eps = x + (1 - sigma) v; the step rebuilds x at sigma_next as
+    (1 - sigma_next) x0 + sigma_next (sqrt(1 - f^2) eps + f z), z fresh from `generator`.
+
+    f = 0 is exactly the Euler step x + (sigma_next - sigma) v. f = 1 re-noises the predicted clean
+    sample with fresh noise only (the multistep sampling of consistency models): each step starts
+    again from the model's current guess instead of carrying the noise along the ODE. That samples
+    less diversely than the model's distribution, but a small or briefly trained model's errors do
+    not pile up: the CPU demo's squares come out square (docs/demo.md).
+    """
+    if fresh_noise == 0.0 or sigma_next == 0.0:
+        return x + (sigma_next - sigma) * v
+    x0, eps = x - sigma * v, x + (1 - sigma) * v
+    z = torch.randn(x.shape, generator=generator, dtype=x.dtype).to(x.device)
+    mixed = math.sqrt(1 - fresh_noise ** 2) * eps + fresh_noise * z
+    return (1 - sigma_next) * x0 + sigma_next * mixed

@@ -410,7 +410,8 @@ class PanTask(Task):
         texts, empty = self.prompt_features(v.validation_prompts)
         shape = self.geometry.latent_shape(v.sample_num_frames, v.sample_height, v.sample_width)
         settings = SampleSettings(v.sample_num_frames, v.sample_height, v.sample_width, v.sample_steps,
-                                  v.sample_guidance_scale, v.sample_shift, seed=self.job.trainer.seed)
+                                  v.sample_guidance_scale, v.sample_shift, seed=self.job.trainer.seed,
+                                  fresh_noise=v.sample_fresh_noise)
         with self.validation_precision():
             latents = [sample_latent(model, schema=self.job.tasks.conditioning_schema, flow=self.job.flow,
                                      patch=self.arch.patch_size, latent_shape=shape, text=text,
