@@ -38,6 +38,9 @@ QUICK_PROMPTS = 2
 # Shapes span 44-52% of the frame (synth's default: 28-36%): at 16 pixels a 5-pixel square, circle
 # and triangle differ in a handful of pixels and the model draws all three as one blob.
 SHAPE_SIZE = (0.44, 0.52)
+# Colour at full resolution: with 4:2:0 a colour edge spans two of the 16 pixels, and the model
+# learnt to draw that smear, which rounded its squares' corners (docs/demo.md).
+PIX_FMT = "yuv444p"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -74,7 +77,9 @@ def make_data(data_dir: Path, config: Path, quick: bool) -> dict[str, Path]:
 
     output = yaml.safe_load(config.read_text())["output"]
     arguments = {"size": output["sample_height"], "num_frames": output["sample_num_frames"],
-                 "shape_size": list(SHAPE_SIZE)} | ({"num_train": 16, "num_heldout": 0} if quick else {})
+                 "shape_size": list(SHAPE_SIZE), "pix_fmt": PIX_FMT}
+    if quick:
+        arguments |= {"num_train": 16, "num_heldout": 0}
     paths = {"train_csv": data_dir / "train.csv", "heldout_csv": data_dir / "heldout.csv",
              "heldout_prompts": data_dir / "heldout_prompts.json"}
     record = data_dir / "synth.json"
