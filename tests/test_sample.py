@@ -64,3 +64,19 @@ def test_exported_weights_sample_the_same_video(run, tmp_path):
     sample_main(["--checkpoint", str(tmp_path / "model.safetensors"), "--config", str(run / "config.yaml"),
                  "--out", str(tmp_path / "b.mp4"), *args])
     assert np.array_equal(frames_of(tmp_path / "a.mp4"), frames_of(tmp_path / "b.mp4"))
+
+
+def test_fresh_noise_changes_the_steps_and_is_bounded(run, tmp_path):
+    """--fresh-noise reaches the sampler: the same seed gives another video than Euler's, the same
+    video twice; a share outside [0, 1] is refused."""
+    def sample(name: str, *extra: str) -> np.ndarray:
+        assert sample_main(["--checkpoint", str(run), "--prompt", "a red square moving left",
+                            "--out", str(tmp_path / name), "--steps", "4", *extra]) == 0
+        return frames_of(tmp_path / name)
+
+    euler, renoised = sample("e.mp4"), sample("r.mp4", "--fresh-noise", "1")
+    assert not np.array_equal(euler, renoised)
+    assert np.array_equal(renoised, sample("r2.mp4", "--fresh-noise", "1"))
+    with pytest.raises(SystemExit):
+        sample_main(["--checkpoint", str(run), "--prompt", "x", "--out", str(tmp_path / "bad.mp4"),
+                     "--fresh-noise", "1.5"])
