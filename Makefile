@@ -21,10 +21,15 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
+# The tests' recipe that lives outside pan (tests/plugins/pan_toy_gan), found through its entry point.
+$(VENV)/.test-plugins: $(VENV)/.installed tests/plugins/pan_toy_gan/pyproject.toml
+	$(PY) -m pip install -q --no-deps -e tests/plugins/pan_toy_gan
+	touch $@
+
 demo: setup
 	$(PY) -m pan.cli demo
 
-test: setup
+test: setup $(VENV)/.test-plugins
 	@command -v slurmctld >/dev/null || bash .ci/install_slurm.sh || \
 		echo "Slurm could not be installed: the launch-script tests will be skipped"
 	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile tests

@@ -40,7 +40,7 @@ from pan.checkpoint.dcp import CRC32_LIBRARY, HASH_THREADS, crc32_parallel, fold
 from pan.checkpoint.manager import CheckpointConfig, Checkpointer
 from pan.parallel.dims import ParallelConfig, ParallelDims
 from pan.parallel.world import World
-from pan.recipes.contract import Part
+from pan.task import Part
 from pan.trainer import TrainState
 
 BLOCK = 8 << 20

@@ -78,7 +78,7 @@ def analytic_bytes_per_step(cp: int) -> int:
 
 
 def batch(seed: int):
-    from pan.recipes.pan import ModelInputs
+    from pan.recipes.pan.task import ModelInputs
 
     g = torch.Generator().manual_seed(seed)
     pack = PackInfo.build(GRIDS, TEXT_LENS)

@@ -136,7 +136,7 @@ def _attention_forward_counter():
 def _synthetic_batches(arch, device, steps: int, dry: bool) -> list:
     """One packed micro-batch per step (video clips and an image of different grids, captions)."""
     from pan.models.packing import PackInfo
-    from pan.recipes.pan import ModelInputs
+    from pan.recipes.pan.task import ModelInputs
 
     g = torch.Generator().manual_seed(1)
     grids = [(2, 3, 4), (1, 4, 4), (3, 2, 2)] if dry else [(4, 16, 24), (1, 32, 32), (6, 12, 16)]
@@ -161,8 +161,8 @@ def _one_rank_run(job, world, batches, output_dir: Path, resume: bool, census: b
     from pan.checkpoint.manager import Checkpointer
     from pan.parallel.dims import ParallelDims
     from pan.parallel.mesh import MESH_DIMS
-    from pan.recipes.contract import StepContext, global_sum
-    from pan.recipes.pan import PanTask
+    from pan.task import StepContext, global_sum
+    from pan.recipes.pan.task import PanTask
     from pan.trainer import TrainState, build_part
 
     dims = ParallelDims(world_size=1, local_world_size=1, cp=1, dp_replicate=1, dp_shard=1)

@@ -6,7 +6,7 @@ different (t, h, w), each with a caption), gradient clipping, then AdamW or Muon
 `pan.optim.builder.build_optimizer`. Each mode (optimizer / activation checkpointing / attention
 backend) gets a fresh model; a mode that fails (out of memory, a kernel refusing its inputs) is
 reported with its error, the next one runs, and the script exits 1 at the end. MFU is the model's
-FLOPs (`model.flops_per_step`) over the datasheet peak of the GPU (`pan.metrics.peak_flops`). The
+FLOPs (3 x `model.forward_flops`) over the datasheet peak of the GPU (`pan.metrics.peak_flops`). The
 dtypes of q/k/v reaching the first attention call are recorded (varlen needs bf16 for all three).
 
     python -m benchmarks.gpu_step [--steps 8] [--out benchmarks/results/gpu_step.json]   # a GPU box
@@ -35,7 +35,7 @@ from pan.optim.builder import build_optimizer
 from pan.optim.config import OptimConfig
 from pan.parallel.checkpointing import apply_activation_checkpointing
 from pan.parallel.fsdp import clip_grad_norm
-from pan.recipes.contract import autocast_context
+from pan.task import autocast_context
 
 # (post-patch grid (t, h, w), caption rows) per sample: 3 clips and one image, 31,456 video tokens
 # + 469 caption rows = 31,925 tokens.
@@ -153,7 +153,7 @@ def measure(cfg: PanDiTConfig, samples: list, mode: Mode, args: argparse.Namespa
         step()
     times = [time_call(step)[0] for _ in range(args.steps)]  # wall seconds, CUDA synchronised
     step_s = median(times)
-    flops = model.flops_per_step(batch["pack"])
+    flops = 3 * model.forward_flops(batch["pack"])
     return {"build_s": build_s, "step_s": step_s, "min_step_s": min(times), "tokens": batch["tokens"],
             "tokens_per_s": batch["tokens"] / step_s, "tflop_per_step": flops / 1e12,
             "achieved_tflops": flops / step_s / 1e12, "peak_mem_gib": peak_memory_gib(device),

@@ -68,7 +68,7 @@ def build_pan(hidden: int, layers: int, refiner: int, compiled: bool = False
     sigmas = on(torch.rand(n))
     pack = PackInfo.build([(t, h // 2, w // 2)] * n, [CAPTION] * n, device=Setup.device)
     loss_fn = lambda: F.mse_loss(model(x, sigmas, text, pack), target)  # noqa: E731
-    return model, loss_fn, model.flops_per_step(pack)
+    return model, loss_fn, 3 * model.forward_flops(pack)
 
 
 def build_hunyuan(hidden: int, layers: int, refiner: int) -> tuple[torch.nn.Module, callable, int]:

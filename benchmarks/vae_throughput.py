@@ -34,7 +34,7 @@ try:
 except ModuleNotFoundError:  # run as `python benchmarks/vae_throughput.py`: its folder is on the path
     from common import import_original, interleaved_times, machine_info, median, print_table, write_json
 from pan.models.causal_vae import CausalVideoVAE
-from pan.recipes.causal_vae import CausalVAEModelConfig
+from pan.recipes.causal_vae.config import CausalVAEModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 ORIGINAL = ROOT.parent / "shared" / "reference" / "pyramid_flow" / "original"

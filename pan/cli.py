@@ -5,22 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-EXIT_CONFIG_ERROR = 2
-
-
-def load_config_or_exit(argv: list[str]):
-    """Load a job config; on a ConfigError print one paragraph (rank 0 only) and exit with code 2."""
-    from pan.config import ConfigError, load_job_config
-    from pan.logging import get_logger
-    from pan.parallel.world import is_main_process
-
-    log = get_logger()
-    try:
-        return load_job_config(argv, warn=log.warning if is_main_process() else (lambda msg: None))
-    except ConfigError as e:
-        if is_main_process():
-            print(f"pan: config error: {e}", file=sys.stderr)
-        sys.exit(EXIT_CONFIG_ERROR)
+from pan.config import EXIT_CONFIG_ERROR, load_config_or_exit  # noqa: F401 - the commands' exit code
 
 
 def cmd_train(argv: list[str]) -> int:

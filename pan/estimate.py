@@ -57,6 +57,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from pan.config.core import ConfigError
+from pan.optim.builder import split_parameters
+from pan.recipe import get_recipe
+
 GIB = 2 ** 30
 FP32_BYTES = 4
 
@@ -88,16 +92,32 @@ class Probe:
                                      # (LPIPS, the VAE's discriminator copy), given to them fake by name
 
 
-ProbeFn = Callable[[object], Probe]   # (a Preflight) -> Probe
-PROBES: dict[str, ProbeFn] = {}
+ProbeFn = Callable[[object], Probe]   # a recipe's `probe` hook: (a Preflight) -> Probe
 
 
-def register_probe(*recipes: str) -> Callable[[ProbeFn], ProbeFn]:
-    def add(fn: ProbeFn) -> ProbeFn:
-        for recipe in recipes:
-            PROBES[recipe] = fn
-        return fn
-    return add
+def probe_of(recipe: str) -> ProbeFn | None:
+    """The recipe's probe (its `probe` hook, pan/recipe.py); None when it declares none."""
+    return get_recipe(recipe).hook("probe")
+
+
+# Bytes per parameter of an fp32 master weight, moment or EMA copy.
+FP32_BYTES = 4
+
+
+def state_bytes(model: torch.nn.Module, optim) -> dict[str, int]:
+    """Bytes of a part's training state by kind, whole (unsharded), for its OptimConfig `optim`.
+
+    The weights are fp32 master copies (4 B per parameter whatever the compute dtype). AdamW keeps
+    two fp32 moments (8 B per parameter), Muon one fp32 momentum buffer (4 B); the split is the
+    optimizer's own, over the trainable parameters. An EMA adds another fp32 copy of those.
+    """
+    groups, _, _ = split_parameters(model, optim.use_muon)
+    muon = sum(p.numel() for _, p in groups["muon"])
+    trained = sum(p.numel() for members in groups.values() for _, p in members)
+    total = sum(p.numel() for p in model.parameters())
+    return {"weights": FP32_BYTES * total, "muon": FP32_BYTES * muon,
+            "adamw": 2 * FP32_BYTES * (trained - muon),
+            "ema": FP32_BYTES * trained if optim.ema_decay > 0 else 0}
 
 
 def largest_batch(data, tokens_of: Callable[[int, int, int], int], images: bool = False
@@ -630,8 +650,6 @@ def autocast(dtype: str):
 def static_bytes(ctx, layout: Layout) -> dict[str, int]:
     """Parameters, optimizer states, EMA and FSDP's gathered blocks of every part (the gradients
     come from the trace: how many exist at the peak depends on when it is)."""
-    from pan.preflight import state_bytes
-
     out = {"parameters": 0, "optimizer states": 0, "ema": 0, "fsdp gathered": 0}
     for spec in ctx.part_specs:
         model = ctx.models[spec.name]
@@ -765,7 +783,11 @@ def cached_trace_step(ctx, probe: Probe, layout: Layout) -> tuple[StepTrace, Wor
 
 def estimate_run(ctx, capacity: int | None = None) -> Estimate:
     """Memory per device and step time of the ctx's job on its planned layout."""
-    probe = PROBES[ctx.job.recipe](ctx)
+    probe_fn = probe_of(ctx.job.recipe)
+    if probe_fn is None:
+        raise ConfigError("recipe", f"the {ctx.job.recipe} recipe declares no probe (its `probe` hook), "
+                          "so its memory and step time cannot be estimated.")
+    probe = probe_fn(ctx)
     layout = Layout.of(ctx.job, ctx.dims)
     trace, optimizer_work = cached_trace_step(ctx, probe, layout)
     device = static_bytes(ctx, layout)

@@ -8,9 +8,8 @@ for world = nodes x gpus-per-node (cp_size divides the processes per node and th
 hybrid shard needs whole nodes). An invalid combination is refused with the reason and exit code 2.
 Nothing is run: the commands are printed to be copied.
 
-Workflows live in `WORKFLOWS` (name -> Workflow). Each recipe module registers its own with
-`register_workflow` when it is imported; `all_workflows()` imports every recipe first, so the CLI
-lists them all. A config whose recipe is not the workflow's is refused.
+Workflows are declared by the recipes (`Recipe.workflows`, pan/recipe.py); `all_workflows()` lists
+every recipe's. A config whose recipe is not the workflow's is refused.
 """
 
 from __future__ import annotations
@@ -18,44 +17,16 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from pan.config import ConfigError, load_job_config
 from pan.config.core import require
+from pan.parallel.dims import ParallelDims
+from pan.recipe import Workflow, all_workflows, resolve
 
 EXIT_INVALID = 2
 DEFAULT_MASTER_PORT = 29500
 TRAIN_SCRIPT = "train.py"
-
-
-@dataclass(frozen=True)
-class Workflow:
-    name: str
-    recipe: str                      # the recipe its configs must name
-    default_config: str              # repository-relative YAML
-    script: str                      # the Slurm launch script (scripts/<name>.sh)
-    description: str
-    # workflow-specific rule, given the job and the planned ParallelDims: raise ConfigError
-    check: Callable[[object, object], None] | None = None
-    # A workflow run in stages (the causal VAE's): stage name -> its default YAML, in order.
-    stages: dict[str, str] | None = None
-
-
-WORKFLOWS: dict[str, Workflow] = {}
-
-
-def register_workflow(workflow: Workflow) -> Workflow:
-    WORKFLOWS[workflow.name] = workflow
-    return workflow
-
-
-def all_workflows() -> dict[str, Workflow]:
-    """Every registered workflow, after importing every recipe module (each registers its own)."""
-    from pan.recipes import get_recipe, recipe_names
-    for name in recipe_names():
-        get_recipe(name)
-    return WORKFLOWS
 
 
 @dataclass
@@ -69,8 +40,6 @@ class LaunchCommands:
 
 def validate(workflow: Workflow, config: str, overrides: list[str], nodes: int, gpus_per_node: int):
     """Load the config and check the layout; returns (job, ParallelDims) or raises ConfigError."""
-    from pan.parallel.dims import ParallelDims
-
     if nodes < 1 or gpus_per_node < 1:
         raise ConfigError(None, f"--nodes ({nodes}) and --gpus-per-node ({gpus_per_node}) must be >= 1.")
     job = load_job_config(["--config", config, *overrides], warn=lambda msg: print(
@@ -81,7 +50,7 @@ def validate(workflow: Workflow, config: str, overrides: list[str], nodes: int, 
             f"({', '.join(w.name for w in all_workflows().values() if w.recipe == job.recipe) or 'none'}).")
     dims = ParallelDims.from_config(job.parallel, nodes * gpus_per_node, gpus_per_node)
     if workflow.check is not None:
-        workflow.check(job, dims)
+        resolve(workflow.check)(job, dims)
     return job, dims
 
 

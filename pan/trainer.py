@@ -16,7 +16,7 @@ import torch
 
 from pan.config.core import knob, require
 from pan.logging import get_logger, quiet_library_progress_bars
-from pan.recipes.contract import Part, PartSpec, StepContext, global_sums
+from pan.task import Part, PartSpec, StepContext, global_sums
 
 
 @dataclass(kw_only=True)
@@ -34,7 +34,7 @@ class TrainerConfig:
     legacy_eager_mode: bool = knob(
         True, "the validated eager execution, pan's only mode, so this switch must stay true (false is "
               "refused; the key exists so that Pan's configs load): autocast without its weight cache "
-              "(pan/recipes/contract.py), FSDP resharding after forward (pan/parallel/fsdp.py), NCCL "
+              "(pan/task.py), FSDP resharding after forward (pan/parallel/fsdp.py), NCCL "
               "async error handling (pan/parallel/world.py), no CUDA graphs")
     compile_transformer: bool = knob(False, "torch.compile each transformer block")
     max_nonfinite_steps: int = knob(
@@ -120,7 +120,7 @@ def sigterm_recorded(enabled: bool):
 
 
 class Trainer:
-    """Runs one recipe's job: everything recipe-specific lives in `task` (pan/recipes/contract.py)."""
+    """Runs one recipe's job: everything recipe-specific lives in `task` (pan/task.py)."""
 
     def __init__(self, job, task, world, dims, parts: dict[str, Part], loader, checkpointer, metrics):
         self.job, self.task, self.world, self.dims = job, task, world, dims
@@ -350,7 +350,7 @@ def build_trainer(job) -> Trainer:
     from pan.parallel.dims import ParallelDims
     from pan.parallel.mesh import build_mesh, cp_group, cp_rank
     from pan.parallel.world import init_world
-    from pan.recipes import get_recipe
+    from pan.recipe import get_recipe
 
     log = get_logger()
     quiet_library_progress_bars()
@@ -370,7 +370,7 @@ def build_trainer(job) -> Trainer:
     if dims.cp > 1:
         comm_device = world.device if world.device.type == "cuda" else torch.device("cpu")
         cp = ContextParallel(cp_rank(mesh), dims.cp, cp_group(mesh), comm_device)
-    task = get_recipe(job.recipe).task(job, world, dims, cp)
+    task = get_recipe(job.recipe).build_task(job, world, dims, cp)
     log.info("world: %d processes (dp_replicate %d x dp_shard %d x cp %d) on %s",
              world.size, dims.dp_replicate, dims.dp_shard, dims.cp, world.device)
 

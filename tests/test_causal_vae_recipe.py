@@ -1,4 +1,4 @@
-"""The causal_vae recipe (pan/recipes/causal_vae.py): its objective against the original's loss
+"""The causal_vae recipe (pan/recipes/causal_vae/): its objective against the original's loss
 fixtures, its data (random windows of real clips, per-rank frame shares), its refusals, a tiny
 two-stage run on real frames (held-out PSNR rises; stage 2 warm-starts and switches the GAN on at
 disc_start), its VAE as the frozen encoder of a Pan run, its launch workflow, and a SIGKILL + resume
@@ -33,12 +33,15 @@ from pan.config import ConfigError, load_job_config
 from pan.data.config import DataConfig
 from pan.data.loader import Ref, SampleReader, rules_of
 from pan.data.sources import read_video_csv
+from pan.eval import psnr, ssim
 from pan.models.causal_vae import CausalVideoVAE
 from pan.models.lpips import LPIPS
 from pan.models.vae_discriminator import NLayerDiscriminator
 from pan.models.vae_loss import VAELossConfig
-from pan.recipes.causal_vae import (ClipBatch, ClipReader, Objective, TrainedCausalVAE, psnr,
-                                    released_folder_of, ssim)
+from pan.recipes.causal_vae.data import ClipBatch, ClipReader
+from pan.recipes.causal_vae.export import released_folder_of
+from pan.recipes.causal_vae.model import TrainedCausalVAE
+from pan.recipes.causal_vae.objective import Objective
 from pan.trainer import build_trainer
 
 ROOT = Path(__file__).resolve().parents[1]

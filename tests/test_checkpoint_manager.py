@@ -26,7 +26,7 @@ from pan.optim.ema import EMA
 from pan.optim.schedule import LRSchedulers
 from pan.parallel.dims import ParallelConfig, ParallelDims
 from pan.parallel.world import World
-from pan.recipes.contract import Part
+from pan.task import Part
 from pan.trainer import TrainState
 
 # --------------------------------------------------------------------------------------------------
@@ -266,7 +266,7 @@ import torch
 from pan.checkpoint.manager import CheckpointConfig, Checkpointer
 from pan.parallel.dims import ParallelConfig, ParallelDims
 from pan.parallel.world import World
-from pan.recipes.contract import Part
+from pan.task import Part
 from pan.trainer import TrainState
 warnings.filterwarnings("ignore")
 model = torch.nn.Linear(1024, 256)

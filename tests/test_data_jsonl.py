@@ -21,9 +21,10 @@ from pan.config.core import ConfigError
 from pan.data import build_data_loader
 from pan.data.decode import decode_image, decode_video
 from pan.data.loader import Ref, Sample, SampleReader, rules_of
-from pan.data.precompute import (EMPTY_TEXT_FEA, PrecomputeError, PyramidEncoders, precompute_pyramid,
-                                 pyramid_text_record)
+from pan.data.precompute import PrecomputeError
 from pan.data.sources import read_annotations, read_video_csv
+from pan.recipes.pyramid_flow.precompute import (EMPTY_TEXT_FEA, PyramidEncoders, precompute_pyramid,
+                                                 pyramid_text_record)
 from test_data_sources import BIKES, CARPHONE, clips_csv, image_bytes, real_video, small_config, tokens_of
 
 

@@ -14,7 +14,7 @@ from pan.data.loader import build_data_loader
 from pan.data.precompute import main, precompute
 from pan.data.synth import synth_dataset
 from pan.parallel.dims import ParallelDims
-from pan.recipes.pan import PanTask
+from pan.recipes.pan.task import PanTask
 from pan.trainer import build_trainer
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""`pan demo --recipe ...` (pan/demo_recipes.py): the --quick path of each recipe's demo runs end to
+"""`pan demo --recipe ...` (pan/demo/recipes.py): the --quick path of each recipe's demo runs end to
 end and writes every output it promises; the causal VAE demo's own PSNR agrees with the recipe's
 validation, and its reconstructions are scored against the held-out clips' captions."""
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from pan.demo_recipes import caption_corpus, main, write_tiny_pyramid_model
+from pan.demo.recipes import caption_corpus, main, write_tiny_pyramid_model
 
 SCORE_KEYS = {"num_videos", "colour_accuracy", "direction_accuracy", "shape_accuracy", "joint_accuracy",
               "per_video"}
@@ -93,7 +93,7 @@ def test_pan_demo_dispatches_recipe_demos(monkeypatch, tmp_path):
     """`pan demo --recipe X` runs that recipe's demo with the same options, in its own folder by
     default; the Pan demo's --config does not apply to it."""
     import pan.demo
-    from pan import demo_recipes
+    from pan.demo import recipes as demo_recipes
 
     calls = []
     monkeypatch.setattr(demo_recipes, "main", lambda argv: calls.append(argv) or 0)

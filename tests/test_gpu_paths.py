@@ -64,7 +64,7 @@ def test_a_batch_mixing_precomputed_and_decoded_samples_lands_on_one_device(tmp_
     stands in for it); the prepared micro-batch holds every tensor on the process's device."""
     from pan.parallel.dims import ParallelDims
     from pan.parallel.world import World
-    from pan.recipes.pan import PanTask
+    from pan.recipes.pan.task import PanTask
 
     job = tiny_job(tmp_path, "--cfg_drop_prob", "0.5")
     world = World(rank=0, size=1, local_rank=0, local_size=1, device=torch.device("meta"))
@@ -292,7 +292,7 @@ def _timestep_seen_under_fsdp_bf16() -> dict:
     from pan.parallel.fsdp import materialize_and_init, parallelize_model
     from pan.parallel.mesh import build_mesh
     from pan.parallel.world import init_world
-    from pan.recipes.contract import autocast_context
+    from pan.task import autocast_context
     from pan.trainer import TrainerConfig
 
     world = init_world()
@@ -346,7 +346,7 @@ def _validation_samples(out_dir: str, cp_size: int) -> list[str]:
     from pan.parallel.fsdp import materialize_and_init, parallelize_model
     from pan.parallel.mesh import build_mesh, cp_group, cp_rank
     from pan.parallel.world import init_world
-    from pan.recipes.pan import PanTask
+    from pan.recipes.pan.task import PanTask
 
     out = Path(out_dir) / f"cp{cp_size}"
     job = tiny_job(Path(out_dir), "--cp_size", str(cp_size), "--validation_interval", "1",
@@ -523,7 +523,7 @@ def test_cuda_selective_checkpointing_runs_no_attention_twice(backend):
 
 @cuda
 def test_cuda_host_tensors_reach_the_gpu_through_pinned_memory():
-    from pan.recipes.pan import to_device
+    from pan.recipes.pan.task import to_device
 
     host = torch.randn(1000, 64)
     moved = to_device(host, "cuda")
@@ -535,7 +535,7 @@ def test_cuda_sample_places_bf16_weights_whole_or_offloaded(checkpoint):
     from safetensors.torch import load_file
 
     from pan.parallel.world import World
-    from pan.sampling import place_transformer
+    from pan.recipes.pan.sample import place_transformer
 
     job = load_job_config(["--config", checkpoint["config"]], warn=lambda m: None)
     world = World(rank=0, size=1, local_rank=0, local_size=1, device=torch.device("cuda", 0))

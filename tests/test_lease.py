@@ -31,7 +31,7 @@ from pan.checkpoint.lease import (LEASE_FILE, LeaseHeldError, RunLease, process_
                                   read_lease, this_process, why_stale)
 from slurm_cluster import slurm_cluster  # noqa: F401  (a fixture: a real local Slurm)
 
-PLUGIN = {"PAN_RECIPE_MODULES": "toy_gan_recipe"}
+PLUGIN = {"PAN_RECIPE_MODULES": "pan_toy_gan"}  # also found by its entry point: this names it twice
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 

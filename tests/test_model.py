@@ -212,7 +212,7 @@ def test_forward_flops_match_flop_counter():
     # the sinusoidal timestep features): 3x forward minus those two matmuls.
     patch_embed = 2 * x.shape[0] * x.shape[1] * model.config.hidden_size
     timestep_fc1 = 2 * len(GRIDS) * model.config.timestep_freq_dim * model.config.hidden_size
-    assert step.get_total_flops() == model.flops_per_step(pack) - patch_embed - timestep_fc1
+    assert step.get_total_flops() == 3 * model.forward_flops(pack) - patch_embed - timestep_fc1
     assert out.shape[0] == x.shape[0]
 
 

@@ -44,7 +44,7 @@ def _ulysses_errors(pack: PackInfo, cp_size: int, group) -> dict[str, float]:
 
 
 def _distribute_check(cp_size: int, group) -> dict:
-    from pan.recipes.pan import ModelInputs
+    from pan.recipes.pan.task import ModelInputs
 
     rank = dist.get_rank(group)
     pack = PackInfo.build(GRIDS, TEXT_LENS)

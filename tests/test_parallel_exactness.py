@@ -25,8 +25,8 @@ from pan.parallel.fsdp import clip_grad_norm, materialize_and_init, parallelize_
 from pan.parallel.mesh import build_mesh, cp_group, cp_rank
 from pan.parallel.world import init_world
 from pan.diffusion.flow import FlowConfig
-from pan.recipes.contract import autocast_context
-from pan.recipes.pan import loss_sum
+from pan.task import autocast_context
+from pan.recipes.pan.task import loss_sum
 from pan.trainer import TrainerConfig
 
 ARCH = PanDiTConfig(in_channels=9, out_channels=4, patch_size=[1, 2, 2], hidden_size=32,
@@ -72,7 +72,7 @@ def make_samples(step: int) -> list[dict]:
 
 
 def model_inputs(samples: list[dict]):
-    from pan.recipes.pan import ModelInputs
+    from pan.recipes.pan.task import ModelInputs
 
     pack = PackInfo.build([s["grid"] for s in samples], [s["text"].shape[0] for s in samples])
     cat = lambda k: torch.cat([s[k] for s in samples])  # noqa: E731

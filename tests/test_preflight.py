@@ -103,7 +103,8 @@ def test_cpu_machine_warns_and_names_bf16(tmp_path, data):
 def test_a_check_that_crashes_is_one_failed_row(tmp_path, data, monkeypatch):
     def broken(ctx):
         raise RuntimeError("boom")
-    monkeypatch.setitem(preflight.CHECKS, "pan", [broken, *preflight.CHECKS["pan"]])
+    declared = preflight.recipe_checks("pan")
+    monkeypatch.setattr(preflight, "recipe_checks", lambda recipe: [broken, *declared])
     got = rows_of(base_args(tmp_path, data))
     assert failed(got) == {"broken": "RuntimeError: boom"}
     assert "resume" in got  # the checks after it still ran
@@ -246,8 +247,9 @@ def test_output_dir_without_room_for_two_checkpoints_fails(tmp_path, data, monke
 def test_checkpoint_size_is_derived_from_the_optimizer_split(tmp_path, data):
     job = load_job_config(base_args(tmp_path, data, "--use_muon", "true", "--ema_decay", "0"),
                           warn=lambda msg: None)
-    model = Preflight(job, 1, 1).model
-    size, how = preflight.checkpoint_bytes(model, job)
+    ctx = Preflight(job, 1, 1)
+    model = ctx.model
+    size, how = preflight.checkpoint_bytes(ctx)
     total = sum(p.numel() for p in model.parameters())
     from pan.optim.builder import split_parameters
     muon = sum(p.numel() for _, p in split_parameters(model, True)[0]["muon"])

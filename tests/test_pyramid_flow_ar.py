@@ -34,7 +34,7 @@ from pan.models.pyramid_flux import PyramidFluxTransformer
 from pan.models.pyramid_io import load_pretrained, read_weights
 from pan.parallel.dims import ParallelDims
 from pan.parallel.world import World
-from pan.recipes.pyramid_flow_ar import PyramidFlowARTask
+from pan.recipes.pyramid_flow_ar.task import PyramidFlowARTask
 from pyramid_reference import load_fixture, needs_reference
 from pyramid_tiny import (FIXTURE_DIT, FIXTURE_VAE, VAE_CLIP_DATA, VARIANT, batch_loss, causal_vae_keys,
                           final_weights, load, released_config)
@@ -218,7 +218,7 @@ def read_units(config: Path, batches: int) -> dict:
 def one_step(config: Path) -> dict:
     """The loss and the full gradients of one step's backward (the default train step's
     `backward_mean`), built by the trainer; and the (video, unit) pairs it trained."""
-    from pan.recipes.contract import StepContext
+    from pan.task import StepContext
     from pan.trainer import build_trainer
 
     trainer = build_trainer(load(config))

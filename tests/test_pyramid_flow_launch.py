@@ -26,8 +26,8 @@ from pan.models.pyramid_io import save_pretrained
 from pan.parallel.dims import ParallelDims
 from pan.parallel.world import World
 from pan.preflight import Preflight, Row, run_preflight
-from pan.recipes.pyramid_checks import check_launch
-from pan.recipes.pyramid_flow import PyramidFlowTask
+from pan.recipes.pyramid_flow.checks import check_launch
+from pan.recipes.pyramid_flow.task import PyramidFlowTask
 from pan.trainer import build_trainer
 from pyramid_reference import needs_reference
 from pyramid_tiny import ENCODER_FOLDERS, FIXTURE_VAE, load, save_tiny_flux, write_released

@@ -1,4 +1,4 @@
-"""The recipe contract with two trained parts (tests/toy_gan_recipe.py: a generator and a
+"""The recipe contract with two trained parts (tests/plugins/pan_toy_gan: a generator and a
 discriminator with its own optimizer keys): it trains and logs its own metrics, is SIGKILLed and
 resumed bit-identically on 2 processes, refuses a checkpoint whose parts differ, and plugs its
 workflow and preflight check into the CLI like a recipe of pan's own."""
@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-import toy_gan_recipe  # noqa: F401  (registers the recipe, its check and its workflow)
+
 from launch_utils import consumed, kill_after_step, launch, run_to_end
 from pan.checkpoint import dcp as layout
 from pan.checkpoint.export import consolidated_weights, main_export
@@ -93,7 +93,7 @@ def final_state(output_dir: Path) -> dict:
 
 
 def test_two_parts_are_killed_and_resumed_bit_identically(tmp_path):
-    plugin = {"PAN_RECIPE_MODULES": "toy_gan_recipe"}
+    plugin = {"PAN_RECIPE_MODULES": "pan_toy_gan"}
     straight = write_config(tmp_path / "straight.yaml", tmp_path / "straight")
     run_to_end(straight, tmp_path / "straight.log", **plugin)
 

@@ -12,7 +12,7 @@ import torch
 
 from pan.config import load_job_config
 from pan.parallel.dims import ParallelDims
-from pan.recipes.pan import PanTask, condition_frames, model_input_latent
+from pan.recipes.pan.task import PanTask, condition_frames, model_input_latent
 from pan.trainer import NonFiniteLossError, build_trainer, sigterm_recorded
 
 REPO = Path(__file__).resolve().parents[1]
@@ -147,7 +147,7 @@ def test_a_loop_outside_the_main_thread_leaves_sigterm_alone():
 
 
 def test_condition_frames_follow_the_task_probabilities():
-    from pan.recipes.pan import TaskConfig
+    from pan.recipes.pan.task import TaskConfig
 
     rng = random.Random(0)
     tasks = TaskConfig(image_cond_prob=0.3, video_cond_prob=0.2)

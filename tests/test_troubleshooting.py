@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pan.cli import load_config_or_exit
+from pan.config import load_config_or_exit
 from pan.cli import main as pan_main
 from pan.data.synth import synth_dataset
 from pan.parallel.dims import ParallelConfig, ParallelDims

@@ -20,7 +20,10 @@ from pan.models.vae_discriminator import NLayerDiscriminator
 from pan.models.vae_loss import VAELossConfig
 from pan.parallel.vae_context import (ContextGroup, attach_halo_hooks, context_frames_problem, frame_range,
                                       frame_split, latent_range, latent_split)
-from pan.recipes.causal_vae import CausalVAEModelConfig, ClipBatch, Objective, TrainedCausalVAE
+from pan.recipes.causal_vae.config import CausalVAEModelConfig
+from pan.recipes.causal_vae.data import ClipBatch
+from pan.recipes.causal_vae.model import TrainedCausalVAE
+from pan.recipes.causal_vae.objective import Objective
 
 TOL = dict(rtol=1e-9, atol=1e-12)   # float64: the same sums in another order
 FACTOR = 4                           # the tiny VAE's temporal compression (2 stages)

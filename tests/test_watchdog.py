@@ -23,7 +23,7 @@ HANG_AT_STEP = 4
 # Rank 1 sleeps inside its 4th step: a test-only hook, monkeypatched into the spawned process.
 RUNNER = f"""
 import os, sys, time
-import toy_gan_recipe
+import pan_toy_gan.task as toy_gan_recipe
 from pan.cli import cmd_train
 from pan.parallel.world import exit_process
 
@@ -70,7 +70,7 @@ def test_a_rank_hung_inside_a_step_stops_every_rank_with_their_stacks(tmp_path):
     procs = []
     for rank in range(2):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{TESTS}",
-               "PAN_RECIPE_MODULES": "toy_gan_recipe", "RANK": str(rank), "LOCAL_RANK": str(rank),
+               "PAN_RECIPE_MODULES": "pan_toy_gan", "RANK": str(rank), "LOCAL_RANK": str(rank),
                "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
         with open(log, "a") as f:
             procs.append(subprocess.Popen([sys.executable, "-c", RUNNER, "--config", str(config)], cwd=ROOT,

@@ -14,12 +14,17 @@ import torch
 from safetensors.torch import save_file
 
 from pan.checkpoint import dcp as layout
+from pan.recipe import get_recipe, recipe_names, resolve
 
 
 def consolidated_weights(dcp_dir: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor of a DCP folder, unsharded, on CPU (optionally cast to `dtype`)."""
+    """Every tensor of a DCP folder, unsharded, on CPU (optionally cast to `dtype`), read by this
+    process alone: no collective, so with a process group each rank may call it or not (a frozen
+    VAE read from a causal_vae checkpoint, `pan sample`)."""
+    import torch.distributed.checkpoint as dcp
+
     state = {key: torch.empty(size, dtype=stored) for key, (size, stored) in layout.dcp_tensor_shapes(dcp_dir).items()}
-    layout.load_dcp(state, dcp_dir)
+    dcp.load(state, storage_reader=layout.DirectReader(str(dcp_dir)), no_dist=True)
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     return state
@@ -113,15 +118,16 @@ def main_export(argv: list[str]) -> int:
                                        "transformer; `pan inspect` lists a checkpoint's parts)")
     parser.add_argument("--ema", action="store_true", help="export the EMA weights instead")
     parser.add_argument("--dtype", choices=list(DTYPES), help="cast floating tensors (default: as saved)")
-    parser.add_argument("--format", choices=["safetensors", "pyramid_flow"], default="safetensors",
-                        help="safetensors: one file; pyramid_flow: a released Pyramid-Flow DiT folder "
-                             "(config.json + safetensors, the released keys) that --out names")
+    formats = export_formats()
+    parser.add_argument("--format", choices=["safetensors", *formats], default="safetensors",
+                        help="safetensors: one file; or a format a recipe writes (" + "; ".join(
+                            f"{name}: {describe(spec)}" for name, spec in formats.items()) + ")")
     args = parser.parse_args(argv)
     if (args.out is None) == (args.out_file is None):
         parser.error("name the .safetensors file to write once: --out model.safetensors")
     args.out = args.out or args.out_file
-    if args.format == "pyramid_flow":
-        return _export_pyramid_flow(args)
+    if args.format != "safetensors":
+        return export_format(args, args.format, formats[args.format])
     try:
         weights = export_checkpoint(args.checkpoint, args.out, ema=args.ema, part=args.part,
                                     dtype=DTYPES[args.dtype] if args.dtype else None)
@@ -137,19 +143,28 @@ def main_export(argv: list[str]) -> int:
     return 0
 
 
-def _export_pyramid_flow(args) -> int:
-    from pan.recipes.pyramid_flow import export_released
+def export_formats() -> dict[str, str]:
+    """`pan export --format` name -> the recipe hook writing it (`Recipe.exports`), of every recipe."""
+    return {name: spec for recipe in recipe_names() for name, spec in get_recipe(recipe).exports.items()}
 
-    if args.part not in (None, "transformer") or args.dtype:
-        print("pan export: --format pyramid_flow writes the transformer as saved (no --part or --dtype)",
+
+def describe(spec: str) -> str:
+    """The first line of an export hook's docstring (for --help)."""
+    return (resolve(spec).__doc__ or spec).strip().splitlines()[0].rstrip(".")
+
+
+def export_format(args, name: str, spec: str) -> int:
+    """A recipe's own format: its hook writes the main part as saved (no --part or --dtype)."""
+    if args.part is not None or args.dtype:
+        print(f"pan export: --format {name} writes the main part as saved (no --part or --dtype)",
               file=sys.stderr)
         return 2
     try:
-        folder = export_released(Path(args.checkpoint), Path(args.out), ema=args.ema)
+        written = resolve(spec)(Path(args.checkpoint), Path(args.out), ema=args.ema)
     except (ValueError, FileNotFoundError) as e:
         print(f"pan export: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {folder}: a released Pyramid-Flow DiT folder (config.json + safetensors)")
+    print(f"wrote {written} (--format {name}: {describe(spec)})")
     return 0
 
 

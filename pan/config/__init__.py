@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 
 from pan.config.core import ConfigError, knob, require
-from pan.config.job import dump_job, load_job_config
+from pan.config.job import EXIT_CONFIG_ERROR, dump_job, load_config_or_exit, load_job_config
 
 
 @dataclass(kw_only=True)
@@ -20,4 +20,5 @@ class JobConfig:
         return None
 
 
-__all__ = ["ConfigError", "JobConfig", "knob", "require", "load_job_config", "dump_job"]
+__all__ = ["ConfigError", "EXIT_CONFIG_ERROR", "JobConfig", "knob", "require", "load_job_config",
+           "load_config_or_exit", "dump_job"]

@@ -34,15 +34,14 @@ def shipped_recipes() -> list[str]:
     """The recipes pan ships (plugins from PAN_RECIPE_MODULES are not documented here), the
     default one first."""
     from pan.config.job import DEFAULT_RECIPE
-    from pan.recipes import get_recipe, recipe_names
+    from pan.recipe import BUILT_IN
 
-    names = [n for n in recipe_names() if get_recipe(n).job_config.__module__.startswith("pan.")]
-    return sorted(names, key=lambda n: (n != DEFAULT_RECIPE, n))
+    return sorted(BUILT_IN, key=lambda n: (n != DEFAULT_RECIPE, n))
 
 
 def render_recipe(recipe_name: str) -> list[str]:
     """One recipe's section: its keys, grouped by the YAML section each is listed under."""
-    from pan.recipes import get_recipe
+    from pan.recipe import get_recipe
 
     recipe = get_recipe(recipe_name)
     by_section: dict[str, list] = {}
@@ -59,7 +58,7 @@ def render_recipe(recipe_name: str) -> list[str]:
 def render() -> str:
     """docs/config.md: every shipped recipe's keys, each recipe in its own section."""
     from pan.config.job import DEFAULT_RECIPE
-    from pan.recipes import get_recipe
+    from pan.recipe import get_recipe
 
     recipes = shipped_recipes()
     lines = [

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -12,8 +14,23 @@ import yaml
 from pan.config import loader
 from pan.config.core import ConfigError, ErrorCollector
 from pan.config.loader import Entry, build_dataclass, field_types, parse_overrides
+from pan.logging import get_logger
+from pan.recipe import get_recipe, recipe_names
 
 DEFAULT_RECIPE = "pan"
+EXIT_CONFIG_ERROR = 2
+
+
+def load_config_or_exit(argv: list[str]):
+    """Load a job config for a command; on a ConfigError print one paragraph (on the launch's first
+    process only: torchrun's RANK) and exit with code 2. Warnings go to stderr the same way."""
+    main = os.environ.get("RANK", "0") == "0"
+    try:
+        return load_job_config(argv, warn=get_logger().warning if main else (lambda msg: None))
+    except ConfigError as e:
+        if main:
+            print(f"pan: config error: {e}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG_ERROR)
 
 
 def components(job_cls) -> dict[str, type]:
@@ -55,8 +72,6 @@ def _recipe_of(entries: dict[str, list[Entry]], cli: list[tuple[str, Any]]) -> s
 
 def load_job_config(argv: list[str], *, warn: Callable[[str], None] = print):
     """Parse `--config X.yaml --key value ...` into the recipe's job config (validated)."""
-    from pan.recipes import get_recipe, recipe_names
-
     config_path, cli = parse_overrides(argv)
     if config_path is None:
         raise ConfigError("config", "no config file given: pass --config config/<run>.yaml "

@@ -350,8 +350,8 @@ class CausalVideoVAEEncoder(FrozenVAE):
         super().__init__(vae_geometry(cfg))
         path = Path(cfg.vae_path).expanduser()
         if (path / "vae" / ".metadata").is_file():
-            from pan.recipes.causal_vae import read_dcp_weights
-            state = read_dcp_weights(path / "vae")
+            from pan.checkpoint.export import consolidated_weights
+            state = consolidated_weights(path / "vae")
             state.pop("logvar", None)   # the loss's log-variance, trained with the VAE
             with torch.device("meta"):
                 model = CausalVideoVAE(config)

@@ -233,7 +233,3 @@ class PanVideoDiffusionTransformer(nn.Module):
         final = 2 * b * d * 2 * d + 2 * nv * d * c.out_channels * c.patch_volume
         return (flops + c.num_refiner_layers * refiner + c.num_layers * double
                 + c.num_single_layers * single + final)
-
-    def flops_per_step(self, pack: PackInfo) -> int:
-        """Training FLOPs (forward + backward) for one packed batch: 3x the forward."""
-        return 3 * self.forward_flops(pack)

@@ -41,7 +41,7 @@ def declared_blocks(model: nn.Module) -> list[nn.Module]:
     without blocks (a small discriminator) is sharded as a whole."""
     if not hasattr(model, "fsdp_blocks"):
         raise TypeError(f"{type(model).__name__} does not declare fsdp_blocks(): the recipe contract "
-                        "(pan/recipes/contract.py) asks every trained model for its list of blocks.")
+                        "(pan/task.py) asks every trained model for its list of blocks.")
     return list(model.fsdp_blocks())
 
 

@@ -1,9 +1,10 @@
-"""Launch workflow and `pan check` rows of the `pyramid_flow` recipe (imported by its module).
+"""Launch rules, `pan check` rows and the memory probe of the `pyramid_flow` recipe (its `checks`,
+`probe` and workflow `check` hooks; the autoregressive recipe reuses most of them).
 
-The workflow `pyramid-flow-no-ar` is the original's `scripts/train_pyramid_flow_without_ar.sh`:
-full-sequence spatial-pyramid fine-tuning of a released DiT. `pan launch-command` refuses it, after
-the layout checks every workflow gets, for the launch rules below (config only, nothing is read but
-the variant's config.json):
+The workflow `pyramid-flow-no-ar` (declared in the recipe's `RECIPE`) is the original's
+`scripts/train_pyramid_flow_without_ar.sh`: full-sequence spatial-pyramid fine-tuning of a released
+DiT. `pan launch-command` refuses it, after the layout checks every workflow gets, for the launch
+rules below (config only, nothing is read but the variant's config.json):
 
 - placeholder paths left from a template (`/path/to/...`, the original's `/PATH/...`, `<...>`);
 - `max_samples_per_batch` not a multiple of sum(sample_ratios): pan's form of the original's
@@ -33,13 +34,10 @@ import torch
 from pan import preflight
 from pan.config.core import ConfigError, ErrorCollector, require
 from pan.config.job import components
-from pan.estimate import (Phase, Probe, frozen_vae_bytes, largest_batch, loader_bytes, module_bytes,
-                          register_probe, run_device)
-from pan.launch_command import Workflow, register_workflow
-from pan.preflight import Preflight, Row, register_check
-from pan.recipes.pyramid_flow import dit_config, variant_folder
-
-RECIPE = "pyramid_flow"
+from pan.estimate import Phase, Probe, frozen_vae_bytes, largest_batch, loader_bytes, module_bytes, run_device
+from pan.preflight import Preflight, Row
+from pan.recipes.pyramid_flow.config import dit_config, variant_folder
+from pan.recipes.pyramid_flow.task import PyramidFlowTask, PyramidInputs
 
 # The resolution each released DiT variant was trained at, as the original's --resolution names
 # it (its non-AR script trains the image variant at 768p), and that resolution's pixel area
@@ -210,36 +208,25 @@ def check_launch(job, dims=None) -> None:
     problems.raise_any()
 
 
-WORKFLOW = register_workflow(Workflow(
-    "pyramid-flow-no-ar", RECIPE, "config/pyramid_flow_384p.yaml", "scripts/train_pyramid_flow_without_ar.sh",
-    "Pyramid-Flow full-sequence (non-AR) fine-tuning of a released DiT", check=check_launch))
-
-
 # ------------------------------------------------------------------------------------------------
 # `pan check`: the launch rules as rows, then what the run will read
 # ------------------------------------------------------------------------------------------------
-
-register_check(RECIPE)(preflight.check_layout)
-
 
 def task_of(ctx: Preflight):
     """The recipe's task for the planned layout (built once; it holds a meta-device DiT)."""
     if "pyramid_task" not in ctx.notes:
         from pan.parallel.world import World
-        from pan.recipes.pyramid_flow import PyramidFlowTask
         world = World(rank=0, size=ctx.world_size, local_rank=0, local_size=ctx.gpus_per_node,
                       device=torch.device("cpu"))
         ctx.notes["pyramid_task"] = PyramidFlowTask(ctx.job, world, ctx.dims, None)
     return ctx.notes["pyramid_task"]
 
 
-@register_check(RECIPE)
 def check_placeholders(ctx: Preflight) -> list[Row]:
     refuse_placeholders(ctx.job)
     return [Row("placeholders", "pass", f"no template path left in the {len(path_keys(ctx.job))} path keys.")]
 
 
-@register_check(RECIPE)
 def check_stage_batch(ctx: Preflight) -> list[Row]:
     """The batch rule, streams with a share per data-parallel rank, and whether a full stage cycle of
     the largest clips fits the token budget."""
@@ -294,7 +281,6 @@ def _source_sizes(job) -> dict[str, int]:
     return sizes
 
 
-@register_check(RECIPE)
 def check_variant_resolution(ctx: Preflight) -> list[Row]:
     check_variant_resolution_rule(ctx.job)
     m = ctx.job.model
@@ -309,7 +295,6 @@ def check_variant_resolution(ctx: Preflight) -> list[Row]:
                 f"({', '.join(ctx.job.data.resolution_buckets)}) is {trained}.")]
 
 
-@register_check(RECIPE)
 def check_stage_sizes(ctx: Preflight) -> list[Row]:
     check_stage_sizes_rule(ctx.job)
     uh, uw = stage_unit(ctx.job)
@@ -317,7 +302,6 @@ def check_stage_sizes(ctx: Preflight) -> list[Row]:
                 f"{ctx.job.pyramid.stages} stages of {dit_shape(ctx.job).patch} patches.")]
 
 
-@register_check(RECIPE)
 def check_model_folder(ctx: Preflight) -> list[Row]:
     """The variant's config.json (read when the config loaded) and its weights' recorded shapes
     against the DiT built from it; no tensor data is read."""
@@ -370,7 +354,6 @@ def _weight_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-@register_check(RECIPE)
 def check_text_encoders(ctx: Preflight) -> list[Row]:
     """The released text encoders: every file, config and tokenizer length (no weights loaded), and
     their feature widths against the DiT's."""
@@ -391,7 +374,6 @@ def check_text_encoders(ctx: Preflight) -> list[Row]:
                 f"pooled {layout.pooled_width}; they fit the DiT.")]
 
 
-@register_check(RECIPE)
 def check_vae(ctx: Preflight) -> list[Row]:
     """The VAE's latent channels against the DiT's: a must where rows are encoded online, else only
     validation samples (and `pan sample`) decode with it."""
@@ -432,7 +414,6 @@ def _sources_encoded_online(job) -> list[str]:
     return online
 
 
-@register_check(RECIPE)
 def check_data(ctx: Preflight) -> list[Row]:
     """Parse every source; read a sample of each one's rows as training will (files exist, latents
     and text features load or media decode) and check them against the DiT."""
@@ -463,11 +444,16 @@ def check_data(ctx: Preflight) -> list[Row]:
     return rows
 
 
+def spread_rows(count: int, size: int) -> list[int]:
+    """`count` row numbers spread over a source of `size` rows: the first, the last, and between."""
+    n = min(count, size)
+    return sorted({round(i * (size - 1) / max(n - 1, 1)) for i in range(n)})
+
+
 def _sample_rows(ctx: Preflight, reader, label: str, stream: str, size: int) -> Row:
     """Read `sample_rows` rows spread over a source (first, last, between) and judge them."""
     from pan.data.loader import Ref
-    n = min(ctx.sample_rows, size)
-    picks = sorted({round(i * (size - 1) / max(n - 1, 1)) for i in range(n)})
+    picks = spread_rows(ctx.sample_rows, size)
     good, skipped, unfit = 0, [], []
     for index in picks:
         got = reader[Ref(seq=0, stream=stream, epoch=0, pos=0, index=index)]
@@ -538,10 +524,6 @@ def _over_budget(ctx: Preflight, sample) -> str | None:
     return f"{tokens} tokens > max_tokens_per_batch {budget}" if tokens > budget else None
 
 
-for _shared in (preflight.check_cpu, preflight.check_output_dir, preflight.check_resume):
-    register_check(RECIPE)(_shared)
-
-
 # ------------------------------------------------------------------------------------------------
 # Memory and step time (pan/estimate.py): what both Pyramid-Flow recipes' micro-batches hold
 # ------------------------------------------------------------------------------------------------
@@ -572,7 +554,6 @@ def pyramid_probe(ctx: Preflight, task, samples: list[list[tuple[int, int, int]]
     from pan.encoders.text import frozen_dtype
     from pan.encoders.vae import vae_geometry
     from pan.models.packing import PackInfo
-    from pan.recipes.pyramid_flow import PyramidInputs
 
     job, cp, model = ctx.job, ctx.dims.cp, task.model
     channels, text_len = vae_geometry(job.vae).latent_channels, job.text.t5_max_length
@@ -624,7 +605,6 @@ def largest_batch_clips(ctx: Preflight, task) -> list[tuple[int, int, int]]:
     return [task.geometry.latent_shape(*clip)[1:] for clip in clips]
 
 
-@register_probe(RECIPE)
 def full_sequence_probe(ctx: Preflight) -> Probe:
     """The fullest pack of the largest clips, each at the stage the rotation gives it: of every
     place the rotation can start a batch at, the one with the most tokens."""
@@ -639,5 +619,10 @@ def full_sequence_probe(ctx: Preflight) -> Probe:
     return pyramid_probe(ctx, task, fullest, f"{len(clips)} clip(s) at their pyramid stages")
 
 
-register_check(RECIPE)(preflight.check_memory)
-register_check(RECIPE)(preflight.check_step_time)
+
+# `pan check`'s table, in order: the layout, the launch rules as rows, what the run will read, the
+# machine and the output folder, then memory and step time (with `full_sequence_probe`).
+CHECKS = [preflight.check_layout, check_placeholders, check_stage_batch, check_variant_resolution,
+          check_stage_sizes, check_model_folder, check_text_encoders, check_vae, check_data,
+          preflight.check_cpu, preflight.check_output_dir, preflight.check_resume,
+          preflight.check_memory, preflight.check_step_time]

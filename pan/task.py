@@ -1,7 +1,8 @@
 """The recipe contract: what a recipe gives the trainer, the checkpointer, preflight, `pan sample`.
 
-A recipe is registered as a `Recipe` (pan/recipes/__init__.py): its job config class and its
-`Task`, built once per process as `task(job, world, dims, cp)`. The trainer only ever talks to the
+A recipe is registered as a `Recipe` (pan/recipe.py): its job config class and its `Task`, built
+once per process as `task(job, world, dims, cp)`, and the models its parts train follow
+`TrainableModel` below. The trainer only ever talks to the
 task through the members below; nothing else about a recipe is guessed from attribute names.
 
     trainer                                   task
@@ -30,12 +31,35 @@ import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 
 from pan.optim.config import OptimConfig
 from pan.parallel.fsdp import clip_grad_norm, set_gradient_sync
+
+
+@runtime_checkable
+class TrainableModel(Protocol):
+    """What the trainer, pan/parallel/ and the estimate ask of a part's model. Models are
+    single-device code; parallelism (FSDP2, activation checkpointing, Ulysses, compile) is applied
+    from outside through these members.
+
+    Required:
+      init_weights()          real values for every parameter; called after sharding on the
+                              materialised (to_empty) model
+      fsdp_blocks()           the submodules sharded, checkpointed and compiled one by one (may be [])
+    Optional (looked up by name, skipped when absent):
+      checkpointed_blocks()   the blocks activation checkpointing wraps (default: fsdp_blocks())
+      hidden_matrices()       name -> shape of the matrices Muon updates (the rest: AdamW)
+      inner_attention         submodules named so are wrapped by Ulysses context parallel
+      forward_flops(pack)     exact FLOPs of one forward (a training step counts 3x) for MFU
+    """
+
+    def init_weights(self) -> None: ...
+
+    def fsdp_blocks(self) -> list[nn.Module]: ...
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import pan
+from pan.demo.report import accuracy_line, draw_loss_curve, files_section, write_contact_sheet
 
 CONFIG_DIR = Path(pan.__file__).resolve().parent.parent / "config"
 RECIPES = ("causal_vae", "pyramid_flow_ar")
@@ -97,20 +98,6 @@ def fit(trainer) -> float:
     return time.perf_counter() - t0
 
 
-def pct(value: float | None) -> str:
-    return "n/a" if value is None else f"{100 * value:.1f}%"
-
-
-def accuracy_line(scores: dict) -> str:
-    return (f"colour {pct(scores['colour_accuracy'])}, direction {pct(scores['direction_accuracy'])}, "
-            f"shape {pct(scores['shape_accuracy'])}, joint {pct(scores['joint_accuracy'])} "
-            f"({scores['num_videos']} videos)")
-
-
-def files_section(out: Path, files: list[Path]) -> list[str]:
-    return ["## Files", "", *(f"- `{f.relative_to(out)}`" for f in files), ""]
-
-
 # ------------------------------------------------------------------------------------------------
 # causal_vae: reconstructions of the held-out clips
 # ------------------------------------------------------------------------------------------------
@@ -159,7 +146,7 @@ def captions_of(video_csv: Path, sample_ids: list[str]) -> list[str]:
 
 def fidelity(pairs: list[tuple]) -> dict:
     """PSNR (dB) and SSIM of each reconstruction (mean over its frames), and their means."""
-    from pan.recipes.causal_vae import psnr, ssim
+    from pan.eval import psnr, ssim
 
     per_clip = [{"psnr": float(psnr(x, x_hat).mean()), "ssim": float(ssim(x, x_hat).mean())}
                 for x, x_hat in pairs]
@@ -184,8 +171,7 @@ def write_reconstructions(pairs: list[tuple], out_dir: Path, fps: float) -> tupl
 
 
 def run_causal_vae(args: argparse.Namespace) -> dict:
-    from pan.cli import load_config_or_exit
-    from pan.demo import write_contact_sheet
+    from pan.config import load_config_or_exit
     from pan.eval import format_table, score_videos
     from pan.trainer import build_trainer
 
@@ -366,8 +352,7 @@ def ar_config(args: argparse.Namespace, data: dict[str, Path], model_path: Path,
 def run_pyramid_flow_ar(args: argparse.Namespace) -> dict:
     import yaml
 
-    from pan.cli import load_config_or_exit
-    from pan.demo import draw_loss_curve, write_contact_sheet
+    from pan.config import load_config_or_exit
     from pan.eval import format_table, score_videos
     from pan.logging import quiet_library_progress_bars
     from pan.trainer import build_trainer
@@ -411,6 +396,16 @@ def run_pyramid_flow_ar(args: argparse.Namespace) -> dict:
         "## Scores", "", "```", table, "```", "", *files_section(out, files)]
     (out / "report.md").write_text("\n".join(lines))
     return scores
+
+
+def causal_vae_demo(argv: list[str]) -> int:
+    """The causal_vae recipe's `demo` hook: `pan demo --recipe causal_vae [options]`."""
+    return main(["--recipe", "causal_vae", *argv])
+
+
+def pyramid_flow_ar_demo(argv: list[str]) -> int:
+    """The pyramid_flow_ar recipe's `demo` hook: `pan demo --recipe pyramid_flow_ar [options]`."""
+    return main(["--recipe", "pyramid_flow_ar", *argv])
 
 
 def main(argv: list[str] | None = None) -> int:

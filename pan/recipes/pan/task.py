@@ -7,122 +7,24 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from pan.checkpoint.manager import CheckpointConfig
-from pan.checkpoint.warm_start import WarmStartConfig
-from pan.config import JobConfig
-from pan.config.core import ConfigError, knob, require
-from pan.data.config import DataConfig
+from pan.data.loader import build_data_loader, build_step_shards, seed_draws
 from pan.diffusion.conditioning import condition_frames, model_input_latent
 from pan.diffusion.flow import FlowConfig, add_noise, output_velocity, sample_timesteps, velocity_target
-from pan.encoders.text import TextEncoderConfig, text_feature_width
-from pan.encoders.vae import VAEConfig
-from pan.metrics import MetricsConfig
+from pan.encoders.text import TextEncoder, frozen_dtype
+from pan.encoders.vae import build_vae, vae_geometry
+from pan.media import to_uint8_frames, write_gif, write_mp4
 from pan.models.packing import PackInfo, patchify
-from pan.models.pan_dit import PanDiTConfig, PanVideoDiffusionTransformer
-from pan.optim.config import OptimConfig
-from pan.parallel.dims import ParallelConfig
-from pan.parallel.world import ProcessConfig
-from pan.launch_command import Workflow, register_workflow
-from pan.recipes import Recipe
-from pan.recipes.contract import PartSpec, Task, autocast_context, global_sums
-from pan.trainer import TrainerConfig
-from pan.validation import ValidationConfig
-
-
-@dataclass(kw_only=True)
-class PanModelConfig:
-    SECTION: ClassVar[str] = "model"
-
-    transformer_config_overrides: PanDiTConfig = knob(
-        PanDiTConfig(), "the complete architecture: every constructor argument of "
-                        "PanVideoDiffusionTransformer (see the transformer_config_overrides.* keys)")
-    zero_init_modulation: bool = knob(
-        True, "initialise the modulation projections, the text modulation table and the output "
-              "projection to zero (AdaLN-Zero), so every block starts as the identity")
-    attention_backend: Literal["auto", "sdpa", "blockwise", "flex", "varlen"] = knob(
-        "auto", "attention kernel: sdpa (one SDPA call per sample, CPU and reference), blockwise "
-                "(block-causal samples: one call per frame over the keys it may see), flex (torch "
-                "flex_attention; trains on CUDA only), varlen (torch varlen kernel, CUDA), auto "
-                "(blockwise for block-causal packs, varlen on CUDA, sdpa otherwise)")
-
-    def check(self, job) -> None:
-        try:
-            width = text_feature_width(job.text_encoder)
-        except ConfigError:
-            return  # the text encoder's own check reports an unusable path
-        want = self.transformer_config_overrides.text_embed_dim
-        require(width == want, "transformer_config_overrides.text_embed_dim",
-                f"is {want}, but the text encoder `{job.text_encoder.text_encoder_path}` gives "
-                f"{width}-wide features. Set text_embed_dim: {width}, or use the encoder the model "
-                "was built for.")
-
-
-@dataclass(kw_only=True)
-class TaskConfig:
-    SECTION: ClassVar[str] = "tasks"
-
-    conditioning_schema: Literal["latent_concat_mask", "none"] = knob(
-        "latent_concat_mask", "input layout: latent_concat_mask = [noisy latents ; condition latents ; "
-                              "1 mask channel] (in_channels = 2 x out_channels + 1); none = noisy "
-                              "latents only (text-to-video only)")
-    image_cond_prob: float = knob(
-        0.0, "probability that a video's first latent frame is given as condition (image-to-video); "
-             "given frames are left out of the loss", ge=0.0, le=1.0)
-    video_cond_prob: float = knob(
-        0.0, "probability that the first k latent frames (k uniform in 1..T-1) are given as condition "
-             "(video continuation)", ge=0.0, le=1.0)
-    cfg_drop_prob: float = knob(
-        0.1, "probability that a caption is replaced by the embedding of the empty caption, for "
-             "classifier-free guidance", ge=0.0, le=1.0)
-
-    def check(self, job) -> None:
-        arch = job.model.transformer_config_overrides
-        require(self.image_cond_prob + self.video_cond_prob <= 1.0, "video_cond_prob",
-                f"image_cond_prob + video_cond_prob = {self.image_cond_prob + self.video_cond_prob} "
-                "exceeds 1: they are the probabilities of exclusive tasks.")
-        if self.conditioning_schema == "latent_concat_mask":
-            want = 2 * arch.out_channels + 1
-            require(arch.in_channels == want, "transformer_config_overrides.in_channels",
-                    f"is {arch.in_channels}, but conditioning_schema latent_concat_mask feeds "
-                    f"{arch.out_channels} noisy + {arch.out_channels} condition latent channels + 1 "
-                    f"mask channel = {want}. Set in_channels: {want}, or conditioning_schema: none.")
-        else:
-            require(arch.in_channels == arch.out_channels, "transformer_config_overrides.in_channels",
-                    f"is {arch.in_channels}, but conditioning_schema none feeds only the noisy latents "
-                    f"({arch.out_channels} channels). Set in_channels: {arch.out_channels}.")
-            require(self.image_cond_prob == 0 and self.video_cond_prob == 0, "conditioning_schema",
-                    "is none, so there are no condition channels for image_cond_prob / "
-                    "video_cond_prob: set both to 0 or use latent_concat_mask.")
-
-
-@dataclass(kw_only=True)
-class PanJobConfig(JobConfig):
-    model: PanModelConfig = knob(PanModelConfig(), "")
-    warm_start: WarmStartConfig = knob(WarmStartConfig(), "")
-    text_encoder: TextEncoderConfig = knob(TextEncoderConfig(), "")
-    vae: VAEConfig = knob(VAEConfig(), "")
-    trainer: TrainerConfig = knob(TrainerConfig(), "")
-    optim: OptimConfig = knob(OptimConfig(), "")
-    flow: FlowConfig = knob(FlowConfig(), "")
-    data: DataConfig = knob(DataConfig(), "")
-    tasks: TaskConfig = knob(TaskConfig(), "")
-    parallel: ParallelConfig = knob(ParallelConfig(), "")
-    process: ProcessConfig = knob(ProcessConfig(), "")
-    checkpoint: CheckpointConfig = knob(CheckpointConfig(), "")
-    logging: MetricsConfig = knob(MetricsConfig(), "")
-    validation: ValidationConfig = knob(ValidationConfig(), "")
-
-    def attention_heads(self) -> int:
-        return self.model.transformer_config_overrides.num_attention_heads
-
-
-
+from pan.models.pan_dit import PanVideoDiffusionTransformer
+from pan.recipes.pan.config import PanJobConfig
+from pan.recipes.pan.sample import sample_latent
+from pan.sampling import SampleSettings
+from pan.task import PartSpec, Task, autocast_context, global_sums
 
 
 # ------------------------------------------------------------------------------------------------
@@ -172,7 +74,6 @@ class PanTask(Task):
     sharded_micro_batches = True  # ShardedLoader: exact on any dp x accumulation of the same product
 
     def __init__(self, job: PanJobConfig, world, dims, cp=None):
-        from pan.encoders.vae import vae_geometry
 
         self.job, self.world, self.dims, self.cp = job, world, dims, cp
         self.arch = job.model.transformer_config_overrides
@@ -207,8 +108,6 @@ class PanTask(Task):
         outputs are used in fp32), in fp32 on the CPU."""
         if not self.reads_data:
             return
-        from pan.encoders.text import TextEncoder, frozen_dtype
-        from pan.encoders.vae import build_vae
 
         device = self.world.device
         self.text_encoder = TextEncoder(self.job.text_encoder, device=device)
@@ -225,7 +124,6 @@ class PanTask(Task):
         return (t // pt) * (h // ph) * (w // pw)
 
     def build_loader(self, dims):
-        from pan.data.loader import build_step_shards
 
         return build_step_shards(self, dims)
 
@@ -307,7 +205,6 @@ class PanTask(Task):
 
     def seed_draws_for(self, batch) -> None:
         """Seed the noise and task draws of one training micro-batch from what names it."""
-        from pan.data.loader import seed_draws
 
         seed_draws(self.generator, self.rng, self.job.trainer.seed, batch.shard, batch.number)
 
@@ -320,7 +217,7 @@ class PanTask(Task):
 
     def flops(self, batches: list[ModelInputs]) -> float:
         """Training FLOPs this process executes for these micro-batches (3x forward)."""
-        return sum(self.model.flops_per_step(b.pack) for b in batches) / self.dims.cp
+        return sum(3 * self.model.forward_flops(b.pack) for b in batches) / self.dims.cp
 
     def batch_stats(self, batches: list[ModelInputs]) -> dict:
         return {"samples": sum(b.samples for b in batches), "tokens": sum(b.tokens for b in batches),
@@ -356,7 +253,6 @@ class PanTask(Task):
     def heldout_loss(self, model) -> dict:
         """Loss on the first held-out batch of this rank at each of validation_timesteps, with the
         same clips and noise every time, so values are comparable across a run."""
-        from pan.data.loader import build_data_loader
 
         cfg = dataclasses.replace(self.job.data, video_csv_paths=[self.job.validation.validation_csv],
                                   video_csv_weights=None, annotation_paths=[], annotation_weights=None,
@@ -403,8 +299,6 @@ class PanTask(Task):
         every sampled latent). Decoding and video encoding are the long single-rank work of a
         validation; split this way no rank keeps the others waiting in the next collective for
         more than its share. Returns the videos this rank wrote."""
-        from pan.media import to_uint8_frames, write_gif, write_mp4
-        from pan.sampling import SampleSettings, sample_latent
 
         v = self.job.validation
         texts, empty = self.prompt_features(v.validation_prompts)
@@ -450,23 +344,3 @@ def loss_sum(model, inputs: ModelInputs, flow: FlowConfig) -> Tensor:
 def prompts_written_by(num_prompts: int, reader: int, readers: int) -> range:
     """The validation prompts data-reading rank `reader` (its dp rank) of `readers` decodes and writes."""
     return range(reader, num_prompts, readers)
-
-
-RECIPE = Recipe(name="pan", job_config=PanJobConfig, task=PanTask,
-                description="Pan: flow-matching MMDiT on packed video + image sequences",
-                sample="pan.sampling:sample_pan")
-
-
-# -- launch workflows ----------------------------------------------------------------------------
-
-def _sft_warm_starts(job, dims=None) -> None:
-    require(job.warm_start.load_transformer_weights, "load_transformer_weights",
-            "is false, but the sft workflow continues a pretrain run: set "
-            "pretrained_transformer_path to the pretrain run's checkpoint-N/ directory and "
-            "load_transformer_weights: true (or use --workflow pretrain).")
-
-
-register_workflow(Workflow("pretrain", "pan", "config/pretrain_29B_720p.yaml", "scripts/pretrain.sh",
-                           "Pan pretraining (from scratch or a plain state-dict warm start)"))
-register_workflow(Workflow("sft", "pan", "config/sft_29B_720p.yaml", "scripts/sft.sh",
-                           "Pan SFT, warm-started from a pretrain checkpoint", check=_sft_warm_starts))

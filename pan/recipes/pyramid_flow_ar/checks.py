@@ -1,14 +1,16 @@
-"""Launch workflow and `pan check` rows of the `pyramid_flow_ar` recipe (imported by its module).
+"""Launch rules, `pan check` rows and the memory probe of the `pyramid_flow_ar` recipe (its `checks`,
+`probe` and workflow `check` hooks).
 
-The workflow `pyramid-flow-ar` is the original's `scripts/train_pyramid_flow.sh`: autoregressive
-temporal-pyramid fine-tuning of a released DiT with video sync groups. `pan launch-command` refuses
-it for the full-sequence workflow's launch rules (template placeholders, a variant of another
-resolution than the buckets, buckets whose pyramid stages do not cut into patches) and for the
-autoregressive invariants: those of the config alone are refused when it loads
-(`(latent frames of max_frames - 1) % frame_per_unit == 0`, units of max_frames a multiple of
-video_sync_group, max_samples_per_batch a multiple of sum(sample_ratios)); the one of the layout,
-data-parallel size x gradient_accumulation_steps a multiple of video_sync_group, by `pan check`
-and by the trainer before anything is built (see `sync_group_rule`).
+The workflow `pyramid-flow-ar` (declared in the recipe's `RECIPE`) is the original's
+`scripts/train_pyramid_flow.sh`: autoregressive temporal-pyramid fine-tuning of a released DiT with
+video sync groups. `pan launch-command` refuses it for the full-sequence workflow's launch rules
+(template placeholders, a variant of another resolution than the buckets, buckets whose pyramid
+stages do not cut into patches) and for the autoregressive invariants: those of the config alone
+are refused when it loads (`(latent frames of max_frames - 1) % frame_per_unit == 0`, units of
+max_frames a multiple of video_sync_group, max_samples_per_batch a multiple of sum(sample_ratios));
+the one of the layout, data-parallel size x gradient_accumulation_steps a multiple of
+video_sync_group, by `pan check` and by the trainer before anything is built (see
+`sync_group_rule`).
 
 `pan check` adds to the full-sequence recipe's rows: the sync groups of the planned world, the unit
 rule, and for annotation files whether a sample of rows has a `latent` and `text` or `text_fea`,
@@ -23,12 +25,11 @@ import torch
 
 from pan import preflight
 from pan.config.core import ErrorCollector
-from pan.estimate import register_probe
-from pan.launch_command import Workflow, register_workflow
-from pan.preflight import Preflight, Row, register_check
-from pan.recipes import pyramid_checks as shared
-
-RECIPE = "pyramid_flow_ar"
+from pan.diffusion.pyramid import history_spans, stage_unit_counts, unit_frames
+from pan.preflight import Preflight, Row
+from pan.recipes.pyramid_flow import checks as shared
+from pan.recipes.pyramid_flow_ar.config import latent_window, window_units
+from pan.recipes.pyramid_flow_ar.task import PyramidFlowARTask, SyncPlan
 
 
 # ------------------------------------------------------------------------------------------------
@@ -37,7 +38,6 @@ RECIPE = "pyramid_flow_ar"
 
 def sync_group_rule(job, dims) -> None:
     """Data-parallel ranks x micro-batches must split into whole sync groups (raises ConfigError)."""
-    from pan.recipes.pyramid_flow_ar import SyncPlan
     SyncPlan.of(job.ar.video_sync_group, dims.dp, 0, job.trainer.gradient_accumulation_steps)
 
 
@@ -53,37 +53,22 @@ def check_launch(job, dims=None) -> None:
     problems.raise_any()
 
 
-WORKFLOW = register_workflow(Workflow(
-    "pyramid-flow-ar", RECIPE, "config/pyramid_flow_ar_384p.yaml", "scripts/train_pyramid_flow.sh",
-    "Pyramid-Flow autoregressive temporal-pyramid fine-tuning of a released DiT", check=check_launch))
-
-
 # ------------------------------------------------------------------------------------------------
 # `pan check`
 # ------------------------------------------------------------------------------------------------
 
 def ar_task_of(ctx: Preflight):
     """The recipe's task for the planned layout, also where the full-sequence rows look for it."""
-    if not isinstance(ctx.notes.get("pyramid_task"), _task_class()):
+    if not isinstance(ctx.notes.get("pyramid_task"), PyramidFlowARTask):
         from pan.parallel.world import World
         world = World(rank=0, size=ctx.world_size, local_rank=0, local_size=ctx.gpus_per_node,
                       device=torch.device("cpu"))
-        ctx.notes["pyramid_task"] = _task_class()(ctx.job, world, ctx.dims, None)
+        ctx.notes["pyramid_task"] = PyramidFlowARTask(ctx.job, world, ctx.dims, None)
     return ctx.notes["pyramid_task"]
 
 
-def _task_class():
-    from pan.recipes.pyramid_flow_ar import PyramidFlowARTask
-    return PyramidFlowARTask
-
-
-register_check(RECIPE)(preflight.check_layout)
-
-
-@register_check(RECIPE)
 def check_sync_group(ctx: Preflight) -> list[Row]:
     """GPU count and accumulation against video_sync_group: how the groups are laid out."""
-    from pan.recipes.pyramid_flow_ar import window_units
     job = ctx.job
     sync_group_rule(job, ctx.dims)
     plan = ar_task_of(ctx).plan
@@ -100,9 +85,7 @@ def check_sync_group(ctx: Preflight) -> list[Row]:
     return [Row("sync group", "pass", detail + "; every unit of every video is trained once per group.")]
 
 
-@register_check(RECIPE)
 def check_units(ctx: Preflight) -> list[Row]:
-    from pan.recipes.pyramid_flow_ar import latent_window, window_units
     job = ctx.job
     task = ar_task_of(ctx)
     largest = max(job.data.buckets(), key=lambda hw: hw[0] * hw[1])
@@ -119,12 +102,6 @@ def check_units(ctx: Preflight) -> list[Row]:
     return [Row("units", "pass", row.detail + f", within max_tokens_per_batch {budget}.")]
 
 
-for _shared in (shared.check_placeholders, shared.check_variant_resolution, shared.check_stage_sizes,
-                shared.check_model_folder, shared.check_text_encoders, shared.check_vae, shared.check_data):
-    register_check(RECIPE)(_shared)
-
-
-@register_check(RECIPE)
 def check_annotation_rows(ctx: Preflight) -> list[Row]:
     """A sample of each annotation file's video rows: a `latent` (the original's AR training reads
     precomputed latents) and a caption (`text`, encoded online unless `text_fea` is given); latent
@@ -132,7 +109,6 @@ def check_annotation_rows(ctx: Preflight) -> list[Row]:
     from pan.data.loader import read_raw_latent
     from pan.data.decode import SkipSample
     from pan.data.sources import SourceError, read_annotations
-    from pan.recipes.pyramid_flow_ar import latent_window
 
     job, rows = ctx.job, []
     window, fpu = latent_window(job), job.ar.frame_per_unit
@@ -143,8 +119,7 @@ def check_annotation_rows(ctx: Preflight) -> list[Row]:
             rows.append(Row("annotation rows", "fail", f"{path}: {e}", "fix or remove the file."))
             continue
         size = len(source)
-        n = min(ctx.sample_rows, size)
-        picks = sorted({round(i * (size - 1) / max(n - 1, 1)) for i in range(n)})   # first, last, between
+        picks = shared.spread_rows(ctx.sample_rows, size)   # first, last, between
         no_text, no_latent, short, frames = [], [], [], []
         for index in picks:
             try:
@@ -192,10 +167,6 @@ def check_annotation_rows(ctx: Preflight) -> list[Row]:
     return rows
 
 
-for _shared in (preflight.check_cpu, preflight.check_output_dir, preflight.check_resume):
-    register_check(RECIPE)(_shared)
-
-
 # ------------------------------------------------------------------------------------------------
 # Memory and step time (pan/estimate.py)
 # ------------------------------------------------------------------------------------------------
@@ -203,7 +174,6 @@ for _shared in (preflight.check_cpu, preflight.check_output_dir, preflight.check
 def unit_sample(task, stage: int, unit: int, t: int, h: int, w: int) -> list[tuple[int, int, int]]:
     """Latent shapes of a sample of `stage` training its `unit`-th unit: its history clips oldest
     first, then the unit (as `pan.diffusion.pyramid.noise_unit` makes them)."""
-    from pan.diffusion.pyramid import history_spans, unit_frames
     fpu = task.job.ar.frame_per_unit
     frames = unit_frames(unit, fpu)
     history = [shared.level_shape(task, end - start, h, w, level)
@@ -215,7 +185,6 @@ def slot_batches(task, clips: list[tuple[int, int, int]]):
     """Every micro-batch a slot can make of `clips` (full-resolution latent shapes): for each turn
     of the rotation, slot of the group and place the stage rotation starts at, the samples whose
     clip holds the slot's unit at the sample's stage (`PyramidFlowARTask.prepare_slot`)."""
-    from pan.diffusion.pyramid import stage_unit_counts
     job, cycle = task.job, task.column_stages
     group, fpu = job.ar.video_sync_group, job.ar.frame_per_unit
     for turn in range(task.units_max // group):
@@ -228,7 +197,6 @@ def slot_batches(task, clips: list[tuple[int, int, int]]):
                        if units[stage] <= 1 + (min(clip[0], task.window) - 1) // fpu]
 
 
-@register_probe(RECIPE)
 def ar_probe(ctx: Preflight):
     """The recipe's largest micro-batch: the fullest pack of the largest clips, each trained at the
     unit the sync slot gives its stage, history included; of all slots, turns of the rotation and
@@ -241,6 +209,13 @@ def ar_probe(ctx: Preflight):
                                 f"{sum(len(s) for s in fullest)} clips with their history")
 
 
-register_check(RECIPE)(preflight.check_memory)
-register_check(RECIPE)(preflight.check_step_time)
+
+# `pan check`'s table, in order: the layout and the sync groups, the units, the full-sequence
+# recipe's rows of the launch rules and of what the run reads, the annotation rows, the machine and
+# the output folder, then memory and step time (with `ar_probe`).
+CHECKS = [preflight.check_layout, check_sync_group, check_units, shared.check_placeholders,
+          shared.check_variant_resolution, shared.check_stage_sizes, shared.check_model_folder,
+          shared.check_text_encoders, shared.check_vae, shared.check_data, check_annotation_rows,
+          preflight.check_cpu, preflight.check_output_dir, preflight.check_resume,
+          preflight.check_memory, preflight.check_step_time]
 

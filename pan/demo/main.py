@@ -17,11 +17,11 @@ import shutil
 import time
 from pathlib import Path
 
-import numpy as np
 import yaml
-from PIL import Image, ImageDraw
 
 import pan
+from pan.demo.report import accuracy_line, draw_loss_curve, write_contact_sheet
+from pan.recipe import get_recipe, recipe_names
 
 DEFAULT_CONFIG = Path(pan.__file__).resolve().parent.parent / "config" / "demo_cpu.yaml"
 
@@ -45,8 +45,8 @@ PIX_FMT = "yuv444p"
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="pan demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--recipe", choices=["pan", "causal_vae", "pyramid_flow_ar"], default="pan",
-                        help="pan (this demo), or another recipe's demo (pan/demo_recipes.py, "
+    parser.add_argument("--recipe", choices=recipes_with_demos(), default="pan",
+                        help="pan (this demo), or another recipe's demo (pan/demo/recipes.py, "
                              "docs/demo_recipes.md)")
     parser.add_argument("--out", help="folder for data, run, samples and report (default: demo_out, "
                                       "or demo_<recipe> for another recipe)")
@@ -58,14 +58,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def recipe_demo(args: argparse.Namespace) -> int:
-    """Another recipe's demo (pan/demo_recipes.py), which builds its own config; its own folder by
+    """Another recipe's demo (pan/demo/recipes.py), which builds its own config; its own folder by
     default, since each demo rewrites the data/ and run/ of its folder."""
     if args.config != str(DEFAULT_CONFIG):
         raise SystemExit("pan demo: --config configures the Pan demo; the recipe demos build their own config")
-    from pan import demo_recipes
-    return demo_recipes.main(["--recipe", args.recipe, *(["--out", args.out] if args.out else []),
-                              *(["--steps", str(args.steps)] if args.steps else []),
-                              *(["--quick"] if args.quick else [])])
+    demo = get_recipe(args.recipe).hook("demo")  # the recipe's `demo` hook (pan/recipe.py)
+    return demo([*(["--out", args.out] if args.out else []), *(["--steps", str(args.steps)] if args.steps else []),
+                 *(["--quick"] if args.quick else [])])
+
+
+def recipes_with_demos() -> list[str]:
+    """pan, then every recipe whose Recipe names a demo."""
+    return ["pan", *(name for name in recipe_names() if name != "pan" and get_recipe(name).demo)]
 
 
 def make_data(data_dir: Path, config: Path, quick: bool) -> dict[str, Path]:
@@ -142,70 +146,14 @@ def sample_prompts(trainer, prompts: list[dict], out_dir: Path) -> list[Path]:
     return task.write_samples(trainer.model, trainer.state.step, out_dir)
 
 
-def write_contact_sheet(videos: list[Path], path: Path, scale: int = 2, columns: int = 5) -> None:
-    """All samples tiled into one looping GIF (scaled up `scale`x so 32-pixel clips are visible)."""
-    from pan.eval import load_video
-    from pan.media import write_gif
-
-    clips = [load_video(v) for v in videos]  # [T, H, W, 3] uint8 each
-    t, h, w, _ = clips[0].shape
-    columns = min(columns, len(clips))
-    rows = -(-len(clips) // columns)
-    gap = 2
-    sheet = np.full((t, rows * (h + gap) + gap, columns * (w + gap) + gap, 3), 64, dtype=np.uint8)
-    for i, clip in enumerate(clips):
-        y, x = gap + (i // columns) * (h + gap), gap + (i % columns) * (w + gap)
-        sheet[:, y:y + h, x:x + w] = clip[:t]
-    write_gif(path, sheet, fps=8, scale=scale)
-
-
-def draw_loss_curve(metrics_path: Path, path: Path, size: tuple[int, int] = (640, 360)) -> None:
-    """Training loss against step (metrics.jsonl rows, one per log interval), drawn with Pillow."""
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-    steps = np.array([r["step"] for r in rows], dtype=float)
-    loss = np.array([r["loss"] for r in rows], dtype=float)
-    width, height = size
-    left, right, top, bottom = 60, 20, 30, 40
-    image = Image.new("RGB", size, "white")
-    draw = ImageDraw.Draw(image)
-    x0, x1 = steps.min(), max(steps.max(), steps.min() + 1)
-    y0, y1 = 0.0, max(loss.max(), 1e-6) * 1.05
-
-    def to_px(s: float, v: float) -> tuple[float, float]:
-        return (left + (s - x0) / (x1 - x0) * (width - left - right),
-                height - bottom - (v - y0) / (y1 - y0) * (height - top - bottom))
-
-    draw.rectangle([left, top, width - right, height - bottom], outline="black")
-    for frac in (0.0, 0.25, 0.5, 0.75, 1.0):
-        v = y0 + frac * (y1 - y0)
-        _, y = to_px(x0, v)
-        draw.line([left - 4, y, left, y], fill="black")
-        draw.text((4, y - 6), f"{v:.3f}", fill="black")
-    for s in (x0, (x0 + x1) / 2, x1):
-        x, _ = to_px(s, y0)
-        draw.text((x - 10, height - bottom + 6), f"{s:.0f}", fill="black")
-    draw.text((left, 8), "training loss (flow-matching MSE) vs step", fill="black")
-    points = [to_px(s, v) for s, v in zip(steps, loss)]
-    if len(points) > 1:
-        draw.line(points, fill=(200, 40, 40), width=2)
-    for x, y in points:
-        draw.ellipse([x - 2, y - 2, x + 2, y + 2], fill=(200, 40, 40))
-    image.save(path)
-
-
 def write_report(path: Path, *, steps: int, seconds: dict[str, float], final_loss: float, scores: dict,
                  table: str, files: list[Path]) -> None:
-    def pct(v):
-        return "n/a" if v is None else f"{100 * v:.1f}%"
-
     lines = [
         "# pan demo report", "",
         f"- training steps: {steps}",
         *(f"- {name} time: {s:.0f} s" for name, s in seconds.items()),
         f"- final training loss (last log interval): {final_loss:.4f}",
-        f"- held-out prompts: colour {pct(scores['colour_accuracy'])}, direction "
-        f"{pct(scores['direction_accuracy'])}, shape {pct(scores['shape_accuracy'])}, joint "
-        f"{pct(scores['joint_accuracy'])} ({scores['num_videos']} videos)", "",
+        f"- held-out prompts: {accuracy_line(scores)}", "",
         "## Scores", "", "```", table, "```", "",
         "## Files", "", *(f"- `{f.relative_to(path.parent)}`" for f in files), "",
     ]
@@ -216,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.recipe != "pan":
         return recipe_demo(args)
-    from pan.cli import load_config_or_exit
+    from pan.config import load_config_or_exit
     from pan.eval import format_table, score_videos
     from pan.logging import quiet_library_progress_bars
     from pan.trainer import build_trainer

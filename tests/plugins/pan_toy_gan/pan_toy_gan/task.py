@@ -1,66 +1,21 @@
-"""A two-part recipe for the tests: a tiny generator and a tiny discriminator, trained by pan's
-trainer through the recipe contract alone (pan/recipes/contract.py), as a recipe outside pan would.
-
-It plugs in the way any outside recipe does: imported (in the tests' own process), or named in
-`PAN_RECIPE_MODULES=toy_gan_recipe` (in the `train.py` processes the tests start). It registers its
-own preflight check and launch workflow. The generator's optimizer keys are the run's
-(`learning_rate`, ...), the discriminator's its own (`disc_learning_rate`, `disc_adam_beta1`, ...).
-"""
+"""The toy GAN's models, data and train step: a generator and a discriminator trained by pan's
+trainer through the task contract alone (pan/task.py)."""
 
 from __future__ import annotations
 
 import os
 import time
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pan.checkpoint.manager import CheckpointConfig
-from pan.config import JobConfig
-from pan.config.core import knob
-from pan.launch_command import Workflow, register_workflow
-from pan.metrics import MetricsConfig
-from pan.optim import OptimConfig, prefixed_optim_config
-from pan.parallel.dims import ParallelConfig
-from pan.preflight import Row, register_check
-from pan.recipes import Recipe, register_recipe
-from pan.recipes.contract import PartSpec, StepContext, Task, global_sums
-from pan.trainer import TrainerConfig
+from pan.task import PartSpec, StepContext, Task, global_sums
+from pan_toy_gan.config import ToyConfig, ToyGanJobConfig
 
 DIM = 8     # width of a "real" sample and of the generator's output
 NOISE = 4   # width of the generator's input
-
-
-@dataclass(kw_only=True)
-class ToyConfig:
-    SECTION: ClassVar[str] = "model"
-
-    toy_width: int = knob(16, "hidden width of the generator and the discriminator", ge=1)
-    toy_samples: int = knob(40, "real samples in the data set", ge=1)
-    toy_batch: int = knob(3, "samples per micro-batch and data-parallel rank", ge=1)
-    toy_discriminator: bool = knob(True, "train the discriminator part (false: the generator alone)")
-    toy_step_sleep: float = knob(0.0, "seconds to sleep in each step (gives a kill test time)", ge=0)
-    toy_sleep_first_run_only: bool = knob(False, "sleep only in a Slurm job's first run (SLURM_RESTART_COUNT "
-                                                 "unset or 0): a requeued run finishes fast")
-
-
-DiscOptimConfig = prefixed_optim_config(
-    "disc_", "discriminator", "the discriminator's optimizer keys", learning_rate=3e-3,
-    adam_beta1=0.5, adam_beta2=0.9, use_muon=False, max_grad_norm=0.0)
-
-
-@dataclass(kw_only=True)
-class ToyGanJobConfig(JobConfig):
-    toy: ToyConfig = knob(ToyConfig(), "")
-    trainer: TrainerConfig = knob(TrainerConfig(dtype="fp32"), "")
-    optim: OptimConfig = knob(OptimConfig(), "")
-    disc_optim: DiscOptimConfig = knob(DiscOptimConfig(), "")
-    parallel: ParallelConfig = knob(ParallelConfig(), "")
-    checkpoint: CheckpointConfig = knob(CheckpointConfig(), "")
-    logging: MetricsConfig = knob(MetricsConfig(), "")
 
 
 class MLP(nn.Module):
@@ -202,22 +157,3 @@ class ToyGanTask(Task):
 
     def load_state_dict(self, state: dict) -> None:
         self.generator.set_state(state["generator"])
-
-
-RECIPE = Recipe(name="toy_gan", job_config=ToyGanJobConfig, task=ToyGanTask,
-                description="a tiny GAN with two parts (tests only)")
-register_recipe("toy_gan", __name__)
-
-
-@register_check("toy_gan")
-def check_toy_data(ctx) -> list[Row]:
-    """The data set holds at least one batch per data-parallel rank."""
-    need = ctx.job.toy.toy_batch * ctx.dims.dp
-    if ctx.job.toy.toy_samples < need:
-        return [Row("toy data", "fail", f"{ctx.job.toy.toy_samples} samples for {ctx.dims.dp} ranks "
-                    f"of {ctx.job.toy.toy_batch}", f"set toy_samples >= {need}")]
-    return [Row("toy data", "pass", f"{ctx.job.toy.toy_samples} samples")]
-
-
-register_workflow(Workflow("toy-gan", "toy_gan", "config/toy_gan.yaml", "scripts/toy_gan.sh",
-                           "the tests' two-part GAN"))

@@ -1,0 +1,205 @@
+"""`pan check` for the causal_vae recipe: its checks (context groups, frames, LPIPS, GAN, warm start,
+clips) and its probe of the largest micro-batch (memory and step time, pan/estimate.py).
+
+`CHECKS` lists the recipe's checks in the order of `pan check`'s table, pan's generic ones
+(pan/preflight.py) among them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pan.checkpoint import dcp as layout
+from pan.config.core import ConfigError
+from pan.data.loader import Ref, SampleReader, rules_of
+from pan.data.sources import SourceError
+from pan.estimate import Phase, Probe, largest_batch, loader_bytes
+from pan.models.lpips import LPIPS
+from pan.parallel.vae_context import frame_split
+from pan.preflight import Row, check_cpu, check_memory, check_output_dir, check_step_time
+from pan.recipes.causal_vae.config import DISCRIMINATOR, VAE, check_lpips_file, resolve_warm_start
+from pan.recipes.causal_vae.data import ClipBatch, ClipReader
+from pan.recipes.causal_vae.model import vae_forward_flops
+from pan.recipes.causal_vae.objective import Objective
+
+
+def check_context(ctx) -> list[Row]:
+    """GPUs against context_size: context groups are consecutive ranks of one node."""
+    size, per_node = ctx.job.context.context_size, ctx.gpus_per_node
+    if per_node % size:
+        return [Row("context", "fail", f"context_size {size} does not divide the {per_node} processes per "
+                    "node: a context group's halos travel in every causal conv, so it sits in one node.",
+                    f"use a context_size that divides {per_node}, or {size}k GPUs per node.")]
+    groups = ctx.world_size // size
+    detail = (f"world {ctx.world_size} = {groups} context group(s) of {size}; each group reads its own "
+              f"clips ({groups} data shares)")
+    return [Row("context", "pass", detail + ("; every rank decodes only its own frames." if size > 1 else "."))]
+
+
+def check_frames(ctx) -> list[Row]:
+    """Frame counts and frame sizes against the VAE, the context split and the discriminator."""
+    job = ctx.job
+    cfg, data, size = job.vae_config(), job.data, job.context.context_size
+    f = cfg.temporal_factor
+    split = frame_split(data.max_frames, f, size)
+    latent = (data.max_frames - 1) // f + 1
+    detail = (f"windows of {data.max_frames} frames (1 + {f} x {(data.max_frames - 1) // f}) -> {latent} "
+              f"latent frames at {', '.join(data.resolution_buckets)}")
+    if size > 1:
+        detail += f"; frames per rank of a context group: {split}"
+        if (latent - 1) % size:
+            return [Row("frames", "warn", detail + ": unbalanced, the first ranks carry one latent frame more.",
+                        f"use 1 + {f}k x {size} frames (e.g. {1 + f * size * max(1, (latent - 1) // size)}) "
+                        "to balance the ranks.")]
+    return [Row("frames", "pass", detail + ".")]
+
+
+def check_lpips(ctx) -> list[Row]:
+    """The LPIPS file loads into the VGG16 LPIPS network (checked by the config loader too)."""
+    path = ctx.job.objective.lpips_ckpt
+    if ctx.job.loss.perceptual_weight == 0:
+        return [Row("lpips", "pass", "perceptual_weight is 0: no LPIPS term.")]
+    check_lpips_file(path)
+    return [Row("lpips", "pass", f"{path}: every VGG16 LPIPS key and shape fits.")]
+
+
+def check_gan(ctx) -> list[Row]:
+    """Whether the GAN really trains: a discriminator, and a disc_start the run reaches."""
+    job = ctx.job
+    if not job.objective.add_discriminator:
+        return [Row("gan", "warn", "add_discriminator is false: this run trains no discriminator and "
+                    "adds no GAN term (right for stage 1; the original's stage-2 script forgets the flag "
+                    "and silently trains without a GAN).", "set add_discriminator: true for stage 2.")]
+    start, steps = job.loss.disc_start, job.trainer.max_steps
+    if start >= steps:
+        return [Row("gan", "warn", f"disc_start {start} >= max_steps {steps}: the GAN never switches on "
+                    "(the original's script starts it at 250000 of 200000 steps).",
+                    f"set disc_start below {steps}.")]
+    return [Row("gan", "pass", f"{job.discriminator.disc_type} discriminator, GAN terms from step {start} "
+                f"of {steps} (disc weight {job.loss.disc_weight}).")]
+
+
+def check_warm_start(ctx) -> list[Row]:
+    """The stage-1 checkpoint a stage-2 run starts from: readable, with VAE weights of this
+    architecture (and a discriminator's, when there is one)."""
+    source = ctx.job.model.warm_start_checkpoint
+    if source is None:
+        how = f"the released weights of {ctx.job.model.model_path}" if ctx.job.model.model_path else "random init"
+        return [Row("warm start", "pass", f"none: the VAE starts from {how}.")]
+    complete = layout.complete_checkpoints(Path(ctx.job.checkpoint.output_dir))
+    if complete:
+        return [Row("warm start", "pass", f"not used: output_dir has {complete[-1].name} of this run, "
+                    "which the run resumes instead.")]
+    path = resolve_warm_start(source)
+    stored = {k: tuple(size) for k, (size, _) in layout.dcp_tensor_shapes(path / VAE).items()}
+    model = ctx.model_shapes
+    differ = [f"{n} {stored.get(n)} vs model {s}" for n, s in model.items() if stored.get(n) != s]
+    if differ:
+        return [Row("warm start", "fail", f"{path}/{VAE} holds another architecture: " + "; ".join(differ[:5]),
+                    "use the stage-1 run's architecture keys (or model_path) in this config.")]
+    disc = "and its discriminator" if (path / DISCRIMINATOR).is_dir() else "(it has no discriminator: " \
+        "this run's starts from random init)"
+    if not ctx.job.objective.add_discriminator:
+        disc = "(this run trains no discriminator)"
+    return [Row("warm start", "pass", f"{path}: the VAE's {len(model)} tensors fit {disc}.")]
+
+
+def check_clips(ctx) -> list[Row]:
+    """A few samples of every source (video CSVs, annotation files: rows with `video` or `image`,
+    image tars) decoded as training reads them (random windows of max_frames frames, resized and
+    cropped); images as 1-frame clips."""
+    from pan.data.loader import IMAGE_STREAM, stream_name
+    from pan.data.sources import read_annotations, read_image_tars, read_video_csv
+
+    data, rows = ctx.job.data, []
+    csvs, sources = {}, []
+    readers = [(p, read_video_csv) for p in data.video_csv_paths] + [(p, read_annotations) for p in data.annotation_paths]
+    for path, read in readers:
+        try:
+            src = read(path)
+        except (SourceError, OSError, UnicodeDecodeError) as e:
+            rows.append(Row("clips", "fail", f"{path}: {e}", "fix or remove the file."))
+            continue
+        if read is read_video_csv and "path" not in src.columns:
+            rows.append(Row("clips", "fail", f"{path} holds precomputed latents (latent_path): the VAE "
+                            "trains on pixels.", "give the CSV of the videos."))
+            continue
+        csvs[stream_name(src)] = src
+        sources.append((path, stream_name(src), len(src)))
+    tars = None
+    if data.image_tar_paths:
+        try:
+            tars = read_image_tars(data.image_tar_paths)
+            sources.append((", ".join(data.image_tar_paths), IMAGE_STREAM, len(tars)))
+        except (SourceError, OSError) as e:
+            rows.append(Row("clips", "fail", str(e), "fix or remove the tar(s)."))
+    reader = ClipReader(SampleReader(csvs, tars, rules_of(data)), seed=ctx.job.trainer.seed,
+                        temporal_factor=ctx.job.vae_config().temporal_factor)
+    for label, stream, size in sources:
+        n = min(ctx.sample_rows, size)
+        picks = sorted({round(i * (size - 1) / max(n - 1, 1)) for i in range(n)})
+        got = [reader[Ref(0, stream, 0, 0, i)] for i in picks]
+        problems = [f"#{i} {g.reason}: {g.detail}" for i, g in zip(picks, got) if g.sample is None]
+        good = len(picks) - len(problems)
+        detail = f"{label}: {size} samples; decoded {good}/{len(picks)} of rows {picks}"
+        if problems:
+            detail += ". Skipped: " + "; ".join(problems)
+        status = "fail" if good == 0 else ("warn" if problems else "pass")
+        rows.append(Row("clips", status, detail + ".", "" if status == "pass" else
+                        "fix the media or the frame rules named above (such samples are skipped)."))
+    return rows
+
+
+# ---- pan check: memory and step time (pan/estimate.py) ------------------------------------------
+
+def vae_probe(ctx) -> Probe:
+    """The recipe's largest micro-batch: the data budget's fullest pack of its longest, largest clips,
+    this rank's frames of them (context rank 0 holds the most); the VAE's phase (reconstruction,
+    LPIPS, KL and, once the GAN is on, the generator term scored by the discriminator's copy), then
+    the discriminator's phase on the same reconstructions."""
+    import math
+
+    job, task = ctx.job, ctx.task
+    cfg, size, f = task.vae_cfg, task.context_size, task.vae_cfg.temporal_factor
+    clips = largest_batch(job.data, task.tokens_of, images=bool(job.data.image_tar_paths))
+    if not clips:
+        raise ConfigError("max_tokens_per_batch", "no clip of the buckets and frame rules fits the "
+                          "token budget.")
+    own = [(frame_split(total, f, size)[0] if total > 1 and size > 1 else total, h, w) for total, h, w in clips]
+    gan = job.objective.add_discriminator and job.loss.disc_start < job.trainer.max_steps
+    helpers = {}
+    if job.loss.perceptual_weight > 0:
+        with torch.device("meta"):
+            helpers["lpips"] = LPIPS()
+    if gan:
+        helpers["discriminator copy"] = task.build_discriminator().requires_grad_(False)
+    made: dict[str, object] = {}
+
+    def vae_loss(models):
+        noises = [torch.empty(cfg.latent_channels, (t - 1) // f + 1, h // cfg.spatial_factor, w // cfg.spatial_factor)
+                  for t, h, w in own]
+        batch = ClipBatch([torch.empty(3, t, h, w) for t, h, w in own], noises, [total for total, _, _ in clips],
+                          [f"clip{i}" for i in range(len(clips))], float(len(clips)), sum(t for t, _, _ in own))
+        objective = Objective(job.loss, models.get("lpips"), models.get("discriminator copy"))
+        made.update(batch=batch, objective=objective)
+        return models[VAE](batch, objective)
+
+    def discriminator_loss(models):
+        return made["objective"].discriminator_loss(models[DISCRIMINATOR], made["batch"])
+
+    phases = [Phase(VAE, vae_loss)] + ([Phase(DISCRIMINATOR, discriminator_loss)] if gan else [])
+    # Both are loaded in fp32 on every rank.
+    frozen = {name: sum(t.numel() * 4 for t in (*m.parameters(), *m.buffers())) for name, m in helpers.items()}
+    shapes = ", ".join(f"{t}x{h}x{w}" for t, h, w in sorted(set(own), reverse=True))
+    return Probe(phases, tokens=sum(math.prod(c) for c in own), samples=len(clips),
+                 flops=sum(3 * vae_forward_flops(cfg, *c) for c in own), frozen=frozen,
+                 loader=loader_bytes(job.data, clips), helpers=helpers,
+                 describe=f"{len(clips)} clip(s) ({shapes} frames x H x W on this rank) = "
+                          f"{sum(math.prod(c) for c in own)} pixels" + (", GAN on" if gan else ""))
+
+
+# The rows of `pan check`, in this order.
+CHECKS = [check_output_dir, check_cpu, check_context, check_frames, check_lpips, check_gan, check_warm_start,
+          check_clips, check_memory, check_step_time]

@@ -1,0 +1,180 @@
+"""`pan sample` for the Pan recipe, and the sampler its validation uses: Euler flow matching with
+classifier-free guidance on packed inputs."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from pan.config import load_config_or_exit
+from pan.diffusion.conditioning import model_input_latent
+from pan.diffusion.flow import FlowConfig, output_velocity
+from pan.diffusion.sampler import euler_sample, known_frames
+from pan.encoders.text import TextEncoder
+from pan.encoders.vae import build_vae
+from pan.media import to_uint8_frames, write_gif, write_mp4
+from pan.models.packing import PackInfo, patchify, unpatchify
+from pan.models.pan_dit import PanVideoDiffusionTransformer
+from pan.parallel.world import close_world, init_world
+from pan.sampling import (SampleSettings, compute_dtype, load_condition, place_model, resolve_weights,
+                          sample_dtype)
+
+
+def latent_velocity(model, schema: str, patch, texts: list[Tensor], given: int,
+                    known: Tensor | None, flow: FlowConfig):
+    """velocity_fn(x [C, T, H, W], sigma) for each caption in `texts` (one packed forward for all);
+    `flow` says what the model outputs (`prediction_type`)."""
+    def velocity(x: Tensor, sigma: float) -> list[Tensor]:
+        cond = known if known is not None else torch.zeros_like(x)
+        tokens = patchify(model_input_latent(x, cond, given, schema), patch)
+        grid = (x.shape[1] // patch[0], x.shape[2] // patch[1], x.shape[3] // patch[2])
+        pack = PackInfo.build([grid] * len(texts), [t.shape[0] for t in texts], device=x.device)
+        out = model(tokens.repeat(len(texts), 1), torch.full((len(texts),), sigma, device=x.device),
+                    torch.cat(texts), pack)
+        return [output_velocity(flow, unpatchify(o, grid, patch).float(), x, sigma)
+                for o in out.chunk(len(texts))]
+    return velocity
+
+
+@torch.no_grad()
+def sample_latent(model, *, schema: str, patch, latent_shape, text: Tensor, empty_text: Tensor,
+                  settings: SampleSettings, flow: FlowConfig, known: Tensor | None = None, given: int = 0,
+                  device=None) -> Tensor:
+    """One latent [C, T, H, W] for one caption. `known`/`given`: the first `given` latent frames of
+    `known` are the condition (image-to-video: 1; continuation: k)."""
+    generator = torch.Generator().manual_seed(settings.seed)
+    noise = torch.randn(latent_shape, generator=generator).to(device)
+    guided = settings.guidance_scale != 1.0
+    both = latent_velocity(model, schema, patch, [text, empty_text] if guided else [text], given, known, flow)
+
+    def velocity(x, sigma):
+        v = both(x, sigma)
+        return v[1] + settings.guidance_scale * (v[0] - v[1]) if guided else v[0]
+
+    # Given frames follow the noise level, as they did in training (x_t covers every frame).
+    condition = known_frames(known, given, noise=noise) if given else None
+    return euler_sample(velocity, noise, settings.steps, settings.shift, condition_fn=condition,
+                        fresh_noise=settings.fresh_noise, generator=generator)
+
+
+def activation_bytes(arch, tokens: int, dtype: torch.dtype) -> int:
+    """Rough peak of one forward without gradients over `tokens` joint rows: a block's widest
+    intermediates (q, k, v and the MLP's inner rows) and the residual streams, in `dtype`."""
+    width = arch.hidden_size * (5 + arch.mlp_ratio)
+    return int(2 * tokens * width * dtype.itemsize)
+
+
+def place_transformer(job, weights: dict[str, Tensor], world, dtype: torch.dtype, offload: bool,
+                      tokens: int) -> torch.nn.Module:
+    """The run's transformer with `weights`, placed for sampling (pan.sampling.place_model) with the
+    activations of one forward over `tokens` joint rows."""
+    arch = job.model.transformer_config_overrides
+    with torch.device("meta"):
+        model = PanVideoDiffusionTransformer(arch, job.model.zero_init_modulation, job.model.attention_backend)
+    return place_model(model, weights, world, dtype, offload, activation_bytes(arch, tokens, dtype))
+
+
+def sample_pan(job, argv: list[str]) -> int:
+    """`pan sample` for the Pan recipe (`job`: the run's config when `main` found it). Under torchrun
+    the transformer is sharded over the launch's GPUs (every process samples, rank 0 writes)."""
+    started_here = not dist.is_initialized()
+    try:
+        return _sample_pan(job, argv)
+    finally:
+        if started_here:
+            close_world()
+
+
+def _sample_pan(job, argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="pan sample", description="Generate videos from a checkpoint.")
+    parser.add_argument("--checkpoint", required=True, type=Path,
+                        help="checkpoint-N/ dir, a run's output_dir (latest checkpoint), or an exported "
+                             ".safetensors")
+    parser.add_argument("--config", help="run config (default: the run's config.yaml)")
+    parser.add_argument("--prompt", action="append", required=True, help="caption (repeatable)")
+    parser.add_argument("--out", required=True, type=Path, help="output .mp4 (a .gif is written beside)")
+    parser.add_argument("--image", help="first-frame image (image-to-video)")
+    parser.add_argument("--video", help="video whose first --video-frames frames are continued")
+    parser.add_argument("--video-frames", type=int, default=5, help="pixel frames taken from --video")
+    parser.add_argument("--num-frames", type=int)
+    parser.add_argument("--height", type=int)
+    parser.add_argument("--width", type=int)
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--guidance-scale", type=float)
+    parser.add_argument("--shift", type=float)
+    parser.add_argument("--fresh-noise", type=float,
+                        help="share of fresh noise per step: 0 = Euler, 1 = re-noise the predicted "
+                             "sample (default: the run's sample_fresh_noise)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fps", type=float, default=8.0)
+    parser.add_argument("--ema", action="store_true", help="use the EMA weights of the checkpoint")
+    parser.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                        help="transformer weights and compute: auto = bf16 on a GPU, fp32 on the CPU")
+    parser.add_argument("--offload", action="store_true",
+                        help="keep the transformer's blocks in host memory, each moved to the GPU for "
+                             "its forward (a model larger than the GPU, on one GPU; slower)")
+    args = parser.parse_args(argv)
+    if args.image and args.video:
+        parser.error("give --image or --video, not both")
+    if args.fresh_noise is not None and not 0 <= args.fresh_noise <= 1:
+        parser.error(f"--fresh-noise must be in [0, 1], got {args.fresh_noise}")
+
+    world = init_world()
+    if args.offload and world.size > 1:
+        parser.error("--offload is for one process; under torchrun the weights are sharded instead")
+    # Sharded: rank 0 alone reads the weights and sends every rank its shard.
+    weights, run_dir = resolve_weights(args.checkpoint, args.ema) if world.rank == 0 else ({}, None)
+    if job is None:
+        config = args.config or (run_dir / "config.yaml" if run_dir else None)
+        if config is None:
+            parser.error("--config is needed with an exported .safetensors (and under torchrun)")
+        job = load_config_or_exit(["--config", str(config)])
+    v = job.validation
+    settings = SampleSettings(
+        num_frames=args.num_frames or v.sample_num_frames, height=args.height or v.sample_height,
+        width=args.width or v.sample_width, steps=args.steps or v.sample_steps,
+        guidance_scale=v.sample_guidance_scale if args.guidance_scale is None else args.guidance_scale,
+        shift=args.shift or v.sample_shift, seed=args.seed,
+        fresh_noise=v.sample_fresh_noise if args.fresh_noise is None else args.fresh_noise)
+    device, dtype = world.device, sample_dtype(args.dtype, world.device)
+    arch = job.model.transformer_config_overrides
+    # The text encoder first, and gone before the transformer comes: they never share the GPU.
+    text_encoder = TextEncoder(job.text_encoder, device=device)
+    texts = [t.float() for t in text_encoder.encode(args.prompt)]
+    empty = text_encoder.empty_embedding().float()
+    del text_encoder
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    vae = build_vae(job.vae, device=device)
+    shape = vae.latent_shape(settings.num_frames, settings.height, settings.width)
+    pt, ph, pw = arch.patch_size
+    tokens = 2 * (shape[1] // pt) * (shape[2] // ph) * (shape[3] // pw) + 2 * max(t.shape[0] for t in texts)
+    model = place_transformer(job, weights, world, dtype, args.offload, tokens)
+    del weights
+    known, given = None, 0
+    if args.image or args.video:
+        cond = load_condition(args.image or args.video, 1 if args.image else args.video_frames,
+                              settings, vae, device)
+        given = cond.shape[1]
+        known = torch.zeros(shape, device=device)
+        known[:, :given] = cond
+    if world.is_main:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+    for i, (prompt, text) in enumerate(zip(args.prompt, texts)):
+        with compute_dtype(dtype, device):
+            latent = sample_latent(model, schema=job.tasks.conditioning_schema, patch=arch.patch_size,
+                                   flow=job.flow, latent_shape=shape, text=text, empty_text=empty,
+                                   settings=SampleSettings(**{**vars(settings), "seed": settings.seed + i}),
+                                   known=known, given=given, device=device)
+        if not world.is_main:
+            continue
+        frames = to_uint8_frames(vae.decode(latent))
+        out = args.out if len(args.prompt) == 1 else args.out.with_name(f"{args.out.stem}_{i:02d}.mp4")
+        write_mp4(out, frames, args.fps)
+        write_gif(out.with_suffix(".gif"), frames, args.fps)
+        print(f"{out}  <- {prompt!r}")
+    return 0

@@ -1,0 +1,32 @@
+"""`pan export --format pyramid_flow`: a checkpoint's DiT as a released Pyramid-Flow folder (the
+recipe's `exports` hook)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pan.recipes.pyramid_flow.model import build_dit
+
+
+def export_released(ckpt_dir: Path, out_dir: Path, *, ema: bool = False) -> Path:
+    """Write a checkpoint's DiT as a released Pyramid-Flow folder (config.json + safetensors, the
+    released keys) that the original's loaders and `model_path` read. Returns the folder."""
+    from pan.checkpoint.export import consolidated_weights, part_source
+    from pan.config import load_job_config
+    from pan.models.pyramid_io import save_pretrained
+
+    config = Path(ckpt_dir).parent / "config.yaml"
+    if not config.is_file():
+        raise ValueError(f"{config} not found: --format pyramid_flow reads the run's config.yaml beside "
+                         "its checkpoints.")
+    job = load_job_config(["--config", str(config)], warn=lambda msg: None)
+    if getattr(job.model, "model_name", None) not in ("pyramid_flux", "pyramid_mmdit"):
+        raise ValueError(f"{config} is not a run of a released Pyramid-Flow DiT (recipe {job.recipe}"
+                         f"{', model ' + job.model.model_name if hasattr(job.model, 'model_name') else ''}): "
+                         "export it as safetensors.")
+    _, source = part_source(Path(ckpt_dir), "transformer", ema)
+    model = build_dit(job)
+    model.to_empty(device="cpu")
+    model.load_state_dict(consolidated_weights(source), strict=True)
+    save_pretrained(model, out_dir)
+    return Path(out_dir)

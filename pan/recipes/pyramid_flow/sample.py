@@ -1,0 +1,105 @@
+"""Sampling for the `pyramid_flow` recipe: the stage-by-stage sampler with classifier-free guidance,
+used by validation (`PyramidFlowTask.sample_clips`) and by `pan sample` (`sample_main`, the
+recipe's `sample` hook).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from pan.diffusion.pyramid import GeneratorDraws, denormalize_latent
+from pan.encoders.pyramid_text import TextFeatures
+from pan.models.packing import PackInfo
+from pan.recipe import get_recipe
+from pan.recipes.pyramid_flow.config import PyramidJobConfig
+from pan.recipes.pyramid_flow.model import build_dit
+
+
+def velocity_fn(model: nn.Module, features: list[TextFeatures]):
+    """velocity(x [b, C, T, h, w], t [b]) -> [b, C, T, h, w]: one packed forward of b samples, sample
+    i with caption features[i]."""
+    def velocity(x: Tensor, t: Tensor) -> Tensor:
+        grid = model.patch_grid(x[0].shape)
+        texts = [f.caption_rows().float() for f in features]
+        pack = PackInfo.from_layouts([model.sample_layout([grid], tx.shape[0]) for tx in texts],
+                                     device=x.device)
+        tokens = torch.cat([model.patchify(xi) for xi in x])
+        pooled = torch.stack([f.pooled_prompt_embed.float() for f in features]).to(x.device)
+        out = model(tokens, t.to(x.device).float(), torch.cat(texts).to(x.device), pooled, pack)
+        return torch.stack([model.unpatchify(o, grid) for o in out.chunk(len(features))]).float()
+    return velocity
+
+
+def sample_videos(task, model: nn.Module, prompts: list[str], *, num_frames: int,
+                  height: int, width: int, steps, guidance_scale: float, seed: int) -> list[Tensor]:
+    """Sample one latent clip per prompt with the pyramid sampler; decoded frames [T, 3, H, W] in [-1, 1].
+    `task` is the run's task (a PyramidFlowTask) with its encoders loaded."""
+    from pan.diffusion.pyramid_sampler import sample_full_sequence
+
+    device = task.world.device
+    c, t, h, w = task.geometry.latent_shape(num_frames, height, width)
+    videos = []
+    for i, prompt in enumerate(prompts):
+        generator = torch.Generator().manual_seed(seed + i)
+        draws = GeneratorDraws(generator)
+        noise = torch.randn((1, c, t, h, w), generator=generator).to(device)
+        cond = [task.text_encoder.encode([prompt])[0].to(device)]
+        uncond = [task.empty.to(device)]
+        latent = sample_full_sequence(velocity_fn(model, cond), noise, task.schedule, steps, draws,
+                                      uncond_velocity=velocity_fn(model, uncond) if guidance_scale != 1 else None,
+                                      guidance_scale=guidance_scale)
+        raw = denormalize_latent(latent, task.job.pyramid)[0]
+        videos.append(task.vae.decode(task.vae.normalize(raw)))
+    return videos
+
+
+def sample_main(job: PyramidJobConfig, argv: list[str]) -> int:
+    """`pan sample` for a pyramid_flow run: text-to-video with the stage-by-stage sampler and CFG."""
+    import argparse
+
+    from pan.media import to_uint8_frames, write_gif, write_mp4
+    from pan.parallel.dims import ParallelDims
+    from pan.parallel.world import World
+    from pan.sampling import resolve_weights
+
+    v = job.validation
+    parser = argparse.ArgumentParser(prog="pan sample", description="Generate videos from a "
+                                     "pyramid_flow checkpoint (stage by stage, with CFG).")
+    parser.add_argument("--checkpoint", required=True, type=Path)
+    parser.add_argument("--config")
+    parser.add_argument("--prompt", action="append", required=True)
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--num-frames", type=int, default=v.sample_num_frames)
+    parser.add_argument("--height", type=int, default=v.sample_height)
+    parser.add_argument("--width", type=int, default=v.sample_width)
+    parser.add_argument("--steps", type=int, nargs="+", default=v.sample_steps)
+    parser.add_argument("--guidance-scale", type=float, default=v.sample_guidance_scale)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fps", type=float, default=v.sample_fps)
+    parser.add_argument("--ema", action="store_true")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    world = World(rank=0, size=1, local_rank=0, local_size=1, device=device)
+    # The recipe's task (PyramidFlowTask), through the registry: this module is what the task
+    # imports for its validation samples, so it does not import the task back.
+    task = get_recipe(job.recipe).build_task(job, world, ParallelDims.from_config(job.parallel, 1, 1))
+    weights, _ = resolve_weights(args.checkpoint, args.ema)
+    model = build_dit(job)
+    model.to_empty(device="cpu")
+    model.load_state_dict(weights)
+    model.to(device).eval()
+    task.load_encoders()
+    videos = sample_videos(task, model, args.prompt, num_frames=args.num_frames, height=args.height,
+                           width=args.width, steps=args.steps if len(args.steps) > 1 else args.steps[0],
+                           guidance_scale=args.guidance_scale, seed=args.seed)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for i, (prompt, video) in enumerate(zip(args.prompt, videos)):
+        out = args.out if len(args.prompt) == 1 else args.out.with_name(f"{args.out.stem}_{i:02d}.mp4")
+        frames = to_uint8_frames(video)
+        write_mp4(out, frames, args.fps)
+        write_gif(out.with_suffix(".gif"), frames, args.fps)
+        print(f"{out}  <- {prompt!r}")
+    return 0

@@ -1,0 +1,348 @@
+"""Pyramid-Flow full-sequence training (`pyramid_flow`): spatial-pyramid flow matching of whole clips.
+
+Each sample of a packed batch is trained at one pyramid stage (the stages follow `sample_ratios`
+across the samples, 1:2:1 by default): its latent is normalised with the model's per-frame
+statistics, taken down to the stage's resolution, noised on the stage's line
+(`pan.diffusion.pyramid`), and enters the pack at that size (a 1/4-resolution stage costs 1/16 of the
+tokens). The loss is the original's: the mean over samples of each sample's MSE, so every sample
+weighs the same whatever its stage.
+
+Models (`model_name`): the released Pyramid-Flow DiTs `pyramid_flux` (miniFLUX) and `pyramid_mmdit`
+(SD3), loaded from `model_path`/`model_variant` as released and exported back to that layout; or
+`pan` (PanVideoDiffusionTransformer from `transformer_config_overrides`): the method is not tied to
+one architecture. Text: the released T5 + CLIP encoders (`pan.encoders.pyramid_text`) online, or the
+precomputed `text_fea` files of Pyramid-Flow annotations (then the encoders are not loaded at all,
+see `PyramidTask.load_encoders`). `PyramidTask` is what this recipe and the autoregressive one
+(`pan.recipes.pyramid_flow_ar`) share on the loop.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from pan.diffusion.pyramid import (GeneratorDraws, PyramidSchedule, column_stages, latent_pyramid, noise_sample,
+                                   normalize_latent)
+from pan.encoders.pyramid_text import PyramidTextEncoder, TextFeatures
+from pan.models.packing import PackInfo
+from pan.recipes.pyramid_flow.config import PyramidJobConfig
+from pan.recipes.pyramid_flow.model import build_dit, released_weights
+from pan.recipes.pyramid_flow.precompute import EMPTY_TEXT_FEA
+from pan.recipes.pyramid_flow.sample import sample_videos
+from pan.task import PartSpec, Task
+
+
+# ------------------------------------------------------------------------------------------------
+# One micro-batch
+# ------------------------------------------------------------------------------------------------
+
+@dataclass
+class PyramidInputs:
+    """One packed micro-batch of stage samples as the DiT and the loss see it (this process's rows)."""
+    CP_FIELDS: ClassVar[dict[str, str]] = {"x": "video", "target": "video", "weight": "video",
+                                           "text": "text", "timesteps": "whole", "pooled": "whole"}
+    x: Tensor           # [Nv, in] noisy tokens at each sample's stage resolution
+    target: Tensor      # [Nv, out] velocity target (start - end of the stage line) as tokens
+    weight: Tensor      # [Nv] 1 / (values of the sample's trained clip): per-sample MSE weights
+    timesteps: Tensor   # [B] the DiT's timesteps (0..1000 scale)
+    text: Tensor        # [Nt, D] valid caption rows
+    pooled: Tensor      # [B, P] pooled text features
+    pack: PackInfo
+    sample_ids: list[str]
+    samples: int        # samples in the micro-batch (0 on cp ranks > 0)
+    tokens: int         # video tokens in the micro-batch (idem)
+    packing: float
+    bad_samples: int
+
+    def to(self, device) -> PyramidInputs:
+        moved = {k: getattr(self, k).to(device) for k in self.CP_FIELDS}
+        return dataclasses.replace(self, pack=self.pack.to(device), **moved)
+
+
+class PyramidTask(Task):
+    """What both Pyramid-Flow recipes share on the one loop: the DiT (on meta here: shapes and token
+    rules), the frozen encoders, the stage rotation, latents and captions as samples carry them, the
+    loss, and validation samples. `PyramidFlowTask` trains whole clips; the autoregressive recipe's
+    task (`pan.recipes.pyramid_flow_ar`) one unit of each."""
+
+    def __init__(self, job: PyramidJobConfig, world, dims, cp=None):
+        from pan.encoders.vae import vae_geometry
+
+        self.job, self.world, self.dims, self.cp = job, world, dims, cp
+        self.reads_data = cp is None or cp.rank == 0
+        self.dp_rank = dims.dp_rank_of(world.rank)
+        self.schedule = PyramidSchedule(job.pyramid)
+        self.geometry = vae_geometry(job.vae)
+        self.column_stages = column_stages(job.pyramid.sample_ratios)
+        self.stage_slot = self.data_share()[0]   # where this rank's samples start in the stage rotation
+        self.vae = self.empty = self._text_encoder = None
+        self.bad_samples = 0
+        self.model = build_dit(job)  # meta: shapes and token rules only
+
+    @abc.abstractmethod
+    def data_share(self) -> tuple[int, int]:
+        """(index, count) of the data share this rank reads."""
+
+    @abc.abstractmethod
+    def latent_tokens_of(self, t: int, h: int, w: int) -> int:
+        """Budgeted tokens of a sample whose full-resolution latent is (t, h, w)."""
+
+    @abc.abstractmethod
+    def sample_clips(self, model: nn.Module, prompts: list[str], seed: int) -> list[Tensor]:
+        """Validation videos, one per prompt: decoded frames [T, 3, H, W] in [-1, 1]."""
+
+    # -- what gets built ---------------------------------------------------------------------------
+    def part_specs(self) -> list[PartSpec]:
+        pretrained = None if self.job.model.model_name == "pan" else (lambda: released_weights(self.job))
+        return [PartSpec("transformer", lambda: build_dit(self.job), self.job.optim, pretrained=pretrained)]
+
+    def load_encoders(self) -> None:
+        """The VAE and the empty caption's features. The text encoders load where a caption is
+        encoded (`text_encoder`): not at all in a run whose rows all carry precomputed `text_fea`
+        beside a precomputed empty caption, so that no T5 sits on the GPU for nothing."""
+        if not self.reads_data:
+            return
+        from pan.encoders.vae import build_vae
+
+        self.vae = build_vae(self.job.vae, device=self.world.device)
+        self.empty = self.empty_caption()
+
+    @property
+    def text_encoder(self) -> PyramidTextEncoder:
+        """The released T5 + CLIP encoders, loaded at their first use."""
+        if self._text_encoder is None:
+            from pan.encoders.pyramid_text import build_text_encoder
+
+            m = self.job.model
+            name = "pyramid_flux" if m.model_name == "pan" else m.model_name
+            self._text_encoder = build_text_encoder(self.job.text, name, m.model_path or "", self.world.device)
+        return self._text_encoder
+
+    def encodes_captions(self) -> bool:
+        """Whether training encodes captions: validation prompts, rows of video CSVs and image tars,
+        annotation rows without a `text_fea` (a text search: rows are parsed only when read)."""
+        from pan.data.sources import read_annotations
+
+        data = self.job.data
+        if self.job.validation.validation_interval or data.video_csv_paths or data.image_tar_paths:
+            return True
+        return any(b'"text_fea"' not in row for path in data.annotation_paths
+                   for row in read_annotations(path).rows)
+
+    def empty_caption(self) -> TextFeatures:
+        """The empty caption's features (caption dropout, guidance): the text encoders' where training
+        encodes captions anyway; else `text_fea/empty.pt` as `pan data precompute` writes it beside
+        its annotation files (the first found); else the encoders' after all (the original's tools
+        write no such file)."""
+        from pan.encoders.pyramid_text import load_features
+
+        if not self.encodes_captions():
+            for path in self.job.data.annotation_paths:
+                saved = Path(path).parent / EMPTY_TEXT_FEA
+                if saved.is_file():
+                    return load_features(saved).to(self.world.device)
+        return self.text_encoder.empty_features()
+
+    # -- data --------------------------------------------------------------------------------------
+    def tokens_of(self, num_frames: int, height: int, width: int) -> int:
+        _, t, h, w = self.geometry.latent_shape(num_frames, height, width)
+        return self.latent_tokens_of(t, h, w)
+
+    def build_loader(self, dims):
+        from pan.data.loader import build_data_loader
+
+        rank, size = self.data_share()
+        return build_data_loader(self.job.data, tokens_of=self.tokens_of, dp_rank=rank, dp_size=size,
+                                 seed=self.job.trainer.seed, latent_tokens_of=self.latent_tokens_of)
+
+    def raw_latent(self, sample) -> Tensor:
+        """The sample's latent as the VAE gives it (not normalised) [C, T, H, W], fp32."""
+        if getattr(sample, "raw_latent", None) is not None:
+            return sample.raw_latent.float().to(self.world.device)
+        if getattr(sample, "latent", None) is not None:  # pan's precomputed CSVs: normalised by pan
+            return self.vae.unnormalize(sample.latent.float().to(self.world.device))
+        frames = sample.frames.to(self.world.device).float().div(127.5).sub(1.0)
+        with torch.no_grad():
+            return self.vae.unnormalize(self.vae.encode(frames))
+
+    def caption_features(self, samples) -> list[TextFeatures]:
+        """Each sample's precomputed text features, or its caption encoded (before any CFG drop)."""
+        feats: list = [None] * len(samples)
+        for i, s in enumerate(samples):
+            pre = getattr(s, "text_features", None)
+            if pre is not None:
+                feats[i] = TextFeatures(pre["prompt_embed"], pre["prompt_attention_mask"],
+                                        pre["pooled_prompt_embed"])
+        need = [i for i, f in enumerate(feats) if f is None]
+        if need:
+            for i, f in zip(need, self.text_encoder.encode([samples[i].caption for i in need])):
+                feats[i] = f
+        return [f.to(self.world.device) for f in feats]
+
+    def next_stages(self, n: int) -> list[int]:
+        stages = [self.column_stages[(self.stage_slot + i) % len(self.column_stages)] for i in range(n)]
+        self.stage_slot += n
+        return stages
+
+    # -- the loss ----------------------------------------------------------------------------------
+    def loss_sum(self, model, inputs: PyramidInputs) -> Tensor:
+        """Sum over this rank's rows of each sample's squared errors / its values: summed over ranks
+        and divided by the sample count, the mean of per-sample MSEs (the original's loss)."""
+        pred = model(inputs.x, inputs.timesteps, inputs.text, inputs.pooled, inputs.pack)
+        return ((pred.float() - inputs.target).square().sum(dim=1) * inputs.weight).sum()
+
+    def loss_count(self, inputs: PyramidInputs) -> float:
+        return float(inputs.samples)
+
+    def batch_stats(self, batches: list[PyramidInputs]) -> dict:
+        flops = sum(3 * self.model.forward_flops(b.pack) for b in batches) / self.dims.cp
+        return {"samples": sum(b.samples for b in batches), "tokens": sum(b.tokens for b in batches),
+                "flops": flops, "bad_samples": batches[-1].bad_samples,
+                "packing": sum(b.packing for b in batches) / len(batches)}
+
+    # -- validation --------------------------------------------------------------------------------
+    def wants_validation(self, step: int) -> bool:
+        interval = self.job.validation.validation_interval
+        return bool(interval) and step % interval == 0
+
+    @torch.no_grad()
+    def validate(self, parts, step: int, output_dir) -> dict:
+        self.write_samples(parts["transformer"].model, self.job.validation.validation_prompts,
+                           Path(output_dir) / "samples" / f"step-{step:08d}", seed=self.job.trainer.seed)
+        return {}
+
+    def write_samples(self, model: nn.Module, prompts: list[str], out_dir: Path, *, seed: int) -> list[Path]:
+        """Validation samples: the ranks holding the encoders compute, the main rank writes each one
+        as MP4, GIF and its prompt."""
+        from pan.media import to_uint8_frames, write_gif, write_mp4
+
+        if not self.reads_data:
+            return []
+        was_training = model.training
+        model.eval()
+        try:
+            videos = self.sample_clips(model, prompts, seed)
+        finally:
+            model.train(was_training)
+        written, fps = [], self.job.validation.sample_fps
+        if self.world.is_main:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            for i, (prompt, video) in enumerate(zip(prompts, videos)):
+                frames = to_uint8_frames(video)
+                write_mp4(out_dir / f"{i:02d}.mp4", frames, fps=fps)
+                write_gif(out_dir / f"{i:02d}.gif", frames, fps=fps)
+                (out_dir / f"{i:02d}.txt").write_text(prompt + "\n")
+                written.append(out_dir / f"{i:02d}.mp4")
+        return written
+
+
+class PyramidFlowTask(PyramidTask):
+    """The full-sequence spatial-pyramid recipe on the one loop (see the module docstring).
+
+    Its data is read as one shard per micro-batch (ShardedLoader), and each micro-batch's draws
+    (noise, table indices, caption dropout, its place in the stage rotation) follow from its shard
+    and its number in it: a run continues exactly on any layout with the same number of shards.
+    """
+    elastic_data = True
+    sharded_micro_batches = True
+
+    def __init__(self, job: PyramidJobConfig, world, dims, cp=None):
+        super().__init__(job, world, dims, cp)
+        # Noise and table indices; caption dropout: seeded again for each micro-batch (seed_draws_for).
+        self.generator = torch.Generator().manual_seed(job.trainer.seed)
+        self.rng = random.Random(job.trainer.seed)
+
+    def data_share(self) -> tuple[int, int]:
+        return self.dp_rank, self.dims.dp
+
+    def build_loader(self, dims):
+        from pan.data.loader import build_step_shards
+
+        return build_step_shards(self, dims)
+
+    def seed_draws_for(self, batch) -> None:
+        """The draws of one training micro-batch, from what names it: (seed, shard, batch number);
+        its samples take the next places of the shard's stage rotation."""
+        from pan.data.loader import seed_draws
+
+        seed_draws(self.generator, self.rng, self.job.trainer.seed, batch.shard, batch.number)
+        self.stage_slot = batch.shard + batch.first_sample
+
+    # -- data --------------------------------------------------------------------------------------
+    def stage_cost(self) -> float:
+        """Expected share of a full-resolution sample's tokens a sample costs: the stages follow
+        sample_ratios, and stage k has 1/4^(stages-1-k) of the tokens."""
+        s = self.job.pyramid.stages
+        return sum(4.0 ** -(s - 1 - k) for k in self.column_stages) / len(self.column_stages)
+
+    def latent_tokens_of(self, t: int, h: int, w: int) -> int:
+        gt, gh, gw = self.model.patch_grid((0, t, h, w))
+        return max(1, math.ceil(gt * gh * gw * self.stage_cost()))
+
+    def dropped_captions(self, samples) -> list[TextFeatures]:
+        """Each sample's caption features, the empty caption's instead with probability cfg_drop_prob."""
+        p = self.job.tasks.cfg_drop_prob
+        return [self.empty.to(self.world.device) if self.rng.random() < p else f
+                for f in self.caption_features(samples)]
+
+    def prepare(self, batch) -> PyramidInputs:
+        """Raw packed batch -> each sample noised at its stage, as tokens, with its layout."""
+        samples = batch.samples
+        feats = self.dropped_captions(samples)
+        draws = GeneratorDraws(self.generator)
+        xs, targets, weights, timesteps, layouts = [], [], [], [], []
+        for sample, stage in zip(samples, self.next_stages(len(samples))):
+            latent = normalize_latent(self.raw_latent(sample)[None], self.job.pyramid)   # [1, C, T, H, W]
+            levels = latent_pyramid(latent.cpu(), self.job.pyramid.stages)
+            noised = noise_sample(levels, stage, self.schedule, draws, flow=self.job.flow)
+            noisy, target = noised.clips[-1][0].to(self.world.device), noised.target[0].to(self.world.device)
+            grid = self.model.patch_grid(noisy.shape)
+            xs.append(self.model.patchify(noisy))
+            targets.append(self.model.target_tokens(target))
+            weights.append(torch.full((xs[-1].shape[0],), 1.0 / target.numel(), device=self.world.device))
+            timesteps.append(noised.timesteps)
+            layouts.append(self.model.sample_layout([grid], 0))
+        texts = [f.caption_rows().float() for f in feats]
+        layouts = [dataclasses.replace(lay, text_len=t.shape[0]) for lay, t in zip(layouts, texts)]
+        self.bad_samples += sum(batch.skipped.values())
+        return PyramidInputs(
+            x=torch.cat(xs), target=torch.cat(targets), weight=torch.cat(weights),
+            timesteps=torch.cat(timesteps).float().to(self.world.device), text=torch.cat(texts),
+            pooled=torch.stack([f.pooled_prompt_embed.float() for f in feats]),
+            pack=PackInfo.from_layouts(layouts), sample_ids=[s.sample_id for s in samples],
+            samples=len(samples), tokens=sum(x.shape[0] for x in xs), packing=batch.packing_efficiency,
+            bad_samples=self.bad_samples)
+
+    def next_batch(self, loader) -> tuple[PyramidInputs, float]:
+        t0 = time.perf_counter()
+        raw = next(loader) if self.reads_data else None
+        waited = time.perf_counter() - t0
+        inputs = None
+        if self.reads_data:
+            self.seed_draws_for(raw)
+            inputs = self.prepare(raw)
+        if self.cp is not None:
+            inputs = self.cp.distribute(inputs)
+        return inputs.to(self.world.device), waited
+
+    def sample_clips(self, model: nn.Module, prompts: list[str], seed: int) -> list[Tensor]:
+        v = self.job.validation
+        return sample_videos(self, model, prompts, num_frames=v.sample_num_frames, height=v.sample_height,
+                             width=v.sample_width, steps=v.sample_steps, guidance_scale=v.sample_guidance_scale,
+                             seed=seed)
+
+    # -- checkpoint --------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"bad_samples": self.bad_samples}  # the draws are seeded per micro-batch
+
+    def load_state_dict(self, state: dict) -> None:
+        self.bad_samples = state["bad_samples"]

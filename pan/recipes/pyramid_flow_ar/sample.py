@@ -1,0 +1,163 @@
+"""Sampling for the `pyramid_flow_ar` recipe: unit by unit, each through the spatial pyramid, with
+classifier-free guidance; from text, from a first image or continuing a clip. Used by validation
+(`PyramidFlowARTask.sample_clips`) and by `pan sample` (`sample_main`, the recipe's `sample` hook).
+The `task` the functions take is the run's task (a PyramidFlowARTask) with its encoders loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from pan.diffusion.pyramid import GeneratorDraws, denormalize_latent, normalize_latent, unit_frames
+from pan.encoders.pyramid_text import TextFeatures
+from pan.models.packing import PackInfo
+from pan.recipe import get_recipe
+from pan.recipes.pyramid_flow.model import build_dit
+from pan.recipes.pyramid_flow_ar.config import PyramidARJobConfig
+
+
+def history_velocity(model: nn.Module, features: list[TextFeatures]):
+    """velocity_given(history, stage) -> velocity(x [b, C, f, h, w], t [b]): one packed forward of the
+    b samples, sample i = [its history clips; x[i]] with caption features[i]; the prediction of
+    the last clip only."""
+    def given(history: list[Tensor], stage: int):
+        def velocity(x: Tensor, t: Tensor) -> Tensor:
+            texts = [f.caption_rows().float().to(x.device) for f in features]
+            tokens, layouts = [], []
+            for i, text in enumerate(texts):
+                clips = [h[i] for h in history] + [x[i]]
+                layouts.append(model.sample_layout([model.patch_grid(c.shape) for c in clips], text.shape[0]))
+                tokens.append(torch.cat([model.patchify(c) for c in clips]))
+            pooled = torch.stack([f.pooled_prompt_embed.float() for f in features]).to(x.device)
+            out = model(torch.cat(tokens), t.to(x.device).float(), torch.cat(texts), pooled,
+                        PackInfo.from_layouts(layouts, device=x.device))
+            preds, end = [], 0
+            for layout in layouts:
+                end += layout.video_len
+                last = layout.clips[-1]
+                preds.append(model.unpatchify(out[end - last.tokens:end], last.grid))
+            return torch.stack(preds).float()
+        return velocity
+    return given
+
+
+def sample_ar_latent(task, model: nn.Module, prompt: str, *, num_frames: int, height: int,
+                     width: int, seed: int, context: Tensor | None = None, steps=None, video_steps=None,
+                     guidance_scale: float | None = None, video_guidance_scale: float | None = None,
+                     max_history_units: int | None = None) -> Tensor:
+    """One normalised latent clip [1, C, T, H, W] for `prompt`, generated unit by unit after the
+    normalised `context` (whole units: a first image, or a clip to continue)."""
+    from pan.diffusion.pyramid_sampler import sample_autoregressive
+
+    v, device = task.job.validation, task.world.device
+    c, t, h, w = task.geometry.latent_shape(num_frames, height, width)
+    fpu = task.job.ar.frame_per_unit
+    t = unit_frames(1 + (t - 1) // fpu, fpu)  # whole units
+    generator = torch.Generator().manual_seed(seed)
+    noise = torch.randn((1, c, t, h, w), generator=generator).to(device)
+    cond = history_velocity(model, [task.text_encoder.encode([prompt])[0].to(device)])
+    uncond = history_velocity(model, [task.empty.to(device)])
+    return sample_autoregressive(
+        cond, noise, task.schedule, steps or v.sample_steps, GeneratorDraws(generator), frame_per_unit=fpu,
+        video_steps=video_steps or v.sample_video_steps, context=context,
+        max_history_units=max_history_units if max_history_units is not None else v.sample_max_history_units,
+        uncond_given=uncond,
+        guidance_scale=v.sample_guidance_scale if guidance_scale is None else guidance_scale,
+        video_guidance_scale=(v.sample_video_guidance_scale if video_guidance_scale is None
+                              else video_guidance_scale))
+
+
+def decode(task, latent: Tensor) -> Tensor:
+    """Normalised latent [1, C, T, H, W] -> frames [T', 3, H', W'] in [-1, 1]."""
+    raw = denormalize_latent(latent, task.job.pyramid)[0]
+    return task.vae.decode(task.vae.normalize(raw))
+
+
+def context_latent(task, path: str, *, frames: int, height: int, width: int) -> Tensor:
+    """An image (first frame) or the first `frames` frames of a video -> normalised latent
+    [1, C, Tc, H, W] cut to whole units."""
+    from pan.sampling import SampleSettings, load_condition
+
+    settings = SampleSettings(num_frames=frames, height=height, width=width)
+    encoded = load_condition(path, frames, settings, task.vae, task.world.device)     # pan-normalised
+    raw = task.vae.unnormalize(encoded)
+    fpu = task.job.ar.frame_per_unit
+    units = 1 + (raw.shape[1] - 1) // fpu
+    return normalize_latent(raw[None, :, :unit_frames(units, fpu)], task.job.pyramid)
+
+
+def sample_main(job: PyramidARJobConfig, argv: list[str]) -> int:
+    """`pan sample` for a pyramid_flow_ar run: unit by unit, each through the spatial pyramid, with
+    CFG; from text, from a first image (--image) or continuing a clip (--video)."""
+    import argparse
+
+    from pan.media import to_uint8_frames, write_gif, write_mp4
+    from pan.parallel.dims import ParallelDims
+    from pan.parallel.world import World
+    from pan.sampling import resolve_weights
+
+    v = job.validation
+    parser = argparse.ArgumentParser(prog="pan sample", description="Generate videos autoregressively "
+                                     "from a pyramid_flow_ar checkpoint (unit by unit, with CFG).")
+    parser.add_argument("--checkpoint", required=True, type=Path)
+    parser.add_argument("--config")
+    parser.add_argument("--prompt", action="append", required=True)
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--image", help="first frame (image-to-video): generation continues after it")
+    parser.add_argument("--video", help="a clip whose first --video-frames frames are continued")
+    parser.add_argument("--video-frames", type=int, default=None,
+                        help="pixel frames taken from --video (default: 1 + one VAE frame group)")
+    parser.add_argument("--num-frames", type=int, default=v.sample_num_frames, help="pixel frames in all")
+    parser.add_argument("--height", type=int, default=v.sample_height)
+    parser.add_argument("--width", type=int, default=v.sample_width)
+    parser.add_argument("--steps", type=int, nargs="+", default=v.sample_steps, help="first unit")
+    parser.add_argument("--video-steps", type=int, nargs="+", default=v.sample_video_steps, help="later units")
+    parser.add_argument("--guidance-scale", type=float, default=v.sample_guidance_scale)
+    parser.add_argument("--video-guidance-scale", type=float, default=v.sample_video_guidance_scale)
+    parser.add_argument("--max-history-units", type=int, default=v.sample_max_history_units,
+                        help="condition each unit on at most this many previous units")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fps", type=float, default=v.sample_fps)
+    parser.add_argument("--ema", action="store_true")
+    args = parser.parse_args(argv)
+    if args.image and args.video:
+        parser.error("give --image or --video, not both")
+    if args.max_history_units is not None and args.max_history_units < 1:
+        parser.error("--max-history-units must be >= 1")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    world = World(rank=0, size=1, local_rank=0, local_size=1, device=device)
+    dims = ParallelDims.from_config(job.parallel, 1, 1)
+    # The recipe's task (PyramidFlowARTask), through the registry: this module is what the task
+    # imports for its validation samples, so it does not import the task back.
+    task = get_recipe(job.recipe).build_task(
+        dataclasses.replace(job, ar=dataclasses.replace(job.ar, video_sync_group=1)), world, dims)
+    weights, _ = resolve_weights(args.checkpoint, args.ema)
+    model = build_dit(job)
+    model.to_empty(device="cpu")
+    model.load_state_dict(weights)
+    model.to(device).eval()
+    task.load_encoders()
+    context = None
+    if args.image or args.video:
+        frames = 1 if args.image else (args.video_frames or 1 + task.geometry.temporal_factor)
+        context = context_latent(task, args.image or args.video, frames=frames, height=args.height,
+                                 width=args.width)
+    steps = lambda s: s if len(s) > 1 else s[0]  # noqa: E731 - one count for every stage
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for i, prompt in enumerate(args.prompt):
+        latent = sample_ar_latent(task, model, prompt, num_frames=args.num_frames, height=args.height,
+                                  width=args.width, seed=args.seed + i, context=context,
+                                  steps=steps(args.steps), video_steps=steps(args.video_steps),
+                                  guidance_scale=args.guidance_scale,
+                                  video_guidance_scale=args.video_guidance_scale,
+                                  max_history_units=args.max_history_units)
+        frames = to_uint8_frames(decode(task, latent))
+        out = args.out if len(args.prompt) == 1 else args.out.with_name(f"{args.out.stem}_{i:02d}.mp4")
+        write_mp4(out, frames, args.fps)
+        write_gif(out.with_suffix(".gif"), frames, args.fps)
+        print(f"{out}  <- {prompt!r}")
+    return 0
