@@ -91,7 +91,7 @@ def drop_page_cache() -> bool:
 
 
 def checkpointer(output_dir: Path, checksums: bool) -> Checkpointer:
-    world = World(rank=0, size=1, local_rank=0, local_size=1, device=torch.device("cpu"))
+    world = World.planned()
     dims = ParallelDims.from_config(ParallelConfig(), world_size=1, local_world_size=1)
     cfg = CheckpointConfig(output_dir=str(output_dir), save_total_limit=1, save_checksums=checksums,
                            verify_checksums=checksums)

@@ -37,12 +37,12 @@ import torch
 from safetensors import safe_open
 
 from pan.checkpoint import dcp as layout
-from pan.checkpoint.warm_start import part_folder
+from pan.checkpoint.warm_start import ShapeDiff, part_folder
 from pan.config import ConfigError, load_job_config
 from pan.estimate import FP32_BYTES, estimate_run, fitting_changes, probe_of, state_bytes
 from pan.parallel.dims import ParallelDims
 from pan.parallel.names import unwrapped_name
-from pan.parallel.world import World
+from pan.parallel.world import planned_task
 from pan.recipe import get_recipe
 
 Status = Literal["pass", "warn", "fail"]
@@ -76,7 +76,7 @@ class Preflight:
 
     @functools.cached_property
     def estimate(self):
-        """Memory per device and step time of the job on this layout (pan/estimate.py)."""
+        """Memory per device and step time of the job on this layout (pan/estimate/)."""
         return estimate_run(self, self.device_memory)
 
     @functools.cached_property
@@ -95,10 +95,9 @@ class Preflight:
 
     @functools.cached_property
     def task(self):
-        """The recipe's task as rank 0 of the planned world builds it (nothing heavy is loaded)."""
-        world = World(rank=0, size=self.world_size, local_rank=0, local_size=self.gpus_per_node,
-                      device=torch.device("cpu"))
-        return get_recipe(self.job.recipe).build_task(self.job, world, self.dims, None)
+        """The recipe's task as rank 0 of the planned world builds it (nothing heavy is loaded), built
+        once: every check and probe uses this one."""
+        return planned_task(self.job, self.dims)
 
     @functools.cached_property
     def part_specs(self) -> list:
@@ -123,6 +122,13 @@ class Preflight:
 
 
 Check = Callable[[Preflight], list[Row]]
+
+
+def spread_rows(count: int, size: int) -> list[int]:
+    """`count` row numbers spread over a source of `size` rows: the first, the last, and between
+    (what the data rows of every recipe decode to judge a source)."""
+    n = min(count, size)
+    return sorted({round(i * (size - 1) / max(n - 1, 1)) for i in range(n)})
 
 
 def check_name(fn: Check) -> str:
@@ -377,11 +383,10 @@ def check_resume(ctx: Preflight) -> list[Row]:
                         "data where it stopped."))
     differ = []
     for part, model in ctx.models.items():
-        stored = stored_shapes("checkpoint", good / part, part)
+        diff = ShapeDiff.of(stored_shapes("checkpoint", good / part, part),
+                            {k: v.shape for k, v in model.state_dict().items()})
         named = f"{part}: " if len(ctx.models) > 1 else ""
-        differ += [named + (f"{n} {stored[n]} vs model {s}" if n in stored else f"{n} not in the checkpoint")
-                   for n, s in ((k, tuple(v.shape)) for k, v in model.state_dict().items())
-                   if stored.get(n) != s]
+        differ += [named + line for line in diff.lines(missing="not in the checkpoint")]
     if differ:
         rows.append(Row("resume", "fail", f"{good.name} holds another architecture: "
                         + "; ".join(differ[:5]) + ".", "use the architecture of the run in output_dir, "
@@ -393,7 +398,7 @@ def check_resume(ctx: Preflight) -> list[Row]:
 
 
 # ================================================================================================
-# Memory and step time (pan/estimate.py, from the recipe's probe)
+# Memory and step time (pan/estimate/, from the recipe's probe)
 # ================================================================================================
 
 def not_estimated(check: str, ctx: Preflight) -> Row:
@@ -402,7 +407,7 @@ def not_estimated(check: str, ctx: Preflight) -> Row:
 
 
 def check_memory(ctx: Preflight) -> list[Row]:
-    """The estimated peak memory of one device against what it offers (pan/estimate.py); when it
+    """The estimated peak memory of one device against what it offers (pan/estimate/); when it
     does not fit, the single changes of keys that make it fit, cheapest first."""
     if probe_of(ctx.job.recipe) is None:
         return [not_estimated("memory", ctx)]

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from pan.media import to_uint8_frames, write_gif, write_mp4
 from pan.recipe import get_recipe
 
 
@@ -71,6 +72,18 @@ def load_condition(path: str, given_frames: int, settings: SampleSettings, vae, 
 
 
 DEFAULT_RECIPE = "pan"  # what a bare exported .safetensors is sampled as (its --config may say otherwise)
+
+
+def write_video(out: Path, index: int, count: int, video: Tensor, prompt: str, fps: float) -> Path:
+    """One sampled video ([T, 3, H, W] in [-1, 1]) as an MP4 and a GIF beside it: `out` itself for a
+    single prompt, `<stem>_NN.mp4` beside it for prompt NN of several. Prints which prompt it is."""
+    path = out if count == 1 else out.with_name(f"{out.stem}_{index:02d}.mp4")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    frames = to_uint8_frames(video)
+    write_mp4(path, frames, fps)
+    write_gif(path.with_suffix(".gif"), frames, fps)
+    print(f"{path}  <- {prompt!r}")
+    return path
 
 
 def run_config_of(checkpoint: Path) -> Path | None:

@@ -13,10 +13,28 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 import torch
+import torch.distributed as dist
 
+from pan.checkpoint.lease import LeaseHeldError, run_lease
+from pan.checkpoint.manager import Checkpointer, UnreadableRunError, first_problem
+from pan.checkpoint.warm_start import plan_warm_start
+from pan.config import ConfigError
 from pan.config.core import knob, require
+from pan.config.job import dump_sections, job_to_sections
+from pan.data.packed import DataResumeError
+from pan.data.sources import SourceError
 from pan.logging import get_logger, quiet_library_progress_bars
+from pan.metrics import Metrics
+from pan.optim.builder import build_optimizer, build_scheduler
+from pan.optim.ema import EMA
+from pan.parallel.context_parallel import ContextParallel
+from pan.parallel.dims import ParallelDims
+from pan.parallel.fsdp import materialize_and_init, parallelize_model
+from pan.parallel.mesh import build_mesh, cp_group, cp_rank
+from pan.parallel.world import close_world, init_world, is_main_process
+from pan.recipe import get_recipe
 from pan.task import Part, PartSpec, StepContext, global_sums
+from pan.watchdog import exit_when_launcher_dies, watchdog_running
 
 
 @dataclass(kw_only=True)
@@ -133,6 +151,11 @@ class Trainer:
         self.lease = None      # rank 0's RunLease of output_dir, when train() holds one
         self.watchdog = None   # this rank's Watchdog, when train() runs one
         self.log = get_logger()
+
+    def close(self) -> None:
+        """Stop the data loader's decoding workers (train() and the demos call it when done)."""
+        if self.loader is not None and hasattr(self.loader, "close"):
+            self.loader.close()
 
     # The main part (the first declared): what `loss`, `grad_norm`, export and samples refer to.
     @property
@@ -304,19 +327,16 @@ def out_of_memory_advice(step: int) -> str:
             "rank), precomputed text features (pan data precompute).")
 
 
-def build_part(spec: PartSpec, world, dims, mesh, job, warm_start, fresh: bool) -> Part:
+def build_part(spec: PartSpec, world, dims, mesh, cfg: TrainerConfig, parallel, warm_start,
+               fresh: bool) -> Part:
     """One part: model materialised and initialised (or loaded from its pretrained weights when the
-    run starts `fresh`), warm-started, parallelised; its optimizer, LR schedule and EMA."""
-    from pan.optim.builder import build_optimizer, build_scheduler
-    from pan.optim.ema import EMA
-    from pan.parallel.fsdp import materialize_and_init, parallelize_model
-
+    run starts `fresh`), warm-started, parallelised (`parallel`: the job's ParallelConfig); its
+    optimizer, LR schedule and EMA."""
     log = get_logger()
-    cfg = job.trainer
     model = materialize_and_init(spec.build(), world.device, cfg.seed, mesh)
     if warm_start is not None and spec.warm_start:
         warm_start.before_sharding(model)
-    model = parallelize_model(model, mesh, dims, job.parallel, cfg)
+    model = parallelize_model(model, mesh, dims, parallel, cfg)
     if warm_start is not None and spec.warm_start:
         warm_start.after_sharding(model, spec.name)
     if fresh and spec.pretrained is not None:
@@ -341,16 +361,6 @@ def load_full_state_dict(model, state: dict) -> None:
 
 def build_trainer(job) -> Trainer:
     """World, parts (parallelised and initialised), optimizers, data, checkpoints: ready to fit()."""
-    from pan.checkpoint.manager import Checkpointer
-    from pan.checkpoint.warm_start import plan_warm_start
-    from pan.config import dump_job
-    from pan.config.job import job_to_sections
-    from pan.metrics import Metrics
-    from pan.parallel.context_parallel import ContextParallel
-    from pan.parallel.dims import ParallelDims
-    from pan.parallel.mesh import build_mesh, cp_group, cp_rank
-    from pan.parallel.world import init_world
-    from pan.recipe import get_recipe
 
     log = get_logger()
     quiet_library_progress_bars()
@@ -362,9 +372,10 @@ def build_trainer(job) -> Trainer:
                     "with 1; pan accumulates exactly (tested against one large batch).",
                     cfg.gradient_accumulation_steps)
     output_dir = Path(job.checkpoint.output_dir)
+    sections = job_to_sections(job)  # the resolved config, once: config.yaml and the metrics backend
     if world.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "config.yaml").write_text(dump_job(job))
+        (output_dir / "config.yaml").write_text(dump_sections(sections))
     mesh = build_mesh(dims, world)
     cp = None
     if dims.cp > 1:
@@ -383,11 +394,11 @@ def build_trainer(job) -> Trainer:
     # Before any model is built: a run of other parts (or another dp size) in output_dir is refused.
     latest = checkpointer.latest_step([spec.name for spec in specs])
     warm_start = plan_warm_start(task.warm_start_source(), latest)
-    parts = {spec.name: build_part(spec, world, dims, mesh, job, warm_start, fresh=latest is None)
+    parts = {spec.name: build_part(spec, world, dims, mesh, cfg, job.parallel, warm_start, fresh=latest is None)
              for spec in specs}
     task.load_encoders()
     loader = build_loader_everywhere(task, dims)
-    metrics = Metrics(job.logging, output_dir, world, world.device, cfg.dtype, job_to_sections(job))
+    metrics = Metrics(job.logging, output_dir, world, world.device, cfg.dtype, sections)
     trainer = Trainer(job, task, world, dims, parts, loader, checkpointer, metrics)
     resumed = checkpointer.resume(trainer.checkpoint_parts())
     if resumed is not None:
@@ -399,8 +410,6 @@ def build_loader_everywhere(task, dims):
     """The task's data loader on the ranks that read data. A data source that cannot be used (a CSV
     without a caption column, fewer rows than ranks) is raised on every rank together, so the run
     stops with one message instead of some ranks waiting for the others forever."""
-    from pan.checkpoint.manager import first_problem
-    from pan.data.sources import SourceError
 
     loader, problem = None, None
     if task.reads_data:
@@ -416,16 +425,6 @@ def build_loader_everywhere(task, dims):
 
 def train(job) -> int:
     """Entry point of `train.py` / `pan train`: build everything from the job config and train."""
-    import torch.distributed as dist
-
-    from pan.checkpoint.lease import LeaseHeldError, run_lease
-    from pan.checkpoint.manager import UnreadableRunError
-    from pan.config import ConfigError
-    from pan.data.loader import DataResumeError
-    from pan.data.sources import SourceError
-    from pan.parallel.world import close_world, init_world, is_main_process
-    from pan.watchdog import exit_when_launcher_dies, watchdog_running
-
     log = get_logger()
     trainer = None
     guards = contextlib.ExitStack()
@@ -469,7 +468,7 @@ def train(job) -> int:
               "first error above says why.", file=sys.stderr)
         return 1
     finally:
-        if trainer is not None and hasattr(trainer.loader, "close"):
-            trainer.loader.close()
+        if trainer is not None:
+            trainer.close()
         guards.close()  # the watchdog stops, the lease is released
         close_world()

@@ -13,7 +13,8 @@ import pytest
 
 from pan.config import load_job_config
 from pan.data import build_data_loader
-from pan.data.loader import KnownBad, RefSequence
+from pan.data.packed import RefSequence
+from pan.data.reader import KnownBad
 from pan.trainer import build_trainer
 from test_data_bad import bad_data, reasons_by_id  # noqa: F401  (bad_data is a fixture)
 from test_data_sources import BIKES, CARPHONE, real_video, tokens_of, write_csv

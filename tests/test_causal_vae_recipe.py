@@ -31,7 +31,8 @@ from pan.checkpoint import dcp as layout
 from pan.checkpoint.export import consolidated_weights
 from pan.config import ConfigError, load_job_config
 from pan.data.config import DataConfig
-from pan.data.loader import Ref, SampleReader, rules_of
+from pan.data.plan import Ref
+from pan.data.reader import SampleReader, rules_of
 from pan.data.sources import read_video_csv
 from pan.eval import psnr, ssim
 from pan.models.causal_vae import CausalVideoVAE

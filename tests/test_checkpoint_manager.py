@@ -157,7 +157,7 @@ def assert_same(a, b, path="") -> None:
 
 
 def single_process(output_dir: Path, limit: int | None = None, **kw) -> Checkpointer:
-    world = World(rank=0, size=1, local_rank=0, local_size=1, device=torch.device("cpu"))
+    world = World.planned()
     dims = ParallelDims.from_config(ParallelConfig(), world_size=1, local_world_size=1)
     return Checkpointer(CheckpointConfig(output_dir=str(output_dir), save_total_limit=limit), world, dims, **kw)
 
@@ -277,7 +277,7 @@ state = TrainState(step=int(sys.argv[2]))
 parts = {"parts": {"transformer": Part("transformer", model, optimizer,
                                         torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0))},
          "train_state": state, "task": None, "loader": None}
-world = World(rank=0, size=1, local_rank=0, local_size=1, device=torch.device("cpu"))
+world = World.planned()
 dims = ParallelDims.from_config(ParallelConfig(), world_size=1, local_world_size=1)
 ckpt = Checkpointer(CheckpointConfig(output_dir=sys.argv[1]), world, dims)
 while True:

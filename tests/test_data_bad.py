@@ -74,7 +74,7 @@ def expected_skips(loader) -> collections.Counter:
 def test_every_kind_of_bad_data_is_skipped_counted_and_logged_once(bad_data, caplog):
     loader = build_data_loader(bad_data, tokens_of=tokens_of, dp_rank=0, dp_size=1, seed=0)
     per_batch = collections.Counter()
-    with caplog.at_level(logging.WARNING, logger="pan.data.loader"):
+    with caplog.at_level(logging.WARNING, logger="pan.data.packed"):
         for _ in range(12):
             batch = next(loader)
             per_batch.update(batch.skipped)

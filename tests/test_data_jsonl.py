@@ -19,9 +19,11 @@ import torch.nn.functional as F
 
 from pan.config.core import ConfigError
 from pan.data import build_data_loader
+from pan.data.batch import Sample
 from pan.data.decode import decode_image, decode_video
-from pan.data.loader import Ref, Sample, SampleReader, rules_of
+from pan.data.plan import Ref
 from pan.data.precompute import PrecomputeError
+from pan.data.reader import SampleReader, rules_of
 from pan.data.sources import read_annotations, read_video_csv
 from pan.recipes.pyramid_flow.precompute import (EMPTY_TEXT_FEA, PyramidEncoders, precompute_pyramid,
                                                  pyramid_text_record)

@@ -273,7 +273,7 @@ def test_samples_cross_from_workers_intact_small_tensors_by_value(monkeypatch):
     from multiprocessing.reduction import ForkingPickler
 
     import torch.multiprocessing  # noqa: F401  (registers the shared-memory reductions)
-    from pan.data.loader import Sample
+    from pan.data.batch import Sample
 
     g = torch.Generator().manual_seed(0)
     sample = Sample(sample_id="a:0", kind="video", caption="c", grid=(5, 32, 32), tokens=320,

@@ -10,16 +10,15 @@ import torch
 from safetensors.torch import load_file
 
 from pan.config import load_job_config
-from pan.data.loader import build_data_loader
+from pan.data.build import build_data_loader
 from pan.data.precompute import main, precompute
 from pan.data.synth import synth_dataset
-from pan.parallel.dims import ParallelDims
+from pan.parallel.world import planned_task
 from pan.recipes.pan.task import PanTask
 from pan.trainer import build_trainer
 
 REPO = Path(__file__).resolve().parents[1]
 NUM_GOOD = 6
-ONE_PROCESS = ParallelDims(world_size=1, local_world_size=1, cp=1, dp_replicate=1, dp_shard=1)
 
 
 def tiny_job(tmp_path, csv_path, *extra):
@@ -52,8 +51,7 @@ def precomputed(dataset, tmp_path_factory):
 
 def online_task(job) -> PanTask:
     """The Pan task with its encoders, in one CPU process (what the trainer uses online)."""
-    world = SimpleNamespace(rank=0, size=1, device=torch.device("cpu"))
-    task = PanTask(job, world, ONE_PROCESS)
+    task = planned_task(job)
     task.load_encoders()
     return task
 
@@ -134,8 +132,7 @@ def test_annotation_files_are_refused_not_silently_left_out(dataset, tmp_path, c
 def test_the_loader_and_the_trainer_read_the_precomputed_csv(precomputed, tmp_path):
     _, out = precomputed
     job = tiny_job(tmp_path, out / "train.csv", "--max_steps", "1")
-    task = PanTask(job, SimpleNamespace(rank=0, size=1, device=torch.device("cpu")),
-                   ONE_PROCESS)
+    task = planned_task(job)
     loader = build_data_loader(job.data, tokens_of=task.tokens_of, dp_rank=0, dp_size=1, seed=0,
                                latent_tokens_of=task.latent_tokens_of)
     samples = all_samples(loader, NUM_GOOD)

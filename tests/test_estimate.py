@@ -1,4 +1,4 @@
-"""`pan check`'s memory and step-time estimates (pan/estimate.py) against real CPU training steps.
+"""`pan check`'s memory and step-time estimates (pan/estimate/) against real CPU training steps.
 
 Each config is estimated, then trained in the same process on the fullest micro-batches of its
 first few steps (the estimate is of the fullest one the data allow). Memory: the peak of one step,
@@ -7,7 +7,7 @@ across steps (the parts, their gradients and optimizer states, the EMA, the froz
 within 20% of the estimate. Step time: the estimate is recomputed from rates measured again just
 before each of several steps (with two ranks the network's too), and the median of the ratios must
 be within 30% of 1; both are timed in the process's CPU time with one thread
-(`pan.estimate.step_clock`), so that other processes on a shared machine slow neither side. With
+(`pan.estimate.cost.step_clock`), so that other processes on a shared machine slow neither side. With
 two ranks the collectives the estimate counts are also those of a real step."""
 
 import importlib.util
@@ -202,7 +202,7 @@ def planned_estimate(job, nodes: int, gpus_per_node: int):
 
 
 # The collectives a step issues on plain tensors (FSDP's, Muon's, Ulysses'; not DTensor's own), as
-# `pan.estimate.step_traffic` names them, with the index of the argument that holds all of the data.
+# `pan.estimate.cost.step_traffic` names them, with the index of the argument that holds all of the data.
 COLLECTIVE_KINDS = {"c10d::_allgather_base_": ("fsdp all-gather", 0),
                     "c10d::_reduce_scatter_base_": ("fsdp reduce-scatter", 1),
                     "c10d::alltoall_base_": ("muon all-to-all", 1),
@@ -334,7 +334,7 @@ def test_cp2_step_time_matches_real_steps(two_ranks):
 
 @pytest.mark.parametrize("layout", TWO_RANK_LAYOUTS)
 def test_the_collectives_of_a_step_are_counted(two_ranks, layout):
-    """The estimate's count of the collectives a rank issues (`pan.estimate.step_traffic`) against
+    """The estimate's count of the collectives a rank issues (`pan.estimate.cost.step_traffic`) against
     those of a real step: the same calls on every rank, and the same bytes to 5% on average over the
     ranks (what one rank sends differs: Ulysses' rows, the Muon matrices each rank orthogonalises)."""
     traffic = two_ranks[0][layout]["traffic"]
@@ -354,7 +354,7 @@ def test_the_collectives_of_planned_layouts(tmp_path, monkeypatch):
     gathers within a node and all-reduces the gradient shards across; ddp all-reduces whole
     gradients, and Muon's replicas swap their results. A GPU plan takes NCCL's datasheet links
     (NVLink within a node, InfiniBand between nodes)."""
-    from pan import estimate
+    from pan.estimate import cost
 
     def traffic(nodes: int, *extra: str) -> dict:
         folder = tmp_path / "-".join(["plan", str(nodes), *extra])
@@ -370,10 +370,10 @@ def test_the_collectives_of_planned_layouts(tmp_path, monkeypatch):
     assert set(ddp) == {"gradient all-reduce", "muon all-gather", "scalar all-reduce"}, ddp
     assert ddp["gradient all-reduce"].bytes == 2 * gradients
 
-    monkeypatch.setattr(estimate, "run_device", lambda: torch.device("cuda"))
-    network = estimate.measure_network()
-    assert (network.within, network.across) == (estimate.NVLINK, estimate.INFINIBAND)
-    across, link = hybrid["gradient all-reduce"], estimate.INFINIBAND
+    monkeypatch.setattr(cost, "run_device", lambda: torch.device("cuda"))
+    network = cost.measure_network()
+    assert (network.within, network.across) == (cost.NVLINK, cost.INFINIBAND)
+    across, link = hybrid["gradient all-reduce"], cost.INFINIBAND
     assert network.seconds(across) == across.calls * link.latency + across.bytes / link.bandwidth
 
 

@@ -62,13 +62,10 @@ class MetaTextEncoder:
 def test_a_batch_mixing_precomputed_and_decoded_samples_lands_on_one_device(tmp_path):
     """Precomputed latents and text arrive on the host, decoded samples are encoded on the GPU (meta
     stands in for it); the prepared micro-batch holds every tensor on the process's device."""
-    from pan.parallel.dims import ParallelDims
-    from pan.parallel.world import World
-    from pan.recipes.pan.task import PanTask
+    from pan.parallel.world import planned_task
 
     job = tiny_job(tmp_path, "--cfg_drop_prob", "0.5")
-    world = World(rank=0, size=1, local_rank=0, local_size=1, device=torch.device("meta"))
-    task = PanTask(job, world, ParallelDims(world_size=1, local_world_size=1, cp=1, dp_replicate=1, dp_shard=1))
+    task = planned_task(job, device=torch.device("meta"))
     task.vae, task.text_encoder = MetaVAE(), MetaTextEncoder()
     task._empty_text = torch.zeros(2, 384, device="meta")
     precomputed = SimpleNamespace(sample_id="pre", latent=torch.randn(3, 5, 32, 32), text=torch.randn(7, 384))
@@ -538,7 +535,7 @@ def test_cuda_sample_places_bf16_weights_whole_or_offloaded(checkpoint):
     from pan.recipes.pan.sample import place_transformer
 
     job = load_job_config(["--config", checkpoint["config"]], warn=lambda m: None)
-    world = World(rank=0, size=1, local_rank=0, local_size=1, device=torch.device("cuda", 0))
+    world = World.planned(device=torch.device("cuda", 0))
     whole = place_transformer(job, load_file(checkpoint["weights"]), world, torch.bfloat16, False, 100)
     offloaded = place_transformer(job, load_file(checkpoint["weights"]), world, torch.bfloat16, True, 100)
     assert {(p.dtype, p.device.type) for p in whole.parameters()} == {(torch.bfloat16, "cuda")}

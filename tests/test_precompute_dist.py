@@ -12,8 +12,8 @@ from pathlib import Path
 import yaml
 
 from dist_utils import run_distributed
-from pan.data.loader import rules_of
 from pan.data.precompute import Share
+from pan.data.reader import rules_of
 from pan.data.sources import read_annotations, read_video_csv
 from pan.data.synth import synth_dataset
 from pan.recipes.pyramid_flow.precompute import PyramidEncoders, precompute_pyramid

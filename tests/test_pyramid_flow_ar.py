@@ -27,7 +27,7 @@ import yaml
 
 from dist_utils import run_distributed
 from pan.config import ConfigError
-from pan.data.loader import RawBatch, Sample
+from pan.data.batch import RawBatch, Sample
 from pan.data.synth import synth_dataset
 from pan.models.attention import set_attention_backend
 from pan.models.pyramid_flux import PyramidFluxTransformer
@@ -77,7 +77,7 @@ def write_config(path: Path, model_path: Path, videos, output_dir: Path, **secti
 
 
 def task_of(job, world_size: int = 1, rank: int = 0) -> PyramidFlowARTask:
-    world = World(rank=rank, size=world_size, local_rank=rank, local_size=world_size, device=torch.device("cpu"))
+    world = World.planned(world_size, rank=rank)
     return PyramidFlowARTask(job, world, ParallelDims.from_config(job.parallel, world_size, world_size))
 
 

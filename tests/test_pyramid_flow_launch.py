@@ -15,16 +15,16 @@ import pytest
 import torch
 import yaml
 
-from pan.data.loader import Ref, SampleReader, read_row_sources, rules_of
+from pan.data.plan import Ref
 from pan.data.precompute import main as precompute_main
+from pan.data.reader import SampleReader, read_row_sources, rules_of
 from pan.data.synth import synth_dataset
 from pan.encoders import pyramid_text
 from pan.encoders import vae as vae_module
 from pan.encoders.vae import IdentityVAE
 from pan.launch_command import main_launch_command
 from pan.models.pyramid_io import save_pretrained
-from pan.parallel.dims import ParallelDims
-from pan.parallel.world import World
+from pan.parallel.world import planned_task
 from pan.preflight import Preflight, Row, run_preflight
 from pan.recipes.pyramid_flow.checks import check_launch
 from pan.recipes.pyramid_flow.task import PyramidFlowTask
@@ -316,9 +316,7 @@ def test_annotation_rows_are_read_and_judged_against_the_dit(tmp_path, released,
 # ---- `pan data precompute` for the recipe -----------------------------------------------------------
 
 def task_for(job) -> PyramidFlowTask:
-    world = World(rank=0, size=1, local_rank=0, local_size=1, device=torch.device("cpu"))
-    task = PyramidFlowTask(job, world, ParallelDims(world_size=1, local_world_size=1, cp=1, dp_replicate=1,
-                                                    dp_shard=1))
+    task = planned_task(job)
     task.load_encoders()
     return task
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pan.config import load_job_config
-from pan.parallel.dims import ParallelDims
+from pan.parallel.world import planned_task
 from pan.recipes.pan.task import PanTask, condition_frames, model_input_latent
 from pan.trainer import NonFiniteLossError, build_trainer, sigterm_recorded
 
@@ -147,7 +147,7 @@ def test_a_loop_outside_the_main_thread_leaves_sigterm_alone():
 
 
 def test_condition_frames_follow_the_task_probabilities():
-    from pan.recipes.pan.task import TaskConfig
+    from pan.recipes.pan.config import TaskConfig
 
     rng = random.Random(0)
     tasks = TaskConfig(image_cond_prob=0.3, video_cond_prob=0.2)
@@ -161,10 +161,9 @@ def test_condition_frames_follow_the_task_probabilities():
 def test_given_frames_are_inputs_with_mask_one_and_out_of_the_loss(tmp_path):
     job = tiny_job(tmp_path, "--transformer_config_overrides.in_channels", "7",
                    "--conditioning_schema", "latent_concat_mask", "--image_cond_prob", "1.0")
-    task = PanTask(job, world=type("W", (), {"rank": 0, "device": torch.device("cpu")})(),
-                   dims=ParallelDims(1, 1, 1, 1, 1))
+    task = planned_task(job)
     task.load_encoders()
-    from pan.data.loader import build_data_loader
+    from pan.data.build import build_data_loader
     loader = build_data_loader(job.data, tokens_of=task.tokens_of, dp_rank=0, dp_size=1, seed=0)
     inputs = task.prepare(next(loader))
     t, h, w = inputs.pack.grid_sizes[0]
@@ -187,8 +186,7 @@ def test_model_input_latent_layouts():
 
 def test_caption_dropout_uses_the_computed_empty_caption(tmp_path):
     job = tiny_job(tmp_path, "--cfg_drop_prob", "1.0")
-    task = PanTask(job, world=type("W", (), {"rank": 0, "device": torch.device("cpu")})(),
-                   dims=ParallelDims(1, 1, 1, 1, 1))
+    task = planned_task(job)
     task.load_encoders()
     sample = type("S", (), {"caption": "bikes riding past a wall", "text": None})()
     (dropped,) = task.caption_features([sample])

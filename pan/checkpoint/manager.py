@@ -18,7 +18,11 @@ import torch.distributed.checkpoint as dcp
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from pan.checkpoint import dcp as layout
 from pan.config.core import ConfigError, knob

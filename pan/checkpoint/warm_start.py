@@ -26,8 +26,7 @@ from typing import ClassVar, Literal
 import torch
 from safetensors import safe_open
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     set_model_state_dict)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from pan.checkpoint import dcp as layout
 from pan.config.core import ConfigError, knob, require
@@ -133,13 +132,42 @@ def read_plain_state_dict(path: Path) -> dict[str, Tensor]:
     return {unwrapped_name(k): v for k, v in state.items()}
 
 
+@dataclass(frozen=True)
+class ShapeDiff:
+    """How a stored state dict (name -> shape) fits a model's: what loading, `pan check`'s warm
+    start, resume and model-folder rows all compare. Lists keep the model's order."""
+    matching: list[str]                               # same name, same shape
+    differ: list[tuple[str, tuple | None, tuple]]     # name, stored shape (None: missing), model shape
+    unexpected: list[str]                             # stored, not in the model
+
+    @classmethod
+    def of(cls, stored: dict[str, tuple], model: dict[str, tuple]) -> ShapeDiff:
+        have = {n: tuple(s) for n, s in stored.items()}
+        want = {n: tuple(s) for n, s in model.items()}
+        return cls(matching=[n for n, s in want.items() if have.get(n) == s],
+                   differ=[(n, have.get(n), s) for n, s in want.items() if have.get(n) != s],
+                   unexpected=[n for n in have if n not in want])
+
+    @property
+    def mismatched(self) -> list[tuple[str, tuple, tuple]]:
+        return [(n, a, b) for n, a, b in self.differ if a is not None]
+
+    @property
+    def missing(self) -> list[str]:
+        return [n for n, a, _ in self.differ if a is None]
+
+    def lines(self, missing: str = "not in the source") -> list[str]:
+        """`name stored vs model shape` for each tensor that does not fit, in the model's order."""
+        return [f"{n} {a} vs model {b}" if a is not None else f"{n} {missing}" for n, a, b in self.differ]
+
+
 def _compare(report: WarmStartReport, source: dict[str, tuple], model: dict[str, tuple]) -> list[str]:
     """Fill the report from the two name -> shape maps; the names to load."""
-    report.loaded = sorted(n for n in model if n in source and tuple(source[n]) == tuple(model[n]))
-    report.mismatched = sorted((n, tuple(source[n]), tuple(model[n]))
-                               for n in model if n in source and tuple(source[n]) != tuple(model[n]))
-    report.missing = sorted(n for n in model if n not in source)
-    report.unexpected = sorted(n for n in source if n not in model)
+    diff = ShapeDiff.of(source, model)
+    report.loaded = sorted(diff.matching)
+    report.mismatched = sorted(diff.mismatched)
+    report.missing = sorted(diff.missing)
+    report.unexpected = sorted(diff.unexpected)
     return report.loaded
 
 

@@ -270,7 +270,11 @@ def job_to_sections(job) -> dict[str, Any]:
 
 
 def dump_job(job) -> str:
+    return dump_sections(job_to_sections(job))
+
+
+def dump_sections(sections: dict[str, Any]) -> str:
+    """A run's config.yaml from its resolved sections (`job_to_sections`)."""
     header = ("# Resolved by pan: every key with the value this run used (file, overrides and\n"
               "# renamed keys applied). Reproduce the run with: train.py --config <this file>\n")
-    return header + yaml.safe_dump(job_to_sections(job), sort_keys=False, default_flow_style=None,
-                                   width=100)
+    return header + yaml.safe_dump(sections, sort_keys=False, default_flow_style=None, width=100)

@@ -51,7 +51,8 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from pan.data.decode import FrameRules, SkipSample
-from pan.data.loader import Loaded, Ref, RowSource, SampleReader, stream_name
+from pan.data.plan import Ref
+from pan.data.reader import Loaded, RowSource, SampleReader, stream_name
 from pan.data.sources import AnnotationSource, SourceError, VideoCsvSource
 from pan.parallel.world import close_world, start_process_group
 from pan.recipe import get_recipe

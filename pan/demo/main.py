@@ -20,8 +20,14 @@ from pathlib import Path
 import yaml
 
 import pan
+from pan.config import load_config_or_exit
+from pan.data.precompute import PrecomputeError, precompute
+from pan.data.synth import synth_dataset
 from pan.demo.report import accuracy_line, draw_loss_curve, write_contact_sheet
+from pan.eval import format_table, score_videos
+from pan.logging import quiet_library_progress_bars
 from pan.recipe import get_recipe, recipe_names
+from pan.trainer import build_trainer
 
 DEFAULT_CONFIG = Path(pan.__file__).resolve().parent.parent / "config" / "demo_cpu.yaml"
 
@@ -77,7 +83,6 @@ def make_data(data_dir: Path, config: Path, quick: bool) -> dict[str, Path]:
     `sample_num_frames`) with the demo's SHAPE_SIZE, written once: reused while `synth.json` records
     these arguments, rewritten otherwise. (Read from the YAML: the job config can only load once its
     training CSV exists.)"""
-    from pan.data.synth import synth_dataset
 
     output = yaml.safe_load(config.read_text())["output"]
     arguments = {"size": output["sample_height"], "num_frames": output["sample_num_frames"],
@@ -120,7 +125,6 @@ def precompute_clips(job, latents_dir: Path) -> Path:
     the precomputed CSV: a step then loads 48 small tensors instead of decoding 48 MP4s and running the
     text encoder, which left the model waiting for data half of each step. Reused while the data and
     encoder keys are unchanged; redone when they changed."""
-    from pan.data.precompute import PrecomputeError, precompute
 
     try:
         report = precompute(job, latents_dir)
@@ -164,10 +168,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.recipe != "pan":
         return recipe_demo(args)
-    from pan.config import load_config_or_exit
-    from pan.eval import format_table, score_videos
-    from pan.logging import quiet_library_progress_bars
-    from pan.trainer import build_trainer
 
     quiet_library_progress_bars()  # (the encoders load for the precompute, before the trainer)
     out = Path(args.out or "demo_out")
@@ -188,8 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer.fit()
     finally:
-        if hasattr(trainer.loader, "close"):
-            trainer.loader.close()
+        trainer.close()
     seconds["training"] = time.perf_counter() - t0
 
     prompts = json.loads(data["heldout_prompts"].read_text())

@@ -25,7 +25,16 @@ import time
 from pathlib import Path
 
 import pan
+from pan.config import load_config_or_exit
+from pan.data.synth import DIRECTIONS, PALETTE, SHAPES, caption_for, heldout_combinations, synth_dataset
 from pan.demo.report import accuracy_line, draw_loss_curve, files_section, write_contact_sheet
+from pan.eval import format_table, psnr, score_videos, ssim
+from pan.logging import quiet_library_progress_bars
+from pan.media import to_uint8_frames, write_mp4
+from pan.models.pyramid_flux import PyramidFluxConfig, PyramidFluxTransformer
+from pan.models.pyramid_io import save_pretrained
+from pan.models.vae_loss import frames_of
+from pan.trainer import build_trainer
 
 CONFIG_DIR = Path(pan.__file__).resolve().parent.parent / "config"
 RECIPES = ("causal_vae", "pyramid_flow_ar")
@@ -64,7 +73,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def make_data(data_dir: Path, quick: bool, size: int = SIZE, num_frames: int = NUM_FRAMES) -> dict[str, Path]:
     """The synthetic clips, written afresh: 480 training clips and one held-out clip per held-out
     (colour, shape, direction) combination (15), or a handful with --quick."""
-    from pan.data.synth import heldout_combinations, synth_dataset
 
     if data_dir.exists():
         shutil.rmtree(data_dir)
@@ -93,8 +101,7 @@ def fit(trainer) -> float:
     try:
         trainer.fit()
     finally:
-        if hasattr(trainer.loader, "close"):
-            trainer.loader.close()
+        trainer.close()
     return time.perf_counter() - t0
 
 
@@ -122,7 +129,6 @@ def reconstruct_heldout(trainer) -> tuple[list[tuple], list[str]]:
     mean): frames [T, 3, H, W] in [-1, 1]; and the clips' sample ids ("<csv stem>:<row>")."""
     import torch
 
-    from pan.models.vae_loss import frames_of
 
     task, model = trainer.task, trainer.model
     pairs, sample_ids = [], []
@@ -146,7 +152,6 @@ def captions_of(video_csv: Path, sample_ids: list[str]) -> list[str]:
 
 def fidelity(pairs: list[tuple]) -> dict:
     """PSNR (dB) and SSIM of each reconstruction (mean over its frames), and their means."""
-    from pan.eval import psnr, ssim
 
     per_clip = [{"psnr": float(psnr(x, x_hat).mean()), "ssim": float(ssim(x, x_hat).mean())}
                 for x, x_hat in pairs]
@@ -158,7 +163,6 @@ def write_reconstructions(pairs: list[tuple], out_dir: Path, fps: float) -> tupl
     """Each reconstruction as NN.mp4 (what is scored) and NN_side.mp4 (original | reconstruction)."""
     import torch
 
-    from pan.media import to_uint8_frames, write_mp4
 
     out_dir.mkdir(parents=True, exist_ok=True)
     alone, side = [], []
@@ -171,9 +175,6 @@ def write_reconstructions(pairs: list[tuple], out_dir: Path, fps: float) -> tupl
 
 
 def run_causal_vae(args: argparse.Namespace) -> dict:
-    from pan.config import load_config_or_exit
-    from pan.eval import format_table, score_videos
-    from pan.trainer import build_trainer
 
     out, seconds = args.out, {}
     t0 = time.perf_counter()
@@ -247,7 +248,6 @@ CLIP_LENGTH = 77  # the released CLIP tokenizers' caption length (the encoders p
 
 def caption_corpus() -> list[str]:
     """Every caption the synthetic data can hold: what the tiny tokenizers learn their sub-words on."""
-    from pan.data.synth import DIRECTIONS, PALETTE, SHAPES, caption_for
 
     return [caption_for(c, s, d) for c in PALETTE for s in SHAPES for d in DIRECTIONS]
 
@@ -301,8 +301,6 @@ def write_tiny_pyramid_model(folder: Path, variant: str) -> Path:
     import torch
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-    from pan.models.pyramid_flux import PyramidFluxConfig, PyramidFluxTransformer
-    from pan.models.pyramid_io import save_pretrained
 
     corpus = caption_corpus()
     with torch.random.fork_rng():
@@ -352,10 +350,6 @@ def ar_config(args: argparse.Namespace, data: dict[str, Path], model_path: Path,
 def run_pyramid_flow_ar(args: argparse.Namespace) -> dict:
     import yaml
 
-    from pan.config import load_config_or_exit
-    from pan.eval import format_table, score_videos
-    from pan.logging import quiet_library_progress_bars
-    from pan.trainer import build_trainer
 
     out, seconds = args.out, {}
     t0 = time.perf_counter()

@@ -24,8 +24,15 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from pan.diffusion.pyramid import (Draws, PyramidSchedule, history_clips, latent_pyramid, noise_pyramid,
-                                   unit_frames, upsample_nearest)
+from pan.diffusion.pyramid import (
+    Draws,
+    PyramidSchedule,
+    history_clips,
+    latent_pyramid,
+    noise_pyramid,
+    unit_frames,
+    upsample_nearest,
+)
 from pan.diffusion.sampler import guided_velocity
 
 VelocityFn = Callable[[Tensor, Tensor], Tensor]

@@ -21,8 +21,7 @@ from torch import Tensor, nn
 
 from pan.config.core import ConfigError, knob
 from pan.models.attention import AttentionBackend, set_attention_backend
-from pan.models.layers import (DoubleStreamBlock, FinalLayer, RefinerBlock, SingleStreamBlock,
-                               TimestepEmbedder)
+from pan.models.layers import DoubleStreamBlock, FinalLayer, RefinerBlock, SingleStreamBlock, TimestepEmbedder
 from pan.models.packing import PackInfo
 from pan.models.rope import rope_frequencies
 

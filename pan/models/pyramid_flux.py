@@ -36,8 +36,7 @@ from torch import Tensor, nn
 
 from pan.config.core import ConfigError, knob
 from pan.models.attention import InnerAttention, set_attention_backend
-from pan.models.layers import (Samples, adaln_vectors, from_joint, gated_residual, layer_norm, like_v, modulate,
-                               to_joint)
+from pan.models.layers import Samples, adaln_vectors, from_joint, gated_residual, layer_norm, like_v, modulate, to_joint
 from pan.models.packing import PackInfo, SampleLayout
 from pan.models.rope import apply_rope, rope_frequencies
 

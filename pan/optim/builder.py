@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from pan.optim.config import OptimConfig
-from pan.parallel.names import unwrapped_name
 from pan.optim.muon import Muon
 from pan.optim.schedule import LRSchedulers
+from pan.parallel.names import unwrapped_name
 
 
 class OptimizerSet:

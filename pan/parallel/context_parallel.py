@@ -33,7 +33,6 @@ from torch import Tensor, nn
 from pan.models.attention import InnerAttention
 from pan.models.packing import AttnSegments, PackInfo
 
-
 # ------------------------------------------------------------------------------------------------
 # Attention
 # ------------------------------------------------------------------------------------------------

@@ -40,7 +40,6 @@ from torch import Tensor, nn
 
 from pan.models.causal_vae import CausalConv3d, TemporalWindows
 
-
 # ----------------------------------------------------------------------------------------------
 # The group and the frame split
 # ----------------------------------------------------------------------------------------------

@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 
 from pan.config.core import knob
+from pan.parallel.dims import ParallelDims
+from pan.recipe import get_recipe
 
 
 @dataclass(kw_only=True)
@@ -39,6 +41,17 @@ class World:
     local_size: int
     device: torch.device
 
+    @classmethod
+    def planned(cls, size: int = 1, local_size: int | None = None, *, rank: int = 0,
+                device: torch.device | str = "cpu") -> World:
+        """Process `rank` (rank 0 by default) of a world of `size` processes, `local_size` per node
+        (default: all on one node), that no launcher started: no process group, no GPU taken. What a
+        task is built with outside a run: preflight's checks of a planned layout (`planned_task`),
+        one-process commands, tests. On the CPU unless `device` says otherwise."""
+        local_size = size if local_size is None else local_size
+        return cls(rank=rank, size=size, local_rank=rank % local_size, local_size=local_size,
+                   device=torch.device(device))
+
     @property
     def is_main(self) -> bool:
         return self.rank == 0
@@ -46,6 +59,18 @@ class World:
     @property
     def distributed(self) -> bool:
         return self.size > 1
+
+
+ONE_PROCESS = ParallelDims(world_size=1, local_world_size=1, cp=1, dp_replicate=1, dp_shard=1)
+
+
+def planned_task(job, dims: ParallelDims = ONE_PROCESS, device: torch.device | str = "cpu"):
+    """The job's recipe's task as rank 0 of the layout `dims` builds it, outside any launch (nothing
+    heavy is loaded: see Task.__init__): preflight's task of the planned world (`Preflight.task`),
+    or by default one process with neither data nor context parallelism, whatever the job's
+    `parallel` keys plan (`pan data precompute`'s encoders, tests); its tensors go to `device`."""
+    world = World.planned(dims.world_size, dims.local_world_size, device=device)
+    return get_recipe(job.recipe).build_task(job, world, dims, None)
 
 
 def is_main_process() -> bool:

@@ -1,5 +1,5 @@
 """`pan check` for the causal_vae recipe: its checks (context groups, frames, LPIPS, GAN, warm start,
-clips) and its probe of the largest micro-batch (memory and step time, pan/estimate.py).
+clips) and its probe of the largest micro-batch (memory and step time, pan/estimate/).
 
 `CHECKS` lists the recipe's checks in the order of `pan check`'s table, pan's generic ones
 (pan/preflight.py) among them.
@@ -12,13 +12,15 @@ from pathlib import Path
 import torch
 
 from pan.checkpoint import dcp as layout
+from pan.checkpoint.warm_start import ShapeDiff
 from pan.config.core import ConfigError
-from pan.data.loader import Ref, SampleReader, rules_of
+from pan.data.plan import Ref
+from pan.data.reader import SampleReader, rules_of
 from pan.data.sources import SourceError
 from pan.estimate import Phase, Probe, largest_batch, loader_bytes
 from pan.models.lpips import LPIPS
 from pan.parallel.vae_context import frame_split
-from pan.preflight import Row, check_cpu, check_memory, check_output_dir, check_step_time
+from pan.preflight import Row, check_cpu, check_memory, check_output_dir, check_step_time, spread_rows
 from pan.recipes.causal_vae.config import DISCRIMINATOR, VAE, check_lpips_file, resolve_warm_start
 from pan.recipes.causal_vae.data import ClipBatch, ClipReader
 from pan.recipes.causal_vae.model import vae_forward_flops
@@ -94,8 +96,7 @@ def check_warm_start(ctx) -> list[Row]:
                     "which the run resumes instead.")]
     path = resolve_warm_start(source)
     stored = {k: tuple(size) for k, (size, _) in layout.dcp_tensor_shapes(path / VAE).items()}
-    model = ctx.model_shapes
-    differ = [f"{n} {stored.get(n)} vs model {s}" for n, s in model.items() if stored.get(n) != s]
+    differ = ShapeDiff.of(stored, ctx.model_shapes).lines(missing="not in the checkpoint")
     if differ:
         return [Row("warm start", "fail", f"{path}/{VAE} holds another architecture: " + "; ".join(differ[:5]),
                     "use the stage-1 run's architecture keys (or model_path) in this config.")]
@@ -103,14 +104,15 @@ def check_warm_start(ctx) -> list[Row]:
         "this run's starts from random init)"
     if not ctx.job.objective.add_discriminator:
         disc = "(this run trains no discriminator)"
-    return [Row("warm start", "pass", f"{path}: the VAE's {len(model)} tensors fit {disc}.")]
+    return [Row("warm start", "pass", f"{path}: the VAE's {len(ctx.model_shapes)} tensors fit {disc}.")]
 
 
 def check_clips(ctx) -> list[Row]:
     """A few samples of every source (video CSVs, annotation files: rows with `video` or `image`,
     image tars) decoded as training reads them (random windows of max_frames frames, resized and
     cropped); images as 1-frame clips."""
-    from pan.data.loader import IMAGE_STREAM, stream_name
+    from pan.data.plan import IMAGE_STREAM
+    from pan.data.reader import stream_name
     from pan.data.sources import read_annotations, read_image_tars, read_video_csv
 
     data, rows = ctx.job.data, []
@@ -138,8 +140,7 @@ def check_clips(ctx) -> list[Row]:
     reader = ClipReader(SampleReader(csvs, tars, rules_of(data)), seed=ctx.job.trainer.seed,
                         temporal_factor=ctx.job.vae_config().temporal_factor)
     for label, stream, size in sources:
-        n = min(ctx.sample_rows, size)
-        picks = sorted({round(i * (size - 1) / max(n - 1, 1)) for i in range(n)})
+        picks = spread_rows(ctx.sample_rows, size)
         got = [reader[Ref(0, stream, 0, 0, i)] for i in picks]
         problems = [f"#{i} {g.reason}: {g.detail}" for i, g in zip(picks, got) if g.sample is None]
         good = len(picks) - len(problems)
@@ -152,7 +153,7 @@ def check_clips(ctx) -> list[Row]:
     return rows
 
 
-# ---- pan check: memory and step time (pan/estimate.py) ------------------------------------------
+# ---- pan check: memory and step time (pan/estimate/) ------------------------------------------
 
 def vae_probe(ctx) -> Probe:
     """The recipe's largest micro-batch: the data budget's fullest pack of its longest, largest clips,

@@ -12,9 +12,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from pan.data.decode import (FrameRules, SkipSample, centre_crop, decode_image, frame_step, pick_bucket,
-                             video_stream)
-from pan.data.loader import Ref, SampleReader, Sample, number, stable_int
+from pan.data.batch import Sample
+from pan.data.decode import FrameRules, SkipSample, centre_crop, decode_image, frame_step, pick_bucket, video_stream
+from pan.data.plan import Ref, stable_int
+from pan.data.reader import SampleReader, number
 from pan.parallel.vae_context import frame_range
 
 

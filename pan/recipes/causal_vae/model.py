@@ -92,6 +92,7 @@ def _load_safetensors(path: Path) -> dict[str, Tensor]:
 def full_weights(module: nn.Module) -> dict[str, Tensor]:
     """The whole parameters of a (possibly sharded) module, detached (collective when sharded)."""
     from torch.distributed.tensor import DTensor
+
     from pan.parallel.names import unwrapped_name
     return {unwrapped_name(n): (p.full_tensor() if isinstance(p, DTensor) else p).detach()
             for n, p in module.named_parameters()}

@@ -14,18 +14,24 @@ import torch.distributed as dist
 from torch import Tensor
 
 from pan.config.core import ConfigError
-from pan.data.loader import Ref, SampleReader, Sample, rules_of, seed_draws
+from pan.data.batch import Sample
+from pan.data.plan import Ref, seed_draws
+from pan.data.reader import SampleReader, rules_of
 from pan.data.sources import SourceError
 from pan.models.causal_vae import WEIGHTS_NAME, CausalVideoVAE, check_state_dict, renamed_legacy_attention_keys
 from pan.models.lpips import LPIPS
 from pan.models.vae_discriminator import NLayerDiscriminator
 from pan.models.vae_loss import frames_of
 from pan.parallel.vae_context import ContextGroup, attach_halo_hooks, latent_range
-from pan.recipes.causal_vae.config import (DISCRIMINATOR, VAE, VAE_CONFIG_FILE, CausalVAEJobConfig,
-                                           resolve_warm_start)
+from pan.recipes.causal_vae.config import DISCRIMINATOR, VAE, VAE_CONFIG_FILE, CausalVAEJobConfig, resolve_warm_start
 from pan.recipes.causal_vae.data import ClipBatch, ClipReader
-from pan.recipes.causal_vae.model import (TrainedCausalVAE, TrainedDiscriminator, _load_safetensors,
-                                          full_weights, vae_forward_flops)
+from pan.recipes.causal_vae.model import (
+    TrainedCausalVAE,
+    TrainedDiscriminator,
+    _load_safetensors,
+    full_weights,
+    vae_forward_flops,
+)
 from pan.recipes.causal_vae.objective import Objective
 from pan.task import PartSpec, StepContext, Task, global_sums
 
@@ -122,7 +128,7 @@ class CausalVAETask(Task):
         return num_frames * height * width
 
     def build_loader(self, dims):
-        from pan.data.loader import build_sharded_loader
+        from pan.data.build import build_sharded_loader
         from pan.data.sources import read_video_csv
 
         for path in self.job.data.video_csv_paths:

@@ -6,17 +6,34 @@ from pathlib import Path
 
 import torch
 
-from pan.checkpoint.warm_start import resolve_source
+from pan.checkpoint.warm_start import ShapeDiff, resolve_source
 from pan.config.core import ConfigError, require
-from pan.data.loader import IMAGE_STREAM, Ref, SampleReader, rules_of
+from pan.data.plan import IMAGE_STREAM, Ref
+from pan.data.reader import SampleReader, rules_of
 from pan.data.sources import SourceError, read_image_tars, read_video_csv
-from pan.encoders.text import (frozen_dtype, load_text_config, load_tokenizer, resolve_text_encoder_path,
-                               validate_text_encoder)
+from pan.encoders.text import (
+    frozen_dtype,
+    load_text_config,
+    load_tokenizer,
+    resolve_text_encoder_path,
+    validate_text_encoder,
+)
 from pan.encoders.vae import vae_geometry
 from pan.estimate import Phase, Probe, frozen_vae_bytes, hf_model_bytes, largest_batch, loader_bytes, run_device
 from pan.models.packing import PackInfo
-from pan.preflight import (Preflight, Row, check_cpu, check_layout, check_memory, check_output_dir,
-                           check_resume, check_step_time, latest_checkpoint, stored_shapes)
+from pan.preflight import (
+    Preflight,
+    Row,
+    check_cpu,
+    check_layout,
+    check_memory,
+    check_output_dir,
+    check_resume,
+    check_step_time,
+    latest_checkpoint,
+    spread_rows,
+    stored_shapes,
+)
 from pan.recipes.pan.task import ModelInputs
 
 
@@ -107,8 +124,7 @@ def check_data(ctx: Preflight) -> list[Row]:
 
 def _decode_sample(reader, geometry, label: str, stream: str, size: int, count: int) -> Row:
     """Decode `count` samples spread over a source; fail when none is usable."""
-    n = min(count, size)
-    picks = sorted({round(i * (size - 1) / max(n - 1, 1)) for i in range(n)})  # first, last, between
+    picks = spread_rows(count, size)
     good, problems = 0, []
     for index in picks:
         got = reader[Ref(seq=0, stream=stream, epoch=0, pos=0, index=index)]
@@ -170,11 +186,10 @@ def check_warm_start(ctx: Preflight) -> list[Row]:
         return [Row("warm start", "pass", f"not used: output_dir has {resume.name}, which the run "
                     "resumes instead.")]
     kind, path = resolve_source(cfg.pretrained_transformer_path)
-    source = stored_shapes(kind, path)
     model = ctx.model_shapes
-    mismatched = [f"{n} {source[n]} vs model {model[n]}" for n in model if n in source and source[n] != model[n]]
-    missing = [n for n in model if n not in source]
-    loaded = len(model) - len(mismatched) - len(missing)
+    diff = ShapeDiff.of(stored_shapes(kind, path), model)
+    mismatched = [f"{n} {a} vs model {b}" for n, a, b in diff.mismatched]
+    missing, loaded = diff.missing, len(diff.matching)
     summary = (f"{path} ({kind}): {loaded}/{len(model)} model tensors match, {len(mismatched)} "
                f"have another shape, {len(missing)} missing")
     if mismatched or loaded == 0:

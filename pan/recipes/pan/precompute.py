@@ -13,8 +13,8 @@ import dataclasses
 
 import torch
 
-from pan.data.loader import rules_of
 from pan.data.precompute import CsvFormat, PrecomputeError, latent_settings
+from pan.data.reader import rules_of
 from pan.data.sources import VideoCsvSource, read_video_csv
 
 

@@ -16,12 +16,18 @@ from pan.diffusion.flow import FlowConfig, output_velocity
 from pan.diffusion.sampler import euler_sample, known_frames
 from pan.encoders.text import TextEncoder
 from pan.encoders.vae import build_vae
-from pan.media import to_uint8_frames, write_gif, write_mp4
 from pan.models.packing import PackInfo, patchify, unpatchify
 from pan.models.pan_dit import PanVideoDiffusionTransformer
 from pan.parallel.world import close_world, init_world
-from pan.sampling import (SampleSettings, compute_dtype, load_condition, place_model, resolve_weights,
-                          sample_dtype)
+from pan.sampling import (
+    SampleSettings,
+    compute_dtype,
+    load_condition,
+    place_model,
+    resolve_weights,
+    sample_dtype,
+    write_video,
+)
 
 
 def latent_velocity(model, schema: str, patch, texts: list[Tensor], given: int,
@@ -162,8 +168,6 @@ def _sample_pan(job, argv: list[str]) -> int:
         given = cond.shape[1]
         known = torch.zeros(shape, device=device)
         known[:, :given] = cond
-    if world.is_main:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
     for i, (prompt, text) in enumerate(zip(args.prompt, texts)):
         with compute_dtype(dtype, device):
             latent = sample_latent(model, schema=job.tasks.conditioning_schema, patch=arch.patch_size,
@@ -172,9 +176,5 @@ def _sample_pan(job, argv: list[str]) -> int:
                                    known=known, given=given, device=device)
         if not world.is_main:
             continue
-        frames = to_uint8_frames(vae.decode(latent))
-        out = args.out if len(args.prompt) == 1 else args.out.with_name(f"{args.out.stem}_{i:02d}.mp4")
-        write_mp4(out, frames, args.fps)
-        write_gif(out.with_suffix(".gif"), frames, args.fps)
-        print(f"{out}  <- {prompt!r}")
+        write_video(args.out, i, len(args.prompt), vae.decode(latent), prompt, args.fps)
     return 0

@@ -3,92 +3,58 @@
 from __future__ import annotations
 
 import dataclasses
-import random
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from pan.data.loader import build_data_loader, build_step_shards, seed_draws
+from pan.data.build import build_data_loader
 from pan.diffusion.conditioning import condition_frames, model_input_latent
 from pan.diffusion.flow import FlowConfig, add_noise, output_velocity, sample_timesteps, velocity_target
 from pan.encoders.text import TextEncoder, frozen_dtype
-from pan.encoders.vae import build_vae, vae_geometry
+from pan.encoders.vae import build_vae
 from pan.media import to_uint8_frames, write_gif, write_mp4
 from pan.models.packing import PackInfo, patchify
 from pan.models.pan_dit import PanVideoDiffusionTransformer
+from pan.recipes.packed import PackedInputs, PackedTask, to_device
 from pan.recipes.pan.config import PanJobConfig
 from pan.recipes.pan.sample import sample_latent
 from pan.sampling import SampleSettings
-from pan.task import PartSpec, Task, autocast_context, global_sums
-
+from pan.task import PartSpec, autocast_context, global_sums
 
 # ------------------------------------------------------------------------------------------------
 # Training: raw batch -> model inputs -> loss
 # ------------------------------------------------------------------------------------------------
 
 @dataclass
-class ModelInputs:
-    """One packed micro-batch as the model and the loss see it (this process's rows of it)."""
-    # How context parallel splits each tensor (pan.parallel.context_parallel.ContextParallel).
-    CP_FIELDS: ClassVar[dict[str, str]] = {"x": "video", "target": "video", "weight": "video",
-                                           "text": "text", "timesteps": "whole"}
-    x: Tensor           # [Nv, in_ch * p]  noisy latents (+ condition latents + mask) as patch tokens
-    target: Tensor      # [Nv, out_ch * p] velocity target
-    weight: Tensor      # [Nv] 1 where the token counts in the loss, 0 on given (condition) frames
-    timesteps: Tensor   # [B] sigma in [0, 1]
-    text: Tensor        # [Nt, text_dim] caption features
-    pack: PackInfo
-    sample_ids: list[str]
-    samples: int        # samples in the micro-batch (0 on cp ranks > 0, which only hold a share)
-    tokens: int         # video tokens in the micro-batch (idem)
-    packing: float      # real tokens / token budget of the packed batch
-    bad_samples: int    # samples this rank's data loader has skipped so far
+class ModelInputs(PackedInputs):
+    """One packed micro-batch of the Pan recipe (this process's rows of it):
 
-    def to(self, device) -> ModelInputs:
-        moved = {k: to_device(getattr(self, k), device) for k in self.CP_FIELDS}
-        return dataclasses.replace(self, pack=self.pack.to(device), **moved)
+        x           [Nv, in_ch * p]  noisy latents (+ condition latents + mask) as patch tokens
+        target      [Nv, out_ch * p] velocity target
+        weight      [Nv] 1 where the token counts in the loss, 0 on given (condition) frames
+        timesteps   [B] sigma in [0, 1]
+        text        [Nt, text_dim] caption features
+    """
 
 
-def to_device(t: Tensor, device: torch.device | str) -> Tensor:
-    """`t` on `device`. A host tensor bound for a GPU is staged in pinned memory and copied without
-    blocking the host, which goes on preparing the batch while the copy runs (the caching host
-    allocator keeps the pinned buffer until the copy is done)."""
-    device = torch.device(device)
-    if device.type == "cuda" and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
-class PanTask(Task):
-    """Everything the Pan recipe adds to the generic loop: its model, encoders, data and loss.
+class PanTask(PackedTask):
+    """Everything the Pan recipe adds to the packed-DiT loop (pan.recipes.packed): its model,
+    encoders, data and loss.
 
     Only cp rank 0 of each context-parallel group reads data and runs the frozen encoders; the
-    prepared micro-batch is broadcast to the group and each rank keeps its strided share.
+    prepared micro-batch is broadcast to the group and each rank keeps its strided share. Noise,
+    timesteps, caption dropout and condition frames are drawn from the streams `seed_draws_for`
+    seeds afresh for each micro-batch.
     """
-    elastic_data = True   # PackedLoader.load_elastic_state: resumable on another data-parallel size
-    sharded_micro_batches = True  # ShardedLoader: exact on any dp x accumulation of the same product
 
     def __init__(self, job: PanJobConfig, world, dims, cp=None):
-
-        self.job, self.world, self.dims, self.cp = job, world, dims, cp
+        super().__init__(job, world, dims, cp)
         self.arch = job.model.transformer_config_overrides
-        self.geometry = vae_geometry(job.vae)
-        self.cp_rank = cp.rank if cp is not None else 0
-        self.reads_data = self.cp_rank == 0
-        self.dp_rank = dims.dp_rank_of(world.rank)
-        # Noise, timesteps, caption dropout and condition frames: drawn from streams seeded afresh for
-        # each micro-batch by (seed, its data shard, the shard's batch number) (`seed_draws_for`), so
-        # a resumed run, on any layout, draws exactly what the uninterrupted run would have drawn.
-        self.generator = torch.Generator().manual_seed(job.trainer.seed)
-        self.rng = random.Random(job.trainer.seed)
         self.text_encoder = self.vae = None
         self._empty_text: Tensor | None = None
-        self.bad_samples = 0  # skipped by this rank's data loader since the run started
 
     # -- what gets built -------------------------------------------------------------------------
     def part_specs(self) -> list[PartSpec]:
@@ -114,18 +80,9 @@ class PanTask(Task):
         self.vae = build_vae(self.job.vae, device=device, dtype=frozen_dtype(device))
         self._empty_text = self.text_encoder.empty_embedding().float()
 
-    def tokens_of(self, num_frames: int, height: int, width: int) -> int:
-        """Model tokens of a clip of this pixel shape (what the data packer budgets)."""
-        _, t, h, w = self.geometry.latent_shape(num_frames, height, width)
-        return self.latent_tokens_of(t, h, w)
-
     def latent_tokens_of(self, t: int, h: int, w: int) -> int:
         pt, ph, pw = self.arch.patch_size
         return (t // pt) * (h // ph) * (w // pw)
-
-    def build_loader(self, dims):
-
-        return build_step_shards(self, dims)
 
     # -- one micro-batch -------------------------------------------------------------------------
     def sample_latent(self, sample) -> Tensor:
@@ -189,25 +146,6 @@ class PanTask(Task):
             sample_ids=[s.sample_id for s in samples], samples=len(samples), tokens=sum(token_counts),
             packing=batch.packing_efficiency, bad_samples=self.bad_samples)
 
-    def next_batch(self, loader) -> tuple[ModelInputs, float]:
-        """The next micro-batch for this process (its cp share when context parallel is on), and the
-        seconds spent waiting for the data loader (encoding and noising are not waiting)."""
-        t0 = time.perf_counter()
-        raw = next(loader) if self.reads_data else None
-        waited = time.perf_counter() - t0
-        inputs = None
-        if self.reads_data:
-            self.seed_draws_for(raw)
-            inputs = self.prepare(raw)
-        if self.cp is not None:
-            inputs = self.cp.distribute(inputs)
-        return inputs.to(self.world.device), waited
-
-    def seed_draws_for(self, batch) -> None:
-        """Seed the noise and task draws of one training micro-batch from what names it."""
-
-        seed_draws(self.generator, self.rng, self.job.trainer.seed, batch.shard, batch.number)
-
     def loss_count(self, inputs: ModelInputs) -> float:
         """Loss elements of this process's rows (summed over ranks to normalise the loss)."""
         return float(inputs.weight.sum().item()) * inputs.target.shape[1]
@@ -215,20 +153,7 @@ class PanTask(Task):
     def loss_sum(self, model, inputs: ModelInputs) -> Tensor:
         return loss_sum(model, inputs, self.job.flow)
 
-    def flops(self, batches: list[ModelInputs]) -> float:
-        """Training FLOPs this process executes for these micro-batches (3x forward)."""
-        return sum(3 * self.model.forward_flops(b.pack) for b in batches) / self.dims.cp
-
-    def batch_stats(self, batches: list[ModelInputs]) -> dict:
-        return {"samples": sum(b.samples for b in batches), "tokens": sum(b.tokens for b in batches),
-                "flops": self.flops(batches), "bad_samples": batches[-1].bad_samples,
-                "packing": sum(b.packing for b in batches) / len(batches)}
-
     # -- validation ----------------------------------------------------------------------------------
-    def wants_validation(self, step: int) -> bool:
-        interval = self.job.validation.validation_interval
-        return bool(interval) and step % interval == 0
-
     @torch.no_grad()
     def validate(self, parts, step: int, output_dir) -> dict:
         """Held-out loss at fixed timesteps and samples of the validation prompts.
@@ -272,9 +197,7 @@ class PanTask(Task):
                 self.generator.manual_seed(self.job.validation.validation_noise_seed)
                 self.rng.seed(self.job.validation.validation_noise_seed)
                 inputs = self.prepare(batch, fixed_sigma=sigma, training=False)
-            if self.cp is not None:
-                inputs = self.cp.distribute(inputs)
-            inputs = inputs.to(self.world.device)
+            inputs = self.share(inputs)
             with self.validation_precision():
                 sse = self.loss_sum(model, inputs).item()
             sse, count = global_sums([sse, self.loss_count(inputs)])
@@ -322,13 +245,6 @@ class PanTask(Task):
             stem.with_suffix(".txt").write_text(v.validation_prompts[i] + "\n")
             written.append(stem.with_suffix(".mp4"))
         return written
-
-    # -- what a checkpoint keeps of the task ------------------------------------------------------
-    def state_dict(self) -> dict:
-        return {"bad_samples": self.bad_samples}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.bad_samples = state["bad_samples"]
 
 
 def loss_sum(model, inputs: ModelInputs, flow: FlowConfig) -> Tensor:

@@ -32,12 +32,13 @@ from pathlib import Path
 import torch
 
 from pan import preflight
+from pan.checkpoint.warm_start import ShapeDiff
 from pan.config.core import ConfigError, ErrorCollector, require
 from pan.config.job import components
 from pan.estimate import Phase, Probe, frozen_vae_bytes, largest_batch, loader_bytes, module_bytes, run_device
-from pan.preflight import Preflight, Row
+from pan.preflight import Preflight, Row, spread_rows
 from pan.recipes.pyramid_flow.config import dit_config, variant_folder
-from pan.recipes.pyramid_flow.task import PyramidFlowTask, PyramidInputs
+from pan.recipes.pyramid_flow.task import PyramidInputs
 
 # The resolution each released DiT variant was trained at, as the original's --resolution names
 # it (its non-AR script trains the image variant at 768p), and that resolution's pixel area
@@ -212,16 +213,6 @@ def check_launch(job, dims=None) -> None:
 # `pan check`: the launch rules as rows, then what the run will read
 # ------------------------------------------------------------------------------------------------
 
-def task_of(ctx: Preflight):
-    """The recipe's task for the planned layout (built once; it holds a meta-device DiT)."""
-    if "pyramid_task" not in ctx.notes:
-        from pan.parallel.world import World
-        world = World(rank=0, size=ctx.world_size, local_rank=0, local_size=ctx.gpus_per_node,
-                      device=torch.device("cpu"))
-        ctx.notes["pyramid_task"] = PyramidFlowTask(ctx.job, world, ctx.dims, None)
-    return ctx.notes["pyramid_task"]
-
-
 def check_placeholders(ctx: Preflight) -> list[Row]:
     refuse_placeholders(ctx.job)
     return [Row("placeholders", "pass", f"no template path left in the {len(path_keys(ctx.job))} path keys.")]
@@ -231,7 +222,7 @@ def check_stage_batch(ctx: Preflight) -> list[Row]:
     """The batch rule, streams with a share per data-parallel rank, and whether a full stage cycle of
     the largest clips fits the token budget."""
     check_stage_batch_rule(ctx.job)
-    job, task, rows = ctx.job, task_of(ctx), []
+    job, task, rows = ctx.job, ctx.task, []
     cycle = stage_cycle(job)
     for name, size in _source_sizes(job).items():
         if size < ctx.dims.dp:
@@ -311,10 +302,9 @@ def check_model_folder(ctx: Preflight) -> list[Row]:
                     "(transformer_config_overrides); model_path only provides the text encoders.")]
     folder = variant_folder(m)
     stored = _weight_shapes(folder)
-    model = ctx.model_shapes
-    missing = [n for n in model if n not in stored]
-    unexpected = [n for n in stored if n not in model]
-    mismatched = [f"{n} {stored[n]} vs model {model[n]}" for n in model if n in stored and stored[n] != model[n]]
+    diff = ShapeDiff.of(stored, ctx.model_shapes)
+    missing, unexpected = diff.missing, diff.unexpected
+    mismatched = [f"{n} {a} vs model {b}" for n, a, b in diff.mismatched]
     if missing or unexpected or mismatched:
         detail = "; ".join(f"{label}: {', '.join(items[:4])}{' ...' if len(items) > 4 else ''}"
                            for label, items in (("missing", missing), ("unexpected", unexpected),
@@ -417,7 +407,8 @@ def _sources_encoded_online(job) -> list[str]:
 def check_data(ctx: Preflight) -> list[Row]:
     """Parse every source; read a sample of each one's rows as training will (files exist, latents
     and text features load or media decode) and check them against the DiT."""
-    from pan.data.loader import IMAGE_STREAM, SampleReader, rules_of, stream_name
+    from pan.data.plan import IMAGE_STREAM
+    from pan.data.reader import SampleReader, rules_of, stream_name
     from pan.data.sources import SourceError, read_annotations, read_image_tars, read_video_csv
 
     job, rows, sources = ctx.job, [], {}
@@ -444,15 +435,9 @@ def check_data(ctx: Preflight) -> list[Row]:
     return rows
 
 
-def spread_rows(count: int, size: int) -> list[int]:
-    """`count` row numbers spread over a source of `size` rows: the first, the last, and between."""
-    n = min(count, size)
-    return sorted({round(i * (size - 1) / max(n - 1, 1)) for i in range(n)})
-
-
 def _sample_rows(ctx: Preflight, reader, label: str, stream: str, size: int) -> Row:
     """Read `sample_rows` rows spread over a source (first, last, between) and judge them."""
-    from pan.data.loader import Ref
+    from pan.data.plan import Ref
     picks = spread_rows(ctx.sample_rows, size)
     good, skipped, unfit = 0, [], []
     for index in picks:
@@ -489,7 +474,7 @@ def _latent_of(sample) -> torch.Tensor | None:
 def _unfit(ctx: Preflight, sample) -> str | None:
     """Why a loaded sample would stop training this DiT (None when it would not): latent channels
     and stage divisibility, decoded clip shapes, text feature widths."""
-    job, task, shape = ctx.job, task_of(ctx), dit_shape(ctx.job)
+    job, task, shape = ctx.job, ctx.task, dit_shape(ctx.job)
     uh, uw = stage_unit(job)
     latent = _latent_of(sample)
     if latent is not None:
@@ -518,7 +503,7 @@ def _unfit(ctx: Preflight, sample) -> str | None:
 
 def _over_budget(ctx: Preflight, sample) -> str | None:
     """The budgeted tokens of a sample when over max_tokens_per_batch (training skips it)."""
-    task, budget = task_of(ctx), ctx.job.data.max_tokens_per_batch
+    task, budget = ctx.task, ctx.job.data.max_tokens_per_batch
     latent = _latent_of(sample)
     tokens = task.latent_tokens_of(*latent.shape[1:]) if latent is not None else task.tokens_of(*sample.grid)
     return f"{tokens} tokens > max_tokens_per_batch {budget}" if tokens > budget else None
@@ -608,7 +593,7 @@ def largest_batch_clips(ctx: Preflight, task) -> list[tuple[int, int, int]]:
 def full_sequence_probe(ctx: Preflight) -> Probe:
     """The fullest pack of the largest clips, each at the stage the rotation gives it: of every
     place the rotation can start a batch at, the one with the most tokens."""
-    task = task_of(ctx)
+    task = ctx.task
     clips = largest_batch_clips(ctx, task)
     cycle = task.column_stages
 

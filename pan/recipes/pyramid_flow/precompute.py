@@ -25,15 +25,23 @@ from pathlib import Path
 
 import torch
 
+from pan.data.batch import TEXT_FEATURE_DIMS
 from pan.data.decode import FrameRules
-from pan.data.loader import TEXT_FEATURE_DIMS, RowSource, rules_of
-from pan.data.precompute import (Failure, PrecomputeError, PrecomputeFormat, PrecomputeReport, Share,
-                                 latent_settings, run_format, save_pt_atomic, write_annotation_jsonl)
+from pan.data.precompute import (
+    Failure,
+    PrecomputeError,
+    PrecomputeFormat,
+    PrecomputeReport,
+    Share,
+    latent_settings,
+    run_format,
+    save_pt_atomic,
+    write_annotation_jsonl,
+)
+from pan.data.reader import RowSource, rules_of
 from pan.data.sources import read_annotations, read_video_csv
 from pan.encoders.pyramid_text import FEATURE_KEYS
-from pan.parallel.dims import ParallelDims
-from pan.parallel.world import World
-from pan.recipe import get_recipe
+from pan.parallel.world import planned_task
 
 EMPTY_TEXT_FEA = "text_fea/empty.pt"
 
@@ -141,11 +149,8 @@ def pyramid_encoders(job, device: torch.device | str) -> PyramidEncoders:
     recipe's own code so that a precomputed row trains exactly as the online one: the latent is
     `PyramidFlowTask.raw_latent` of the frames (vae.unnormalize(vae.encode(frames))), the text
     features the recipe's `PyramidTextEncoder`'s."""
-    device = torch.device(device)
-    world = World(rank=0, size=1, local_rank=0, local_size=1, device=device)
-    one_process = ParallelDims(world_size=1, local_world_size=1, cp=1, dp_replicate=1, dp_shard=1)
-    # The run's recipe's task (pyramid_flow's or pyramid_flow_ar's), through the registry.
-    task = get_recipe(job.recipe).build_task(job, world, one_process)
+    # The run's recipe's task (pyramid_flow's or pyramid_flow_ar's) in one process, through the registry.
+    task = planned_task(job, device=device)
     task.load_encoders()
 
     def latent(frames: torch.Tensor) -> torch.Tensor:

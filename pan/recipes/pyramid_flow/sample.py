@@ -5,6 +5,7 @@ recipe's `sample` hook).
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import torch
@@ -13,9 +14,10 @@ from torch import Tensor, nn
 from pan.diffusion.pyramid import GeneratorDraws, denormalize_latent
 from pan.encoders.pyramid_text import TextFeatures
 from pan.models.packing import PackInfo
-from pan.recipe import get_recipe
+from pan.parallel.world import planned_task
 from pan.recipes.pyramid_flow.config import PyramidJobConfig
 from pan.recipes.pyramid_flow.model import build_dit
+from pan.sampling import resolve_weights, write_video
 
 
 def velocity_fn(model: nn.Module, features: list[TextFeatures]):
@@ -58,13 +60,6 @@ def sample_videos(task, model: nn.Module, prompts: list[str], *, num_frames: int
 
 def sample_main(job: PyramidJobConfig, argv: list[str]) -> int:
     """`pan sample` for a pyramid_flow run: text-to-video with the stage-by-stage sampler and CFG."""
-    import argparse
-
-    from pan.media import to_uint8_frames, write_gif, write_mp4
-    from pan.parallel.dims import ParallelDims
-    from pan.parallel.world import World
-    from pan.sampling import resolve_weights
-
     v = job.validation
     parser = argparse.ArgumentParser(prog="pan sample", description="Generate videos from a "
                                      "pyramid_flow checkpoint (stage by stage, with CFG).")
@@ -82,10 +77,9 @@ def sample_main(job: PyramidJobConfig, argv: list[str]) -> int:
     parser.add_argument("--ema", action="store_true")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    world = World(rank=0, size=1, local_rank=0, local_size=1, device=device)
-    # The recipe's task (PyramidFlowTask), through the registry: this module is what the task
-    # imports for its validation samples, so it does not import the task back.
-    task = get_recipe(job.recipe).build_task(job, world, ParallelDims.from_config(job.parallel, 1, 1))
+    # The recipe's task (PyramidFlowTask) of one process, through the registry: this module is what
+    # the task imports for its validation samples, so it does not import the task back.
+    task = planned_task(job, device=device)
     weights, _ = resolve_weights(args.checkpoint, args.ema)
     model = build_dit(job)
     model.to_empty(device="cpu")
@@ -95,11 +89,6 @@ def sample_main(job: PyramidJobConfig, argv: list[str]) -> int:
     videos = sample_videos(task, model, args.prompt, num_frames=args.num_frames, height=args.height,
                            width=args.width, steps=args.steps if len(args.steps) > 1 else args.steps[0],
                            guidance_scale=args.guidance_scale, seed=args.seed)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     for i, (prompt, video) in enumerate(zip(args.prompt, videos)):
-        out = args.out if len(args.prompt) == 1 else args.out.with_name(f"{args.out.stem}_{i:02d}.mp4")
-        frames = to_uint8_frames(video)
-        write_mp4(out, frames, args.fps)
-        write_gif(out.with_suffix(".gif"), frames, args.fps)
-        print(f"{out}  <- {prompt!r}")
+        write_video(args.out, i, len(args.prompt), video, prompt, args.fps)
     return 0

@@ -13,7 +13,7 @@ Models (`model_name`): the released Pyramid-Flow DiTs `pyramid_flux` (miniFLUX) 
 one architecture. Text: the released T5 + CLIP encoders (`pan.encoders.pyramid_text`) online, or the
 precomputed `text_fea` files of Pyramid-Flow annotations (then the encoders are not loaded at all,
 see `PyramidTask.load_encoders`). `PyramidTask` is what this recipe and the autoregressive one
-(`pan.recipes.pyramid_flow_ar`) share on the loop.
+(`pan.recipes.pyramid_flow_ar`) share on the packed-DiT loop (`pan.recipes.packed.PackedTask`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
-import random
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -30,71 +28,59 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from pan.diffusion.pyramid import (GeneratorDraws, PyramidSchedule, column_stages, latent_pyramid, noise_sample,
-                                   normalize_latent)
+from pan.diffusion.pyramid import (
+    GeneratorDraws,
+    PyramidSchedule,
+    column_stages,
+    latent_pyramid,
+    noise_sample,
+    normalize_latent,
+)
 from pan.encoders.pyramid_text import PyramidTextEncoder, TextFeatures
 from pan.models.packing import PackInfo
+from pan.recipes.packed import PackedInputs, PackedTask
 from pan.recipes.pyramid_flow.config import PyramidJobConfig
 from pan.recipes.pyramid_flow.model import build_dit, released_weights
 from pan.recipes.pyramid_flow.precompute import EMPTY_TEXT_FEA
 from pan.recipes.pyramid_flow.sample import sample_videos
-from pan.task import PartSpec, Task
-
+from pan.task import PartSpec
 
 # ------------------------------------------------------------------------------------------------
 # One micro-batch
 # ------------------------------------------------------------------------------------------------
 
 @dataclass
-class PyramidInputs:
-    """One packed micro-batch of stage samples as the DiT and the loss see it (this process's rows)."""
-    CP_FIELDS: ClassVar[dict[str, str]] = {"x": "video", "target": "video", "weight": "video",
-                                           "text": "text", "timesteps": "whole", "pooled": "whole"}
-    x: Tensor           # [Nv, in] noisy tokens at each sample's stage resolution
-    target: Tensor      # [Nv, out] velocity target (start - end of the stage line) as tokens
-    weight: Tensor      # [Nv] 1 / (values of the sample's trained clip): per-sample MSE weights
-    timesteps: Tensor   # [B] the DiT's timesteps (0..1000 scale)
-    text: Tensor        # [Nt, D] valid caption rows
-    pooled: Tensor      # [B, P] pooled text features
-    pack: PackInfo
-    sample_ids: list[str]
-    samples: int        # samples in the micro-batch (0 on cp ranks > 0)
-    tokens: int         # video tokens in the micro-batch (idem)
-    packing: float
-    bad_samples: int
+class PyramidInputs(PackedInputs):
+    """One packed micro-batch of stage samples as the DiT and the loss see it (this process's rows):
 
-    def to(self, device) -> PyramidInputs:
-        moved = {k: getattr(self, k).to(device) for k in self.CP_FIELDS}
-        return dataclasses.replace(self, pack=self.pack.to(device), **moved)
+        x           [Nv, in] noisy tokens at each sample's stage resolution
+        target      [Nv, out] velocity target (start - end of the stage line) as tokens
+        weight      [Nv] 1 / (values of the sample's trained clip): per-sample MSE weights
+        timesteps   [B] the DiT's timesteps (0..1000 scale)
+        text        [Nt, D] valid caption rows
+        pooled      [B, P] pooled text features
+    """
+    CP_FIELDS: ClassVar[dict[str, str]] = {**PackedInputs.CP_FIELDS, "pooled": "whole"}
+    pooled: Tensor
 
 
-class PyramidTask(Task):
+class PyramidTask(PackedTask):
     """What both Pyramid-Flow recipes share on the one loop: the DiT (on meta here: shapes and token
     rules), the frozen encoders, the stage rotation, latents and captions as samples carry them, the
     loss, and validation samples. `PyramidFlowTask` trains whole clips; the autoregressive recipe's
     task (`pan.recipes.pyramid_flow_ar`) one unit of each."""
 
     def __init__(self, job: PyramidJobConfig, world, dims, cp=None):
-        from pan.encoders.vae import vae_geometry
-
-        self.job, self.world, self.dims, self.cp = job, world, dims, cp
-        self.reads_data = cp is None or cp.rank == 0
-        self.dp_rank = dims.dp_rank_of(world.rank)
+        super().__init__(job, world, dims, cp)
         self.schedule = PyramidSchedule(job.pyramid)
-        self.geometry = vae_geometry(job.vae)
         self.column_stages = column_stages(job.pyramid.sample_ratios)
         self.stage_slot = self.data_share()[0]   # where this rank's samples start in the stage rotation
         self.vae = self.empty = self._text_encoder = None
-        self.bad_samples = 0
         self.model = build_dit(job)  # meta: shapes and token rules only
 
     @abc.abstractmethod
     def data_share(self) -> tuple[int, int]:
         """(index, count) of the data share this rank reads."""
-
-    @abc.abstractmethod
-    def latent_tokens_of(self, t: int, h: int, w: int) -> int:
-        """Budgeted tokens of a sample whose full-resolution latent is (t, h, w)."""
 
     @abc.abstractmethod
     def sample_clips(self, model: nn.Module, prompts: list[str], seed: int) -> list[Tensor]:
@@ -153,17 +139,6 @@ class PyramidTask(Task):
         return self.text_encoder.empty_features()
 
     # -- data --------------------------------------------------------------------------------------
-    def tokens_of(self, num_frames: int, height: int, width: int) -> int:
-        _, t, h, w = self.geometry.latent_shape(num_frames, height, width)
-        return self.latent_tokens_of(t, h, w)
-
-    def build_loader(self, dims):
-        from pan.data.loader import build_data_loader
-
-        rank, size = self.data_share()
-        return build_data_loader(self.job.data, tokens_of=self.tokens_of, dp_rank=rank, dp_size=size,
-                                 seed=self.job.trainer.seed, latent_tokens_of=self.latent_tokens_of)
-
     def raw_latent(self, sample) -> Tensor:
         """The sample's latent as the VAE gives it (not normalised) [C, T, H, W], fp32."""
         if getattr(sample, "raw_latent", None) is not None:
@@ -203,17 +178,7 @@ class PyramidTask(Task):
     def loss_count(self, inputs: PyramidInputs) -> float:
         return float(inputs.samples)
 
-    def batch_stats(self, batches: list[PyramidInputs]) -> dict:
-        flops = sum(3 * self.model.forward_flops(b.pack) for b in batches) / self.dims.cp
-        return {"samples": sum(b.samples for b in batches), "tokens": sum(b.tokens for b in batches),
-                "flops": flops, "bad_samples": batches[-1].bad_samples,
-                "packing": sum(b.packing for b in batches) / len(batches)}
-
     # -- validation --------------------------------------------------------------------------------
-    def wants_validation(self, step: int) -> bool:
-        interval = self.job.validation.validation_interval
-        return bool(interval) and step % interval == 0
-
     @torch.no_grad()
     def validate(self, parts, step: int, output_dir) -> dict:
         self.write_samples(parts["transformer"].model, self.job.validation.validation_prompts,
@@ -252,29 +217,14 @@ class PyramidFlowTask(PyramidTask):
     (noise, table indices, caption dropout, its place in the stage rotation) follow from its shard
     and its number in it: a run continues exactly on any layout with the same number of shards.
     """
-    elastic_data = True
-    sharded_micro_batches = True
-
-    def __init__(self, job: PyramidJobConfig, world, dims, cp=None):
-        super().__init__(job, world, dims, cp)
-        # Noise and table indices; caption dropout: seeded again for each micro-batch (seed_draws_for).
-        self.generator = torch.Generator().manual_seed(job.trainer.seed)
-        self.rng = random.Random(job.trainer.seed)
 
     def data_share(self) -> tuple[int, int]:
         return self.dp_rank, self.dims.dp
 
-    def build_loader(self, dims):
-        from pan.data.loader import build_step_shards
-
-        return build_step_shards(self, dims)
-
     def seed_draws_for(self, batch) -> None:
         """The draws of one training micro-batch, from what names it: (seed, shard, batch number);
         its samples take the next places of the shard's stage rotation."""
-        from pan.data.loader import seed_draws
-
-        seed_draws(self.generator, self.rng, self.job.trainer.seed, batch.shard, batch.number)
+        super().seed_draws_for(batch)
         self.stage_slot = batch.shard + batch.first_sample
 
     # -- data --------------------------------------------------------------------------------------
@@ -322,27 +272,8 @@ class PyramidFlowTask(PyramidTask):
             samples=len(samples), tokens=sum(x.shape[0] for x in xs), packing=batch.packing_efficiency,
             bad_samples=self.bad_samples)
 
-    def next_batch(self, loader) -> tuple[PyramidInputs, float]:
-        t0 = time.perf_counter()
-        raw = next(loader) if self.reads_data else None
-        waited = time.perf_counter() - t0
-        inputs = None
-        if self.reads_data:
-            self.seed_draws_for(raw)
-            inputs = self.prepare(raw)
-        if self.cp is not None:
-            inputs = self.cp.distribute(inputs)
-        return inputs.to(self.world.device), waited
-
     def sample_clips(self, model: nn.Module, prompts: list[str], seed: int) -> list[Tensor]:
         v = self.job.validation
         return sample_videos(self, model, prompts, num_frames=v.sample_num_frames, height=v.sample_height,
                              width=v.sample_width, steps=v.sample_steps, guidance_scale=v.sample_guidance_scale,
                              seed=seed)
-
-    # -- checkpoint --------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        return {"bad_samples": self.bad_samples}  # the draws are seeded per micro-batch
-
-    def load_state_dict(self, state: dict) -> None:
-        self.bad_samples = state["bad_samples"]

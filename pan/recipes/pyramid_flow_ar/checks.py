@@ -21,16 +21,13 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from pan import preflight
 from pan.config.core import ErrorCollector
 from pan.diffusion.pyramid import history_spans, stage_unit_counts, unit_frames
-from pan.preflight import Preflight, Row
+from pan.preflight import Preflight, Row, spread_rows
 from pan.recipes.pyramid_flow import checks as shared
 from pan.recipes.pyramid_flow_ar.config import latent_window, window_units
-from pan.recipes.pyramid_flow_ar.task import PyramidFlowARTask, SyncPlan
-
+from pan.recipes.pyramid_flow_ar.task import SyncPlan
 
 # ------------------------------------------------------------------------------------------------
 # Launch rules
@@ -57,21 +54,11 @@ def check_launch(job, dims=None) -> None:
 # `pan check`
 # ------------------------------------------------------------------------------------------------
 
-def ar_task_of(ctx: Preflight):
-    """The recipe's task for the planned layout, also where the full-sequence rows look for it."""
-    if not isinstance(ctx.notes.get("pyramid_task"), PyramidFlowARTask):
-        from pan.parallel.world import World
-        world = World(rank=0, size=ctx.world_size, local_rank=0, local_size=ctx.gpus_per_node,
-                      device=torch.device("cpu"))
-        ctx.notes["pyramid_task"] = PyramidFlowARTask(ctx.job, world, ctx.dims, None)
-    return ctx.notes["pyramid_task"]
-
-
 def check_sync_group(ctx: Preflight) -> list[Row]:
     """GPU count and accumulation against video_sync_group: how the groups are laid out."""
     job = ctx.job
     sync_group_rule(job, ctx.dims)
-    plan = ar_task_of(ctx).plan
+    plan = ctx.task.plan
     group, units = job.ar.video_sync_group, window_units(job)
     micro = job.trainer.gradient_accumulation_steps
     detail = (f"{ctx.dims.dp} data-parallel rank(s) x {micro} micro-batch(es) = {plan.loader_size} sync "
@@ -87,7 +74,7 @@ def check_sync_group(ctx: Preflight) -> list[Row]:
 
 def check_units(ctx: Preflight) -> list[Row]:
     job = ctx.job
-    task = ar_task_of(ctx)
+    task = ctx.task
     largest = max(job.data.buckets(), key=lambda hw: hw[0] * hw[1])
     _, t, h, w = task.geometry.latent_shape(job.data.frame_count_range()[-1], *largest)
     tokens = task.latent_tokens_of(t, h, w)
@@ -106,8 +93,8 @@ def check_annotation_rows(ctx: Preflight) -> list[Row]:
     """A sample of each annotation file's video rows: a `latent` (the original's AR training reads
     precomputed latents) and a caption (`text`, encoded online unless `text_fea` is given); latent
     frame counts against the latent frames of max_frames."""
-    from pan.data.loader import read_raw_latent
     from pan.data.decode import SkipSample
+    from pan.data.reader import read_raw_latent
     from pan.data.sources import SourceError, read_annotations
 
     job, rows = ctx.job, []
@@ -119,7 +106,7 @@ def check_annotation_rows(ctx: Preflight) -> list[Row]:
             rows.append(Row("annotation rows", "fail", f"{path}: {e}", "fix or remove the file."))
             continue
         size = len(source)
-        picks = shared.spread_rows(ctx.sample_rows, size)   # first, last, between
+        picks = spread_rows(ctx.sample_rows, size)   # first, last, between
         no_text, no_latent, short, frames = [], [], [], []
         for index in picks:
             try:
@@ -168,7 +155,7 @@ def check_annotation_rows(ctx: Preflight) -> list[Row]:
 
 
 # ------------------------------------------------------------------------------------------------
-# Memory and step time (pan/estimate.py)
+# Memory and step time (pan/estimate/)
 # ------------------------------------------------------------------------------------------------
 
 def unit_sample(task, stage: int, unit: int, t: int, h: int, w: int) -> list[tuple[int, int, int]]:
@@ -201,7 +188,7 @@ def ar_probe(ctx: Preflight):
     """The recipe's largest micro-batch: the fullest pack of the largest clips, each trained at the
     unit the sync slot gives its stage, history included; of all slots, turns of the rotation and
     stage orders, the one with the most tokens."""
-    task = ar_task_of(ctx)
+    task = ctx.task
     clips = shared.largest_batch_clips(ctx, task)
     tokens = lambda samples: sum(math.prod(task.model.patch_grid((0, *c))) for s in samples for c in s)  # noqa: E731
     fullest = max(slot_batches(task, clips), key=tokens)

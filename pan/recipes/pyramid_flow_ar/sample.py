@@ -6,6 +6,7 @@ The `task` the functions take is the run's task (a PyramidFlowARTask) with its e
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from pathlib import Path
 
@@ -15,9 +16,10 @@ from torch import Tensor, nn
 from pan.diffusion.pyramid import GeneratorDraws, denormalize_latent, normalize_latent, unit_frames
 from pan.encoders.pyramid_text import TextFeatures
 from pan.models.packing import PackInfo
-from pan.recipe import get_recipe
+from pan.parallel.world import planned_task
 from pan.recipes.pyramid_flow.model import build_dit
 from pan.recipes.pyramid_flow_ar.config import PyramidARJobConfig
+from pan.sampling import SampleSettings, load_condition, resolve_weights, write_video
 
 
 def history_velocity(model: nn.Module, features: list[TextFeatures]):
@@ -80,8 +82,6 @@ def decode(task, latent: Tensor) -> Tensor:
 def context_latent(task, path: str, *, frames: int, height: int, width: int) -> Tensor:
     """An image (first frame) or the first `frames` frames of a video -> normalised latent
     [1, C, Tc, H, W] cut to whole units."""
-    from pan.sampling import SampleSettings, load_condition
-
     settings = SampleSettings(num_frames=frames, height=height, width=width)
     encoded = load_condition(path, frames, settings, task.vae, task.world.device)     # pan-normalised
     raw = task.vae.unnormalize(encoded)
@@ -93,13 +93,6 @@ def context_latent(task, path: str, *, frames: int, height: int, width: int) -> 
 def sample_main(job: PyramidARJobConfig, argv: list[str]) -> int:
     """`pan sample` for a pyramid_flow_ar run: unit by unit, each through the spatial pyramid, with
     CFG; from text, from a first image (--image) or continuing a clip (--video)."""
-    import argparse
-
-    from pan.media import to_uint8_frames, write_gif, write_mp4
-    from pan.parallel.dims import ParallelDims
-    from pan.parallel.world import World
-    from pan.sampling import resolve_weights
-
     v = job.validation
     parser = argparse.ArgumentParser(prog="pan sample", description="Generate videos autoregressively "
                                      "from a pyramid_flow_ar checkpoint (unit by unit, with CFG).")
@@ -129,12 +122,10 @@ def sample_main(job: PyramidARJobConfig, argv: list[str]) -> int:
     if args.max_history_units is not None and args.max_history_units < 1:
         parser.error("--max-history-units must be >= 1")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    world = World(rank=0, size=1, local_rank=0, local_size=1, device=device)
-    dims = ParallelDims.from_config(job.parallel, 1, 1)
-    # The recipe's task (PyramidFlowARTask), through the registry: this module is what the task
-    # imports for its validation samples, so it does not import the task back.
-    task = get_recipe(job.recipe).build_task(
-        dataclasses.replace(job, ar=dataclasses.replace(job.ar, video_sync_group=1)), world, dims)
+    # The recipe's task (PyramidFlowARTask) of one process, through the registry: this module is what
+    # the task imports for its validation samples, so it does not import the task back.
+    task = planned_task(dataclasses.replace(job, ar=dataclasses.replace(job.ar, video_sync_group=1)),
+                        device=device)
     weights, _ = resolve_weights(args.checkpoint, args.ema)
     model = build_dit(job)
     model.to_empty(device="cpu")
@@ -147,7 +138,6 @@ def sample_main(job: PyramidARJobConfig, argv: list[str]) -> int:
         context = context_latent(task, args.image or args.video, frames=frames, height=args.height,
                                  width=args.width)
     steps = lambda s: s if len(s) > 1 else s[0]  # noqa: E731 - one count for every stage
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     for i, prompt in enumerate(args.prompt):
         latent = sample_ar_latent(task, model, prompt, num_frames=args.num_frames, height=args.height,
                                   width=args.width, seed=args.seed + i, context=context,
@@ -155,9 +145,5 @@ def sample_main(job: PyramidARJobConfig, argv: list[str]) -> int:
                                   guidance_scale=args.guidance_scale,
                                   video_guidance_scale=args.video_guidance_scale,
                                   max_history_units=args.max_history_units)
-        frames = to_uint8_frames(decode(task, latent))
-        out = args.out if len(args.prompt) == 1 else args.out.with_name(f"{args.out.stem}_{i:02d}.mp4")
-        write_mp4(out, frames, args.fps)
-        write_gif(out.with_suffix(".gif"), frames, args.fps)
-        print(f"{out}  <- {prompt!r}")
+        write_video(args.out, i, len(args.prompt), decode(task, latent), prompt, args.fps)
     return 0

@@ -44,15 +44,23 @@ import torch
 from torch import Tensor, nn
 
 from pan.config.core import require
-from pan.diffusion.pyramid import (Draws, GeneratorDraws, NoisedColumn, history_spans, latent_pyramid, noise_unit,
-                                   normalize_latent, stage_unit_counts, unit_frames)
+from pan.diffusion.pyramid import (
+    Draws,
+    GeneratorDraws,
+    NoisedColumn,
+    history_spans,
+    latent_pyramid,
+    noise_unit,
+    normalize_latent,
+    stage_unit_counts,
+    unit_frames,
+)
 from pan.encoders.pyramid_text import TextFeatures
 from pan.models.packing import PackInfo
 from pan.recipes.pyramid_flow.task import PyramidInputs, PyramidTask
 from pan.recipes.pyramid_flow_ar.config import PyramidARJobConfig, latent_window, window_units
 from pan.recipes.pyramid_flow_ar.sample import decode, sample_ar_latent
 from pan.task import StepContext, global_sum
-
 
 # ------------------------------------------------------------------------------------------------
 # Sync groups: which videos a rank reads and which unit positions its micro-batches train
@@ -140,7 +148,7 @@ class PyramidFlowARTask(PyramidTask):
     slot's place among all groups' slots and the batch's number: a run continues exactly on any
     layout with the same number of groups (data-parallel ranks x micro-batches / video_sync_group).
     """
-    elastic_data = True
+    sharded_micro_batches = False  # one shard per sync group (data_shards), not per micro-batch
 
     def __init__(self, job: PyramidARJobConfig, world, dims, cp=None):
         # Refused before anything is built: ranks x micro-batches that cannot hold whole groups.
@@ -148,11 +156,15 @@ class PyramidFlowARTask(PyramidTask):
                                 job.trainer.gradient_accumulation_steps)
         super().__init__(job, world, dims, cp)
         self.window, self.units_max = latent_window(job), window_units(job)
-        # Noise, positions and history; caption dropout: one stream per slot, seeded for each batch.
+        # Noise, positions and history; caption dropout: one stream per slot, seeded for each batch
+        # (in place of PackedTask's `generator` and `rng`, which this task does not draw from).
         self.generators = [torch.Generator() for _ in self.plan.slots]
         self.rngs = [random.Random() for _ in self.plan.slots]
         self.batches = 0                            # the held batch's number: the rotation counter
         self.slot_index = 0                         # which of this rank's slots the next micro-batch is
+        # Checkpoints are saved at step boundaries, where every slot of the held batch has trained (k
+        # divides the micro-batches of a step), so the next step starts with a new batch: nothing held
+        # is saved; the streams, the rotation counter and the stage rotation follow from that batch.
         self.held: list[HeldSample] = []
         self.held_packing = 0.0
 
@@ -161,7 +173,7 @@ class PyramidFlowARTask(PyramidTask):
         return self.plan.loader_rank, self.plan.loader_size
 
     def build_loader(self, dims):
-        from pan.data.loader import build_sharded_loader
+        from pan.data.build import build_sharded_loader
 
         return build_sharded_loader(self.job.data, tokens_of=self.tokens_of, dp_rank=self.plan.loader_rank,
                                     dp_size=self.plan.loader_size, seed=self.job.trainer.seed,
@@ -174,7 +186,7 @@ class PyramidFlowARTask(PyramidTask):
     def seed_draws_for(self, batch) -> None:
         """Each slot's streams for a new batch of the group, from (seed, the slot's place among all
         groups' slots, the batch's number); its samples take the next places of the stage rotation."""
-        from pan.data.loader import seed_draws
+        from pan.data.plan import seed_draws
 
         for generator, rng, slot in zip(self.generators, self.rngs, self.plan.slots):
             seed_draws(generator, rng, self.job.trainer.seed, self.plan.virtual_rank(slot), batch.number)
@@ -253,9 +265,7 @@ class PyramidFlowARTask(PyramidTask):
             inputs = self.prepare_slot(self.slot_index)
         waited = time.perf_counter() - t0
         self.slot_index = (self.slot_index + 1) % len(self.plan.slots)
-        if self.cp is not None:
-            inputs = self.cp.distribute(inputs)
-        return inputs.to(self.world.device), waited
+        return self.share(inputs), waited
 
     def train_step(self, ctx: StepContext, micro_batches: list) -> dict[str, float]:
         """The default step; a step whose every micro-batch is a placeholder (all clips shorter than
@@ -265,16 +275,6 @@ class PyramidFlowARTask(PyramidTask):
             part.scheduler.step()
             return {"loss": 0.0, "grad_norm": 0.0}
         return super().train_step(ctx, micro_batches)
-
-    # -- checkpoint --------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        # Saved at step boundaries, where every slot of the held batch has trained (k divides the
-        # micro-batches of a step), so the next step starts with a new batch: nothing held to save;
-        # the streams, the rotation counter and the stage rotation follow from that batch.
-        return {"bad_samples": self.bad_samples}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.bad_samples = state["bad_samples"]
 
     # -- validation --------------------------------------------------------------------------------
     def sample_clips(self, model: nn.Module, prompts: list[str], seed: int) -> list[Tensor]:

@@ -1,0 +1,357 @@
+"""The packed data loader: seeded streams -> decoding workers -> lookahead buffer -> packed batches.
+
+How exact resume works. Every rank walks its own sequence of sample references, planned in the
+training process from nothing but counters:
+- each source (a video CSV, an annotation file, or all image tars together) is a stream: a seeded
+  shuffle per epoch, of which rank r owns positions r, r + dp_size, r + 2 dp_size, ...;
+- the n-th sample's stream (the image tars, or which CSV or annotation file) is drawn from an RNG
+  seeded by (seed, rank, n), so the "mixing RNG" state is the counter n.
+Worker processes only turn references into samples (or skip reasons), in order. The training
+process replays the plan in step with what it receives, so its cursor (n, and each stream's epoch
+and position) describes exactly what reached the buffer, however far the workers ran ahead. The
+buffer's samples are saved as references and decoded again on resume.
+
+A "rank" here is a data shard: one per data-parallel rank, or with `build_sharded_loader` one per
+micro-batch of a step (ShardedLoader), so that the data a step trains depends on the shard count
+only and a run continues exactly on any layout with the same count.
+
+Elastic resume (another number of shards, `load_elastic_state`): from every old rank's cursor, the
+samples of each stream's unfinished epochs that no old rank consumed (their buffers included) are
+dealt round robin to the new ranks as a head, drawn before the stream continues with the new
+shares from the next epoch. No sample is lost or trained twice in any epoch.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import logging
+import signal
+import weakref
+from typing import Callable
+
+import torch
+from torch.utils.data import DataLoader
+
+from pan.data.batch import RawBatch, Sample
+from pan.data.config import DataConfig
+from pan.data.packing import LookaheadPacker
+from pan.data.plan import IMAGE_STREAM, Planner, Ref, StreamOrder
+from pan.data.reader import KnownBad, Loaded, RowSource, SampleReader, rules_of
+from pan.data.sources import ImageTarSet, SourceError
+
+logger = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+TokensOf = Callable[[int, int, int], int]
+
+
+class DataResumeError(ValueError):
+    """A dataloader state that cannot be restored under the current config."""
+
+
+def _keep(item: Loaded) -> Loaded:
+    return item  # the DataLoader's collate step: samples travel as they are
+
+
+def _ignore_sigterm(worker_id: int) -> None:
+    """Decoding workers outlive a SIGTERM sent to every process of a job step (Slurm does so on
+    preemption): the trainer still needs batches until its last save, then stops them itself; and
+    a worker gone mid-epoch would fail the trainer's next fetch before it can save."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _close_at_exit(loader_ref: weakref.ref) -> None:
+    loader = loader_ref()
+    if loader is not None:
+        loader.close()
+
+
+class RefSequence:
+    """The DataLoader's sampler: buffered references to re-read first, then the plan onwards, in
+    which a sample of the run's record of bad samples is sent as KnownBad (not read again). It runs
+    in the training process, so it sees the record as it grows."""
+
+    def __init__(self, replay: list[Ref], planner: Planner, known_bad: dict[tuple[str, int], tuple[str, str]]):
+        self.replay, self.planner, self.known_bad = replay, planner, known_bad
+
+    def __iter__(self):
+        yield from self.replay
+        while True:
+            ref = self.planner.next_ref()
+            bad = self.known_bad.get((ref.stream, ref.index))
+            yield ref if bad is None else KnownBad(ref, bad[0])
+
+
+class PackedLoader:
+    """An endless iterator of RawBatch for one data-parallel rank, with exact state_dict/load."""
+
+    def __init__(self, cfg: DataConfig, *, sources: dict[str, RowSource], tars: ImageTarSet | None,
+                 planner: Planner, tokens_of: TokensOf, latent_tokens_of: TokensOf | None,
+                 dp_rank: int, dp_size: int, seed: int):
+        self.cfg, self.seed, self.dp_rank, self.dp_size = cfg, seed, dp_rank, dp_size
+        self.tokens_of, self.latent_tokens_of = tokens_of, latent_tokens_of
+        self.reader = SampleReader(sources, tars, rules_of(cfg))
+        self._initial = planner.copy()
+        self.planner = planner              # advanced only by samples that reached this process
+        self.packer = LookaheadPacker(cfg.max_tokens_per_batch, cfg.max_samples_per_batch,
+                                      cfg.packing_lookahead)  # items: (Ref, Sample)
+        self.replay: list[Ref] = []         # buffered references still to be re-read after a resume
+        self.skipped_total: collections.Counter[str] = collections.Counter()  # skips, by reason
+        self._skipped_since: collections.Counter[str] = collections.Counter()
+        # The run's record of bad samples: (stream, index) -> (reason, detail). Each is read once
+        # per run (carried in the checkpoint); later visits are skipped without reading it.
+        self.known_bad: dict[tuple[str, int], tuple[str, str]] = {}
+        self.batches = 0                    # batches made so far (saved: it numbers the next one)
+        self.batched_samples = 0            # samples in them
+        self._results = None
+        self._closes_at_exit = False
+
+    # --- iteration -------------------------------------------------------------------------------
+
+    def __iter__(self) -> PackedLoader:
+        return self
+
+    def __next__(self) -> RawBatch:
+        last_good = dict(self.planner.cursor)
+        while self.packer.wants_more():
+            if self._receive():
+                last_good = dict(self.planner.cursor)
+            elif self._passed_everything_since(last_good):
+                raise SourceError(f"no usable sample in a whole pass over the data of data shard "
+                                  f"{self.dp_rank}; skipped so far: {dict(self.skipped_total)}. "
+                                  "See the warnings above for why each was skipped.")
+        chosen = self.packer.take()
+        skipped, self._skipped_since = dict(self._skipped_since), collections.Counter()
+        batch = RawBatch(samples=[p.item[1] for p in chosen], tokens=sum(p.tokens for p in chosen),
+                         token_budget=self.cfg.max_tokens_per_batch, skipped=skipped, shard=self.dp_rank,
+                         number=self.batches, first_sample=self.batched_samples)
+        self.batches += 1
+        self.batched_samples += len(chosen)
+        return batch
+
+    def _passed_everything_since(self, cursor: dict[str, tuple[int, int]]) -> bool:
+        """Has every stream gone through one whole epoch (not just `share` samples: epochs are
+        shuffled apart) since `cursor`?"""
+        for name, (epoch, _) in self.planner.cursor.items():
+            first_full_epoch = cursor[name][0] + (1 if cursor[name][1] > 0 else 0)
+            if epoch <= first_full_epoch:
+                return False
+        return True
+
+    def _receive(self) -> bool:
+        """Take the next decoded sample into the buffer; False if it was skipped."""
+        if self._results is None:
+            self._start_workers()
+        got: Loaded = next(self._results)
+        if self.replay:
+            expected = self.replay.pop(0)
+        else:
+            expected = self.planner.next_ref()
+        assert got.ref == expected, f"decoded {got.ref}, expected {expected}"
+        sample = got.sample
+        if sample is not None:
+            sample.tokens = self._tokens(sample)
+            if sample.tokens > self.cfg.max_tokens_per_batch:
+                got = Loaded(got.ref, None, "over_budget", f"{sample.tokens} tokens > max_tokens_per_batch "
+                                                           f"{self.cfg.max_tokens_per_batch}")
+        if got.sample is None:
+            self._skip(got)
+            return False
+        self.packer.add(got.ref.seq, got.sample.tokens, (got.ref, got.sample))
+        return True
+
+    def _tokens(self, sample: Sample) -> int:
+        if sample.latent is not None or sample.raw_latent is not None:
+            return int(self.latent_tokens_of(*sample.grid))
+        return int(self.tokens_of(*sample.grid))
+
+    def _skip(self, got: Loaded) -> None:
+        """Count a skip; record (and log) a bad sample the first time it is found."""
+        self.skipped_total[got.reason] += 1
+        self._skipped_since[got.reason] += 1
+        key = (got.ref.stream, got.ref.index)
+        if not got.known and key not in self.known_bad:
+            self.known_bad[key] = (got.reason, got.detail[:300])  # the record travels in every cursor
+            logger.warning("skipping %s (%s): %s", self._sample_id(got.ref), got.reason, got.detail)
+
+    @property
+    def bad_samples(self) -> dict[str, tuple[str, str]]:
+        """The distinct bad samples found so far in this run: sample id -> (reason, detail)."""
+        return {self._id_of(stream, index): why for (stream, index), why in self.known_bad.items()}
+
+    def _sample_id(self, ref: Ref) -> str:
+        return self._id_of(ref.stream, ref.index)
+
+    def _id_of(self, stream: str, index: int) -> str:
+        if stream == IMAGE_STREAM:
+            return self.reader.tars.sample_id(self.reader.tars.images[index])
+        return f"{self.reader.sources[stream].name}:{index}"
+
+    def _start_workers(self) -> None:
+        self._results = iter(self._data_loader())
+        if self.cfg.packed_dataloader_num_workers and not self._closes_at_exit:
+            # The workers ignore SIGTERM, so multiprocessing's exit-time terminate() and join would
+            # wait for them forever: stop them first (atexit runs the newest handler first).
+            atexit.register(_close_at_exit, weakref.ref(self))
+            self._closes_at_exit = True
+
+    def _data_loader(self) -> DataLoader:
+        workers = self.cfg.packed_dataloader_num_workers
+        sampler = RefSequence(list(self.replay), self.planner.copy(), self.known_bad)
+        # Our own generator: otherwise each new iterator draws its base seed from the global torch
+        # RNG, and a resumed run's global RNG would be one draw away from the uninterrupted run's.
+        return DataLoader(self.reader, batch_size=None, sampler=sampler, collate_fn=_keep,
+                          num_workers=workers, generator=torch.Generator().manual_seed(self.seed),
+                          prefetch_factor=self.samples_in_flight_per_worker() if workers else None,
+                          worker_init_fn=_ignore_sigterm if workers else None)
+
+    def samples_in_flight_per_worker(self) -> int:
+        """DataLoader's prefetch factor counts samples here: keep `packed_dataloader_prefetch_factor`
+        whole batches in flight, or the trainer waits for most of each batch to be decoded."""
+        workers = self.cfg.packed_dataloader_num_workers
+        share = -(-self.cfg.max_samples_per_batch // workers)  # ceil
+        return self.cfg.packed_dataloader_prefetch_factor * share
+
+    def close(self) -> None:
+        """Stop the decoding workers (they restart on the next batch)."""
+        self._results = None
+
+    # --- state -----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The cursor of what the trainer has consumed (JSON-serialisable)."""
+        pending = [p.item[0] for p in sorted(self.packer.buffer, key=lambda p: p.seq)] + self.replay
+        return {"version": STATE_VERSION, "dp_rank": self.dp_rank, "dp_size": self.dp_size,
+                "seed": self.seed, "batches": self.batches,
+                "batched_samples": self.batched_samples, "planner": self.planner.state_dict(),
+                "buffer": [[r.seq, r.stream, r.epoch, r.pos, r.index] for r in pending],
+                "skipped_total": dict(self.skipped_total),
+                "bad_samples": [[stream, index, reason, detail]
+                                for (stream, index), (reason, detail) in sorted(self.known_bad.items())]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue exactly where `state` (from state_dict) left off; restarts the workers."""
+        self.close()
+        self.packer.buffer, self.replay = [], []
+        self._skipped_since = collections.Counter()
+        self.known_bad = {}
+        if state.get("version") != STATE_VERSION:
+            raise DataResumeError(f"dataloader state version {state.get('version')} is not "
+                                  f"{STATE_VERSION}: it was written by another pan version.")
+        if state["dp_size"] != self.dp_size:
+            if not self.cfg.restart_data_on_dp_change:
+                raise DataResumeError(
+                    f"the checkpoint's data cursors were written by {state['dp_size']} data-parallel "
+                    f"ranks, this run has {self.dp_size}: each rank's cursor covers its own share of "
+                    "the data, so they cannot be carried over. Resume with the same world_size / "
+                    "cp_size, or set restart_data_on_dp_change: true to restart every data stream.")
+            logger.warning("data-parallel size changed from %d to %d: restarting every data stream "
+                           "(restart_data_on_dp_change)", state["dp_size"], self.dp_size)
+            self.planner = self._initial.copy()
+            self.skipped_total = collections.Counter()
+            return
+        if state["dp_rank"] != self.dp_rank:
+            raise DataResumeError(f"this is the cursor of rank {state['dp_rank']}, loaded on rank "
+                                  f"{self.dp_rank}: load dataloader/<rank>.json of your own rank.")
+        if state["seed"] != self.seed:
+            logger.warning("data seed changed from %s to %s: the streams keep their positions in "
+                           "differently shuffled epochs", state["seed"], self.seed)
+        self.skipped_total = collections.Counter(state.get("skipped_total", {}))
+        self.batches = state.get("batches", 0)
+        self.batched_samples = state.get("batched_samples", 0)
+        self.planner, restarted = self._restored_planner(state["planner"])
+        for seq, stream, epoch, pos, *index in state["buffer"]:
+            if stream not in restarted:
+                index = index[0] if index else self.planner.streams[stream].index(epoch, pos)
+                self.replay.append(Ref(seq, stream, epoch, pos, index))
+        # A restarted stream's rows may have changed: its bad samples are looked at again.
+        self.known_bad = {(stream, index): (reason, detail)
+                          for stream, index, reason, detail in state.get("bad_samples", [])
+                          if stream not in restarted}
+
+    def load_elastic_state(self, states: list[dict]) -> None:
+        """Continue a run of another data-parallel size from all its ranks' cursors (`states[r]`:
+        old rank r's state_dict): the samples of each stream's unfinished epochs that no old rank
+        consumed are dealt round robin to the new ranks, then each stream goes on with the new
+        shares from the next epoch."""
+        self.close()
+        self.packer.buffer, self.replay = [], []
+        self._skipped_since = collections.Counter()
+        old_dp = len(states)
+        for r, state in enumerate(states):
+            if state.get("version") != STATE_VERSION or state["dp_rank"] != r or state["dp_size"] != old_dp:
+                raise DataResumeError(f"the {old_dp} data cursors of the checkpoint are not those of one run "
+                                      f"(cursor {r}: rank {state.get('dp_rank')} of {state.get('dp_size')}, "
+                                      f"version {state.get('version')})")
+        planner = self._initial.copy()
+        planner.step = max(state["planner"]["step"] for state in states)  # fresh mixing draws
+        self.batches = max(state.get("batches", 0) for state in states)
+        self.batched_samples = max(state.get("batched_samples", 0) for state in states)
+        restarted = set()
+        for name, order in planner.streams.items():
+            saved = [state["planner"]["streams"].get(name) for state in states]
+            if any(c is None or c["size"] != order.size for c in saved) or (
+                    name != IMAGE_STREAM and not self.cfg.resume_video_csv):
+                logger.warning("data stream %s restarts from the top (new, resized, or resume_video_csv "
+                               "is false)", name)
+                restarted.add(name)
+                continue
+            left = unconsumed(order, states, name)
+            planner.head[name] = collections.deque(left[self.dp_rank::self.dp_size])
+            planner.cursor[name] = (max(c["epoch"] for c in saved) + 1, 0)
+        self.planner = planner
+        self.known_bad = {(stream, index): (reason, detail) for state in states
+                          for stream, index, reason, detail in state.get("bad_samples", [])
+                          if stream not in restarted}
+        self.skipped_total = collections.Counter()
+        if self.dp_rank == 0:  # the old ranks' skip counts, once
+            for state in states:
+                self.skipped_total.update(state.get("skipped_total", {}))
+        logger.info("data-parallel size %d -> %d: this rank finishes %d samples of the old ranks' "
+                    "unfinished epochs first", old_dp, self.dp_size, sum(map(len, planner.head.values())))
+
+    def _restored_planner(self, saved: dict) -> tuple[Planner, set[str]]:
+        """The saved cursor applied to today's streams, and the streams that restart from the top."""
+        planner = self._initial.copy()
+        planner.step = saved["step"]
+        restarted = set()
+        for name, order in planner.streams.items():
+            cursor = saved["streams"].get(name)
+            if cursor is None:
+                logger.warning("data stream %s is new since the checkpoint: it starts from the top", name)
+            elif cursor["size"] != order.size:
+                logger.warning("data stream %s has %d samples, %d when saved: it restarts from the top",
+                               name, order.size, cursor["size"])
+            elif name != IMAGE_STREAM and not self.cfg.resume_video_csv:
+                logger.info("resume_video_csv is false: video stream %s restarts from the top", name)
+            else:
+                planner.cursor[name] = (cursor["epoch"], cursor["pos"])
+                head = saved.get("head", {}).get(name)
+                if head:
+                    planner.head[name] = collections.deque(tuple(item) for item in head)
+                continue
+            restarted.add(name)
+        restarted |= set(saved["streams"]) - set(planner.streams)
+        return planner, restarted
+
+
+def unconsumed(order: StreamOrder, states: list[dict], name: str) -> list[tuple[int, int]]:
+    """(epoch, index) of every sample of stream `name` that the ranks of `states` (old rank r:
+    positions r, r + dp, ... of each epoch's shuffle) had not consumed, in epoch order: what is
+    left of their unfinished epochs, what sat in their buffers, and their own elastic heads."""
+    old_dp = len(states)
+    left = []
+    for r, state in enumerate(states):
+        left += [tuple(item) for item in state["planner"].get("head", {}).get(name, [])]
+        # Buffered samples were drawn (possibly epochs ago: packing keeps a long one waiting) but
+        # not trained. (Cursors of older pan versions carry no index.)
+        left += [(epoch, index[0] if index else order.at(epoch, pos * old_dp + r))
+                 for _seq, stream, epoch, pos, *index in state["buffer"] if stream == name]
+    cursors = [(c["epoch"], c["pos"]) for c in (s["planner"]["streams"][name] for s in states)]
+    share = order.size // old_dp
+    for epoch in range(min(e for e, _ in cursors), max(e for e, _ in cursors) + 1):
+        for slot in range(share * old_dp):
+            if (epoch, slot // old_dp) >= cursors[slot % old_dp]:  # not drawn yet by its old rank
+                left.append((epoch, order.at(epoch, slot)))
+    return sorted(left, key=lambda item: item[0])

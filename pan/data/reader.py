@@ -1,0 +1,275 @@
+"""Loading: reference -> sample (runs in the decoding workers). `SampleReader` decodes the sample a
+`Ref` names (a video CSV row, an annotation row or an image of the tars), or says why it cannot;
+`rules_of` and `read_row_sources` give it the config's frame rules and sources."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import av
+import numpy as np
+import torch
+from safetensors.torch import load_file
+from torch.utils.data import Dataset
+
+from pan.data.batch import TEXT_FEATURE_DIMS, Sample
+from pan.data.config import DataConfig
+from pan.data.decode import (
+    FrameRules,
+    SkipSample,
+    centre_crop,
+    decode_image,
+    decode_video,
+    frame_step,
+    pick_bucket,
+    video_stream,
+)
+from pan.data.plan import IMAGE_STREAM, Ref
+from pan.data.sources import (
+    AnnotationSource,
+    ImageTarSet,
+    VideoCsvSource,
+    caption_from_bytes,
+    read_annotations,
+    read_video_csv,
+)
+
+RowSource = VideoCsvSource | AnnotationSource
+
+
+@dataclass
+class Loaded:
+    ref: Ref
+    sample: Sample | None
+    reason: str = ""   # skip reason when sample is None
+    detail: str = ""
+    known: bool = False  # a known-bad sample, skipped without reading it again
+
+
+@dataclass(frozen=True)
+class KnownBad:
+    """What the sampler sends instead of a reference in the run's record of bad samples."""
+    ref: Ref
+    reason: str
+
+
+class SampleReader(Dataset):
+    """Map-style dataset over references: decodes one sample, or reports why it cannot.
+
+    With `use_precomputed` false, annotation rows are decoded from their video or image even when
+    they name a latent or text features (what a precompute needs).
+    """
+
+    def __init__(self, sources: dict[str, RowSource], tars: ImageTarSet | None, rules: FrameRules,
+                 use_precomputed: bool = True):
+        self.sources, self.tars, self.rules = sources, tars, rules
+        self.use_precomputed = use_precomputed
+
+    def __getitem__(self, ref: Ref | KnownBad) -> Loaded:
+        if isinstance(ref, KnownBad):
+            return Loaded(ref.ref, None, ref.reason, known=True)
+        try:
+            if ref.stream == IMAGE_STREAM:
+                return Loaded(ref, self._image(ref.index))
+            src = self.sources[ref.stream]
+            if isinstance(src, AnnotationSource):
+                return Loaded(ref, self._annotation_row(src, ref.index))
+            return Loaded(ref, self._video_row(src, ref.index))
+        except SkipSample as e:
+            return Loaded(ref, None, e.reason, e.detail)
+        except FileNotFoundError as e:
+            return Loaded(ref, None, "missing_file", str(e))
+        except Exception as e:  # noqa: BLE001 - any error in a file (FFmpeg, Pillow, safetensors,
+            # I/O) spoils that sample only; it is logged with its type so real bugs stay visible.
+            return Loaded(ref, None, "decode_error", f"{type(e).__name__}: {e}")
+
+    def _video_row(self, src: VideoCsvSource, i: int) -> Sample:
+        row = src.rows[i]
+        sample_id = f"{src.name}:{i}"
+        caption = src.field(row, "caption")
+        if not caption:
+            raise SkipSample("empty_caption", "the caption cell is empty")
+        if src.precomputed:
+            return self._precomputed(src, row, sample_id, caption)
+        path = src.field(row, "path")
+        if path is None:
+            raise SkipSample("missing_file", "the path cell is empty")
+        start = number(src, row, "start_time") or 0.0
+        end = number(src, row, "end_time")
+        self._precheck(src, row, start, end)
+        path = src.resolve(path)
+        if not path.is_file():
+            raise SkipSample("missing_file", str(path))
+        frames, fps = decode_video(str(path), self.rules, start, end)
+        return Sample(sample_id, "video", caption, tuple(frames.shape[i] for i in (0, 2, 3)), 0,
+                      frames=frames, fps=fps)
+
+    def _precheck(self, src: VideoCsvSource, row: list[str], start: float, end: float | None) -> None:
+        """Skip a row its own metadata columns rule out, without opening the file."""
+        fps, count = number(src, row, "fps"), number(src, row, "num_frames")
+        width, height = number(src, row, "width"), number(src, row, "height")
+        if width and height:
+            pick_bucket(int(height), int(width), self.rules)
+        if not fps:
+            return
+        step = frame_step(fps, self.rules)
+        if count is None:
+            return
+        source_frames = round(((end if end is not None else count / fps) - start) * fps)
+        selected = sum(1 for k in range(self.rules.max_frames) if round(k * step) < source_frames)
+        if self.rules.usable_count(selected) < self.rules.min_frames:
+            until = "the end" if end is None else f"{end} s"
+            raise SkipSample("too_short", f"the CSV says {count} frames at {fps} fps from {start} s to "
+                                          f"{until}: {selected} usable; min_frames is {self.rules.min_frames}")
+
+    def _precomputed(self, src: VideoCsvSource, row: list[str], sample_id: str, caption: str) -> Sample:
+        path = src.field(row, "latent_path")
+        if path is None:
+            raise SkipSample("missing_file", "the latent_path cell is empty")
+        path = src.resolve(path)
+        if not path.is_file():
+            raise SkipSample("missing_file", str(path))
+        tensors = load_file(str(path))
+        latent, text = tensors.get("latent"), tensors.get("text")
+        if latent is None or text is None or latent.dim() != 4 or text.dim() != 2:
+            raise SkipSample("decode_error", f"{path} must hold latent [C, T, H, W] and text [L, D]; "
+                                             f"it holds {sorted(tensors)}")
+        return Sample(sample_id, "video", caption, tuple(latent.shape[1:]), 0, latent=latent, text=text)
+
+    def _annotation_row(self, src: AnnotationSource, i: int) -> Sample:
+        """A JSONL row: its precomputed latent if it names one, else its decoded video or image."""
+        row = src.parse(i)
+        sample_id = f"{src.name}:{i}"
+        features = None
+        if self.use_precomputed:
+            features = read_text_features(existing(row.text_fea)) if row.text_fea else None
+            if row.latent is not None:
+                latent = read_raw_latent(existing(row.latent))
+                return Sample(sample_id, row.kind, row.caption, tuple(latent.shape[1:]), 0,
+                              raw_latent=latent, text_features=features)
+        if row.media is None:
+            raise SkipSample("missing_file", "the row names no video to decode")
+        media = existing(row.media)
+        fps = None
+        if row.kind == "image":
+            frames = decode_image(media.read_bytes(), self.rules)
+        elif row.frames is not None:
+            frames, fps = decode_frames_at(str(media), row.frames, self.rules)
+        else:
+            frames, fps = decode_video(str(media), self.rules)
+        return Sample(sample_id, row.kind, row.caption, tuple(frames.shape[i] for i in (0, 2, 3)), 0,
+                      frames=frames, fps=fps, text_features=features)
+
+    def _image(self, i: int) -> Sample:
+        image = self.tars.images[i]
+        data, caption_bytes = self.tars.read(image)
+        caption = caption_from_bytes(caption_bytes, image.caption.ext if image.caption else None)
+        if not caption:
+            raise SkipSample("empty_caption", "no caption file, or an empty caption")
+        frames = decode_image(data, self.rules)
+        return Sample(self.tars.sample_id(image), "image", caption, tuple(frames.shape[i] for i in (0, 2, 3)),
+                      0, frames=frames)
+
+
+def existing(path: Path) -> Path:
+    if not path.is_file():
+        raise SkipSample("missing_file", str(path))
+    return path
+
+
+def read_raw_latent(path: Path) -> torch.Tensor:
+    """A Pyramid-Flow latent `.pt`: [C, T, H, W], or [1, C, T, H, W] as its extraction tool saves it."""
+    latent = torch.load(path, map_location="cpu", weights_only=True)
+    if isinstance(latent, torch.Tensor) and latent.dim() == 5 and latent.shape[0] == 1:
+        latent = latent[0]
+    if not isinstance(latent, torch.Tensor) or latent.dim() != 4 or not latent.is_floating_point():
+        raise SkipSample("decode_error", f"{path} must hold one float tensor [C, T, H, W] (or "
+                                         f"[1, C, T, H, W]); it holds {describe(latent)}")
+    return latent
+
+
+def read_text_features(path: Path) -> dict[str, torch.Tensor]:
+    """A Pyramid-Flow text-feature `.pt` (a dict of TEXT_FEATURE_DIMS tensors, each possibly with a
+    leading batch dim of 1, which is dropped)."""
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    if not (isinstance(saved, dict) and all(torch.is_tensor(saved.get(k)) for k in TEXT_FEATURE_DIMS)):
+        raise SkipSample("decode_error", f"{path} must hold a dict of tensors {list(TEXT_FEATURE_DIMS)}; "
+                                         f"it holds {describe(saved)}")
+    out = {}
+    for key, dims in TEXT_FEATURE_DIMS.items():
+        t = saved[key]
+        out[key] = t[0] if t.dim() == dims + 1 and t.shape[0] == 1 else t
+    shapes = {k: tuple(t.shape) for k, t in out.items()}
+    if ([t.dim() for t in out.values()] != list(TEXT_FEATURE_DIMS.values())
+            or out["prompt_attention_mask"].shape[0] != out["prompt_embed"].shape[0]):
+        raise SkipSample("decode_error", f"{path}: text features must be prompt_embed [L, D], "
+                                         f"prompt_attention_mask [L], pooled_prompt_embed [P]; got {shapes}")
+    return out
+
+
+def describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor {list(value.shape)}"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {describe(v)}" for k, v in value.items()) + "}"
+    return type(value).__name__
+
+
+def decode_frames_at(path: str, indices: tuple[int, ...], rules: FrameRules) -> tuple[torch.Tensor, float]:
+    """The listed source frames of a video (indices counted from its first frame, increasing) ->
+    (uint8 frames [T, 3, H, W], their rate). Buckets and frame-count rules apply as in decode_video;
+    target_fps does not: the row chose its frames."""
+    wanted = indices[:rules.max_frames]
+    with av.open(path) as container:
+        stream, rate = video_stream(container)
+        bucket, h, w, scale = pick_bucket(stream.codec_context.height, stream.codec_context.width, rules)
+        interpolation = "AREA" if scale < 1 else "BICUBIC"
+        kept: list[np.ndarray] = []
+        for index, frame in enumerate(container.decode(stream)):  # from the start: indices are exact
+            if index == wanted[len(kept)]:
+                rgb = frame.to_ndarray(format="rgb24", width=w, height=h, interpolation=interpolation)
+                kept.append(centre_crop(rgb, bucket))
+                if len(kept) == len(wanted):
+                    break
+    count = rules.usable_count(len(kept))
+    if count < rules.min_frames:
+        raise SkipSample("too_short", f"{len(kept)} of the row's frames exist, {count} usable; min_frames "
+                                      f"{rules.min_frames} (with rule count % {rules.frames_mod} == "
+                                      f"{rules.frames_remainder})")
+    frames = torch.from_numpy(np.stack(kept[:count])).permute(0, 3, 1, 2).contiguous()
+    stride = (wanted[count - 1] - wanted[0]) / (count - 1) if count > 1 else 1.0
+    return frames, float(rate) / stride
+
+
+def number(src: VideoCsvSource, row: list[str], column: str) -> float | None:
+    text = src.field(row, column)
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise SkipSample("bad_row", f"{column} is {text!r}, not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise SkipSample("bad_row", f"{column} is {text!r}")
+    return value
+
+
+def rules_of(cfg: DataConfig) -> FrameRules:
+    return FrameRules(buckets=tuple(cfg.buckets()), allow_upscale=cfg.allow_upscale,
+                      target_fps=cfg.target_fps, min_frames=cfg.min_frames, max_frames=cfg.max_frames,
+                      frames_mod=cfg.frames_mod, frames_remainder=cfg.frames_remainder)
+
+
+def stream_name(source: RowSource) -> str:
+    """A row source's stream (and cursor) name."""
+    kind = "annotations" if isinstance(source, AnnotationSource) else "video"
+    return f"{kind}:{source.name}"
+
+
+def read_row_sources(cfg: DataConfig) -> dict[str, RowSource]:
+    """Every video CSV, then every annotation file, by stream name."""
+    sources = [read_video_csv(p) for p in cfg.video_csv_paths]
+    sources += [read_annotations(p) for p in cfg.annotation_paths]
+    return {stream_name(s): s for s in sources}
