@@ -343,6 +343,15 @@ def preflight_rows(args: list[str], gpus_per_node: int = 1) -> dict[str, list]:
     return rows
 
 
+def test_pan_check_estimates_a_run_with_lpips(lpips_file, tmp_path):
+    """The memory and step-time rows trace the LPIPS term too (its VGG is a frozen helper of the
+    probe; its meta buffers once made the trace fail on every VAE config with LPIPS)."""
+    rows = preflight_rows(tiny_args(tmp_path, "run", "--perceptual_weight", "1.0", "--lpips_ckpt", str(lpips_file)))
+    [(status, detail)] = rows["memory"]
+    assert status == "pass" and "frozen lpips" in detail
+    assert rows["step time"][0][0] == "pass"
+
+
 def test_pan_check_warns_when_the_gan_never_trains_and_checks_the_stage1_checkpoint(stage1, tmp_path, capsys):
     from pan.preflight import main_check
 

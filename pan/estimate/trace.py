@@ -191,17 +191,14 @@ class StepTrace(TorchDispatchMode):
 # ================================================================================================
 
 def fake_copy(model: nn.Module) -> nn.Module:
-    """A copy of a meta-device model with fake CPU parameters and buffers (inside FakeTensorMode)."""
-    twin = copy.deepcopy(model)
-    for module in twin.modules():
-        for name, p in module._parameters.items():
-            if p is not None:
-                module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype),
-                                                        requires_grad=p.requires_grad)
-        for name, b in module._buffers.items():
-            if b is not None:
-                module._buffers[name] = torch.empty(b.shape, dtype=b.dtype)
-    return twin
+    """A copy of a meta-device model with fake CPU parameters and buffers (inside FakeTensorMode).
+
+    Its tensors are not copied: deepcopy under FakeTensorMode cannot clone a plain meta tensor
+    that is a view (LPIPS's scaling buffers), so each is mapped to a new empty tensor up front."""
+    fresh = {id(b): torch.empty(b.shape, dtype=b.dtype) for b in model.buffers()}
+    fresh.update({id(p): nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
+                  for p in model.parameters()})
+    return copy.deepcopy(model, memo=fresh)
 
 
 class _Exchange(torch.autograd.Function):
