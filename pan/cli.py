@@ -17,7 +17,7 @@ def cmd_train(argv: list[str]) -> int:
               "listed in docs/config.md. Launch several processes with torchrun.")
         return 0
     job = load_config_or_exit(argv)
-    from pan.trainer import train
+    from pan.trainer import train  # lazy: `pan --help` and the other commands never load the trainer
     return train(job)
 
 

@@ -10,6 +10,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from pan.checkpoint import dcp as layout
+from pan.checkpoint.export import consolidated_weights
+from pan.config import EXIT_CONFIG_ERROR, load_config_or_exit
 from pan.media import to_uint8_frames, write_gif, write_mp4
 from pan.recipe import get_recipe
 
@@ -35,8 +38,6 @@ def resolve_weights(path: Path, use_ema: bool) -> tuple[dict[str, Tensor], Path 
     run's output_dir (its latest complete checkpoint). Returns the weights and the run dir, if known."""
     from safetensors.torch import load_file
 
-    from pan.checkpoint import dcp as layout
-    from pan.checkpoint.export import consolidated_weights
 
     if path.suffix == ".safetensors":
         return load_file(str(path)), None
@@ -99,7 +100,6 @@ def main(argv: list[str] | None = None) -> int:
     """`pan sample`: find the run's recipe from its config and hand the command to its sampler."""
     import argparse
 
-    from pan.config import EXIT_CONFIG_ERROR, load_config_or_exit
 
     argv = list(argv or [])
     probe = argparse.ArgumentParser(add_help=False)

@@ -149,8 +149,9 @@ def export_formats() -> dict[str, str]:
 
 
 def describe(spec: str) -> str:
-    """The first line of an export hook's docstring (for --help)."""
-    return (resolve(spec).__doc__ or spec).strip().splitlines()[0].rstrip(".")
+    """The first sentence of an export hook's docstring (for --help)."""
+    text = " ".join((resolve(spec).__doc__ or spec).split())
+    return text.split(". ")[0].rstrip(".")
 
 
 def export_format(args, name: str, spec: str) -> int:

@@ -28,6 +28,7 @@ from typing import Iterator
 
 import torch.distributed as dist
 
+from pan.checkpoint.manager import first_problem
 from pan.logging import get_logger
 
 LEASE_FILE = "lease.json"
@@ -248,7 +249,6 @@ class RunLease:
 def run_lease(output_dir: str | Path, timeout: float, world) -> Iterator[RunLease | None]:
     """Hold output_dir's lease for the run (collective: every rank enters together). Rank 0 holds it
     for all ranks (yielded there, None elsewhere); every rank raises LeaseHeldError when refused."""
-    from pan.checkpoint.manager import first_problem
 
     processes = [this_process()]
     if dist.is_initialized():

@@ -7,8 +7,9 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from pan.config.job import components
+from pan.config.job import DEFAULT_RECIPE, components
 from pan.config.loader import _type_name, field_types
+from pan.recipe import BUILT_IN, get_recipe
 
 
 def _default(f: dataclasses.Field):
@@ -33,15 +34,12 @@ def _rows(cls, prefix: str = ""):
 def shipped_recipes() -> list[str]:
     """The recipes pan ships (plugins from PAN_RECIPE_MODULES are not documented here), the
     default one first."""
-    from pan.config.job import DEFAULT_RECIPE
-    from pan.recipe import BUILT_IN
 
     return sorted(BUILT_IN, key=lambda n: (n != DEFAULT_RECIPE, n))
 
 
 def render_recipe(recipe_name: str) -> list[str]:
     """One recipe's section: its keys, grouped by the YAML section each is listed under."""
-    from pan.recipe import get_recipe
 
     recipe = get_recipe(recipe_name)
     by_section: dict[str, list] = {}
@@ -57,8 +55,6 @@ def render_recipe(recipe_name: str) -> list[str]:
 
 def render() -> str:
     """docs/config.md: every shipped recipe's keys, each recipe in its own section."""
-    from pan.config.job import DEFAULT_RECIPE
-    from pan.recipe import get_recipe
 
     recipes = shipped_recipes()
     lines = [

@@ -318,7 +318,7 @@ def causal_vae_config(cfg: VAEConfig):
     causal_vae run, the run's output_dir/vae_config.json (ConfigError on `vae_path` otherwise)."""
     import json
 
-    from pan.models.causal_vae import CONFIG_NAME, WEIGHTS_NAME, CausalVAEConfig
+    from pan.models.causal_vae import CONFIG_NAME, WEIGHTS_NAME, CausalVAEConfig  # lazy: only a causal VAE needs it
 
     require(cfg.vae_path is not None, "vae_path", "is required with `vae_type: causal_video_vae`: a "
             "released causal_video_vae folder or a checkpoint-N/ of a causal_vae run.")
@@ -344,13 +344,13 @@ class CausalVideoVAEEncoder(FrozenVAE):
     frame 0 (the first pixel frame alone) with the image statistics, later frames with the video ones."""
 
     def __init__(self, cfg: VAEConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
-        from pan.models.causal_vae import CausalVideoVAE, check_state_dict
+        from pan.models.causal_vae import CausalVideoVAE, check_state_dict  # lazy: only a causal VAE needs it
 
         config = causal_vae_config(cfg)
         super().__init__(vae_geometry(cfg))
         path = Path(cfg.vae_path).expanduser()
         if (path / "vae" / ".metadata").is_file():
-            from pan.checkpoint.export import consolidated_weights
+            from pan.checkpoint.export import consolidated_weights  # lazy: only a causal_vae run's folder
             state = consolidated_weights(path / "vae")
             state.pop("logvar", None)   # the loss's log-variance, trained with the VAE
             with torch.device("meta"):

@@ -14,9 +14,9 @@ import torch
 from pan.checkpoint import dcp as layout
 from pan.checkpoint.warm_start import ShapeDiff
 from pan.config.core import ConfigError
-from pan.data.plan import Ref
-from pan.data.reader import SampleReader, rules_of
-from pan.data.sources import SourceError
+from pan.data.plan import IMAGE_STREAM, Ref
+from pan.data.reader import SampleReader, rules_of, stream_name
+from pan.data.sources import SourceError, read_annotations, read_image_tars, read_video_csv
 from pan.estimate import Phase, Probe, largest_batch, loader_bytes
 from pan.models.lpips import LPIPS
 from pan.parallel.vae_context import frame_split
@@ -111,9 +111,6 @@ def check_clips(ctx) -> list[Row]:
     """A few samples of every source (video CSVs, annotation files: rows with `video` or `image`,
     image tars) decoded as training reads them (random windows of max_frames frames, resized and
     cropped); images as 1-frame clips."""
-    from pan.data.plan import IMAGE_STREAM
-    from pan.data.reader import stream_name
-    from pan.data.sources import read_annotations, read_image_tars, read_video_csv
 
     data, rows = ctx.job.data, []
     csvs, sources = {}, []

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from pan.models.causal_vae import CausalVAEConfig, CausalVideoVAE, DiagonalGaussian
 from pan.models.vae_discriminator import NLayerDiscriminator
+from pan.parallel.names import unwrapped_name
 from pan.parallel.vae_context import ContextGroup, ContextWindows
 
 if TYPE_CHECKING:
@@ -93,7 +94,6 @@ def full_weights(module: nn.Module) -> dict[str, Tensor]:
     """The whole parameters of a (possibly sharded) module, detached (collective when sharded)."""
     from torch.distributed.tensor import DTensor
 
-    from pan.parallel.names import unwrapped_name
     return {unwrapped_name(n): (p.full_tensor() if isinstance(p, DTensor) else p).detach()
             for n, p in module.named_parameters()}
 

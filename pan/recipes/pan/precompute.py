@@ -16,6 +16,8 @@ import torch
 from pan.data.precompute import CsvFormat, PrecomputeError, latent_settings
 from pan.data.reader import rules_of
 from pan.data.sources import VideoCsvSource, read_video_csv
+from pan.encoders.text import TextEncoder
+from pan.encoders.vae import build_vae
 
 
 def settings_of(job) -> dict:
@@ -27,8 +29,6 @@ class Encoders:
     """The run's frozen VAE and text encoder, used the way PanTask uses them."""
 
     def __init__(self, job, device: torch.device):
-        from pan.encoders.text import TextEncoder
-        from pan.encoders.vae import build_vae
 
         self.device = device
         self.text_encoder = TextEncoder(job.text_encoder, device=device)

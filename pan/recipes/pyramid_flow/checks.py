@@ -35,7 +35,16 @@ from pan import preflight
 from pan.checkpoint.warm_start import ShapeDiff
 from pan.config.core import ConfigError, ErrorCollector, require
 from pan.config.job import components
+from pan.data.plan import IMAGE_STREAM, Ref
+from pan.data.reader import SampleReader, rules_of, stream_name
+from pan.data.sources import SourceError, read_annotations, read_image_tars, read_video_csv
+from pan.encoders.pyramid_text import check_dit_widths
+from pan.encoders.pyramid_text import check_text_encoders as released_layout
+from pan.encoders.text import frozen_dtype
+from pan.encoders.vae import vae_geometry
 from pan.estimate import Phase, Probe, frozen_vae_bytes, largest_batch, loader_bytes, module_bytes, run_device
+from pan.models.packing import PackInfo
+from pan.models.pyramid_io import WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 from pan.preflight import Preflight, Row, spread_rows
 from pan.recipes.pyramid_flow.config import dit_config, variant_folder
 from pan.recipes.pyramid_flow.task import PyramidInputs
@@ -165,7 +174,6 @@ def check_variant_resolution_rule(job) -> None:
     shape = dit_shape(job)
     if shape.grid_limit is None:
         return
-    from pan.encoders.vae import vae_geometry
     factor = vae_geometry(job.vae).spatial_factor
     too_big = [_bucket_text(h, w) for h, w in buckets
                if max(h // factor // shape.patch[0], w // factor // shape.patch[1]) > shape.grid_limit]
@@ -177,7 +185,6 @@ def check_variant_resolution_rule(job) -> None:
 
 def check_stage_sizes_rule(job) -> None:
     """Every bucket's latent, halved stages - 1 times, still cuts into whole patches."""
-    from pan.encoders.vae import vae_geometry
     geometry = vae_geometry(job.vae)
     uh, uw = stage_unit(job)
     bad = []
@@ -258,7 +265,6 @@ def _stage_tokens(task, frames: int, height: int, width: int, stage: int, stages
 
 def _source_sizes(job) -> dict[str, int]:
     """Samples per row source and of the image tars; unreadable ones are left to the data row."""
-    from pan.data.sources import SourceError, read_annotations, read_image_tars, read_video_csv
     readers = [(Path(p).name, lambda p=p: read_video_csv(p)) for p in job.data.video_csv_paths]
     readers += [(Path(p).name, lambda p=p: read_annotations(p)) for p in job.data.annotation_paths]
     if job.data.image_tar_paths:
@@ -328,7 +334,6 @@ def _weight_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
     """name -> shape from the safetensors headers of a released folder (one file or shards)."""
     from safetensors import safe_open
 
-    from pan.models.pyramid_io import WEIGHTS_INDEX_NAME, WEIGHTS_NAME
     if (folder / WEIGHTS_NAME).is_file():
         files = [folder / WEIGHTS_NAME]
     elif (folder / WEIGHTS_INDEX_NAME).is_file():
@@ -347,8 +352,6 @@ def _weight_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
 def check_text_encoders(ctx: Preflight) -> list[Row]:
     """The released text encoders: every file, config and tokenizer length (no weights loaded), and
     their feature widths against the DiT's."""
-    from pan.encoders.pyramid_text import check_dit_widths
-    from pan.encoders.pyramid_text import check_text_encoders as released_layout
     m = ctx.job.model
     name = "pyramid_flux" if m.model_name == "pan" else m.model_name
     layout = released_layout(ctx.job.text, name, m.model_path or "")
@@ -367,7 +370,6 @@ def check_text_encoders(ctx: Preflight) -> list[Row]:
 def check_vae(ctx: Preflight) -> list[Row]:
     """The VAE's latent channels against the DiT's: a must where rows are encoded online, else only
     validation samples (and `pan sample`) decode with it."""
-    from pan.encoders.vae import vae_geometry
     geometry = vae_geometry(ctx.job.vae)
     channels = dit_shape(ctx.job).latent_channels
     detail = (f"{ctx.job.vae.vae_type}: {geometry.latent_channels} latent channels, {geometry.temporal_factor}x "
@@ -386,7 +388,6 @@ def check_vae(ctx: Preflight) -> list[Row]:
 
 def _sources_encoded_online(job) -> list[str]:
     """Data files some rows of which go through the VAE (no precomputed latent)."""
-    from pan.data.sources import SourceError, read_annotations, read_video_csv
     online = list(job.data.image_tar_paths)
     for path in job.data.video_csv_paths:
         try:
@@ -407,9 +408,6 @@ def _sources_encoded_online(job) -> list[str]:
 def check_data(ctx: Preflight) -> list[Row]:
     """Parse every source; read a sample of each one's rows as training will (files exist, latents
     and text features load or media decode) and check them against the DiT."""
-    from pan.data.plan import IMAGE_STREAM
-    from pan.data.reader import SampleReader, rules_of, stream_name
-    from pan.data.sources import SourceError, read_annotations, read_image_tars, read_video_csv
 
     job, rows, sources = ctx.job, [], {}
     readers = [(p, read_video_csv) for p in job.data.video_csv_paths]
@@ -437,7 +435,6 @@ def check_data(ctx: Preflight) -> list[Row]:
 
 def _sample_rows(ctx: Preflight, reader, label: str, stream: str, size: int) -> Row:
     """Read `sample_rows` rows spread over a source (first, last, between) and judge them."""
-    from pan.data.plan import Ref
     picks = spread_rows(ctx.sample_rows, size)
     good, skipped, unfit = 0, [], []
     for index in picks:
@@ -515,7 +512,6 @@ def _over_budget(ctx: Preflight, sample) -> str | None:
 
 def text_encoder_bytes(job, dtype: torch.dtype) -> int:
     """The released T5 and CLIP(s) in `dtype`, as `pan.encoders.pyramid_text` loads them."""
-    from pan.encoders.pyramid_text import check_text_encoders as released_layout
     m = job.model
     layout = released_layout(job.text, "pyramid_flux" if m.model_name == "pan" else m.model_name, m.model_path or "")
     return sum(_text_model_bytes(layout.folder / slot.model_dir, slot.kind, slot.projected, dtype)
@@ -536,9 +532,6 @@ def pyramid_probe(ctx: Preflight, task, samples: list[list[tuple[int, int, int]]
     (the trained one last), every caption at t5_max_length rows; one phase, the DiT's loss. Frozen
     where the data is read (cp rank 0): the VAE, and the text encoders when captions are encoded
     during training."""
-    from pan.encoders.text import frozen_dtype
-    from pan.encoders.vae import vae_geometry
-    from pan.models.packing import PackInfo
 
     job, cp, model = ctx.job, ctx.dims.cp, task.model
     channels, text_len = vae_geometry(job.vae).latent_channels, job.text.t5_max_length

@@ -144,9 +144,9 @@ class PyramidJobConfig(JobConfig):
 
 def dit_class(model_name: str) -> type[nn.Module]:
     if model_name == "pyramid_mmdit":
-        from pan.models.pyramid_mmdit import PyramidMMDiT
+        from pan.models.pyramid_mmdit import PyramidMMDiT  # lazy: loading a config builds no model
         return PyramidMMDiT
-    from pan.models.pyramid_flux import PyramidFluxTransformer
+    from pan.models.pyramid_flux import PyramidFluxTransformer  # lazy: loading a config builds no model
     return PyramidFluxTransformer
 
 
@@ -156,7 +156,7 @@ def variant_folder(cfg: PyramidModelConfig) -> Path:
 
 def dit_config(cfg: PyramidModelConfig):
     """The variant's config.json as the model's config (with the recipe's overrides applied)."""
-    from pan.models.pyramid_io import load_config
+    from pan.models.pyramid_io import load_config  # lazy: with the model classes it reads configs for
 
     cls = dit_class(cfg.model_name)
     try:

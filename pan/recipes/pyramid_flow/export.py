@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pan.checkpoint.export import consolidated_weights, part_source
+from pan.config import load_job_config
+from pan.models.pyramid_io import save_pretrained
 from pan.recipes.pyramid_flow.model import build_dit
 
 
 def export_released(ckpt_dir: Path, out_dir: Path, *, ema: bool = False) -> Path:
     """Write a checkpoint's DiT as a released Pyramid-Flow folder (config.json + safetensors, the
     released keys) that the original's loaders and `model_path` read. Returns the folder."""
-    from pan.checkpoint.export import consolidated_weights, part_source
-    from pan.config import load_job_config
-    from pan.models.pyramid_io import save_pretrained
 
     config = Path(ckpt_dir).parent / "config.yaml"
     if not config.is_file():

@@ -11,8 +11,10 @@ import torch
 from torch import Tensor, nn
 
 from pan.models.attention import set_attention_backend
-from pan.models.packing import PackInfo, SampleLayout
-from pan.models.pan_dit import PanDiTConfig
+from pan.models.packing import PackInfo, SampleLayout, patchify, unpatchify
+from pan.models.pan_dit import PanDiTConfig, PanVideoDiffusionTransformer
+from pan.models.pyramid_flux import pyramid_sample_layout
+from pan.models.pyramid_io import read_weights
 from pan.recipes.pyramid_flow.config import PyramidJobConfig, dit_class, dit_config, variant_folder
 
 
@@ -22,7 +24,6 @@ class PanForPyramid(nn.Module):
 
     def __init__(self, config: PanDiTConfig, use_temporal_causal: bool, interp_condition_pos: bool):
         super().__init__()
-        from pan.models.pan_dit import PanVideoDiffusionTransformer
 
         self.dit = PanVideoDiffusionTransformer(config, zero_init_modulation=True)
         self.patch = tuple(config.patch_size)
@@ -37,18 +38,15 @@ class PanForPyramid(nn.Module):
         return t // self.patch[0], h // self.patch[1], w // self.patch[2]
 
     def patchify(self, latent: Tensor) -> Tensor:
-        from pan.models.packing import patchify
         return patchify(latent, self.patch)
 
     def target_tokens(self, latent: Tensor) -> Tensor:
         return self.patchify(latent)
 
     def unpatchify(self, tokens: Tensor, grid) -> Tensor:
-        from pan.models.packing import unpatchify
         return unpatchify(tokens, grid, self.patch)
 
     def sample_layout(self, grids, text_len: int) -> SampleLayout:
-        from pan.models.pyramid_flux import pyramid_sample_layout
         return pyramid_sample_layout(grids, text_len, self.use_temporal_causal, self.interp_condition_pos)
 
     def forward(self, x: Tensor, timesteps: Tensor, text: Tensor, pooled: Tensor, pack: PackInfo) -> Tensor:
@@ -87,5 +85,4 @@ def build_dit(job: PyramidJobConfig) -> nn.Module:
 
 
 def released_weights(job: PyramidJobConfig) -> dict[str, Tensor]:
-    from pan.models.pyramid_io import read_weights
     return read_weights(variant_folder(job.model))

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from pan.diffusion.pyramid import GeneratorDraws, denormalize_latent
+from pan.diffusion.pyramid_sampler import sample_full_sequence
 from pan.encoders.pyramid_text import TextFeatures
 from pan.models.packing import PackInfo
 from pan.parallel.world import planned_task
@@ -39,7 +40,6 @@ def sample_videos(task, model: nn.Module, prompts: list[str], *, num_frames: int
                   height: int, width: int, steps, guidance_scale: float, seed: int) -> list[Tensor]:
     """Sample one latent clip per prompt with the pyramid sampler; decoded frames [T, 3, H, W] in [-1, 1].
     `task` is the run's task (a PyramidFlowTask) with its encoders loaded."""
-    from pan.diffusion.pyramid_sampler import sample_full_sequence
 
     device = task.world.device
     c, t, h, w = task.geometry.latent_shape(num_frames, height, width)

@@ -23,6 +23,9 @@ import math
 
 from pan import preflight
 from pan.config.core import ErrorCollector
+from pan.data.decode import SkipSample
+from pan.data.reader import read_raw_latent
+from pan.data.sources import SourceError, read_annotations
 from pan.diffusion.pyramid import history_spans, stage_unit_counts, unit_frames
 from pan.preflight import Preflight, Row, spread_rows
 from pan.recipes.pyramid_flow import checks as shared
@@ -93,9 +96,6 @@ def check_annotation_rows(ctx: Preflight) -> list[Row]:
     """A sample of each annotation file's video rows: a `latent` (the original's AR training reads
     precomputed latents) and a caption (`text`, encoded online unless `text_fea` is given); latent
     frame counts against the latent frames of max_frames."""
-    from pan.data.decode import SkipSample
-    from pan.data.reader import read_raw_latent
-    from pan.data.sources import SourceError, read_annotations
 
     job, rows = ctx.job, []
     window, fpu = latent_window(job), job.ar.frame_per_unit

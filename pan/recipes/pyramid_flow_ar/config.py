@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from pan.config.core import knob, require
+from pan.encoders.vae import vae_geometry
 from pan.recipes.pyramid_flow.config import PyramidJobConfig, PyramidModelConfig, PyramidValidationConfig
 
 # Template values left in a run YAML (the original's `/PATH/...`, `/path/to/...`, `<...>`).
@@ -99,7 +100,6 @@ class PyramidARJobConfig(PyramidJobConfig):
 
 def latent_window(job) -> int:
     """Latent frames of `max_frames` pixel frames: the longest clip a sample trains on."""
-    from pan.encoders.vae import vae_geometry
     return (job.data.max_frames - 1) // vae_geometry(job.vae).temporal_factor + 1
 
 

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from pan.diffusion.pyramid import GeneratorDraws, denormalize_latent, normalize_latent, unit_frames
+from pan.diffusion.pyramid_sampler import sample_autoregressive
 from pan.encoders.pyramid_text import TextFeatures
 from pan.models.packing import PackInfo
 from pan.parallel.world import planned_task
@@ -53,7 +54,6 @@ def sample_ar_latent(task, model: nn.Module, prompt: str, *, num_frames: int, he
                      max_history_units: int | None = None) -> Tensor:
     """One normalised latent clip [1, C, T, H, W] for `prompt`, generated unit by unit after the
     normalised `context` (whole units: a first image, or a clip to continue)."""
-    from pan.diffusion.pyramid_sampler import sample_autoregressive
 
     v, device = task.job.validation, task.world.device
     c, t, h, w = task.geometry.latent_shape(num_frames, height, width)
