@@ -2,8 +2,11 @@
 
 import sys
 
-from pan.cli import cmd_train
-from pan.parallel.world import exit_process
+from pan.watchdog import watch_launcher  # the standard library only: nothing heavy is imported yet
 
 if __name__ == "__main__":
+    watch_launcher()  # first: torchrun can die while this rank imports torch or waits to rendezvous
+    from pan.cli import cmd_train
+    from pan.parallel.world import exit_process
+
     exit_process(cmd_train(sys.argv[1:]))

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from pan.config import EXIT_CONFIG_ERROR, load_config_or_exit  # noqa: F401 - the commands' exit code
+from pan.watchdog import watch_launcher
 
 
 def cmd_train(argv: list[str]) -> int:
@@ -16,6 +17,7 @@ def cmd_train(argv: list[str]) -> int:
               "(--learning_rate 1e-5, --transformer_config_overrides.num_layers 4). Every key is\n"
               "listed in docs/config.md. Launch several processes with torchrun.")
         return 0
+    watch_launcher()  # before the config and torch load (train.py has started it already)
     job = load_config_or_exit(argv)
     from pan.trainer import train  # lazy: `pan --help` and the other commands never load the trainer
     return train(job)

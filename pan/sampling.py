@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,6 +74,18 @@ def load_condition(path: str, given_frames: int, settings: SampleSettings, vae, 
 
 
 DEFAULT_RECIPE = "pan"  # what a bare exported .safetensors is sampled as (its --config may say otherwise)
+
+
+def sample_parser(description: str) -> argparse.ArgumentParser:
+    """`pan sample`'s parser with the options every recipe's sampler takes; the recipe adds its own."""
+    parser = argparse.ArgumentParser(prog="pan sample", description=description)
+    parser.add_argument("--checkpoint", required=True, type=Path,
+                        help="checkpoint-N/ dir, a run's output_dir (latest checkpoint), or an exported "
+                             ".safetensors")
+    parser.add_argument("--config", help="run config (default: the run's config.yaml)")
+    parser.add_argument("--prompt", action="append", required=True, help="caption (repeatable)")
+    parser.add_argument("--out", required=True, type=Path, help="output .mp4 (a .gif is written beside)")
+    return parser
 
 
 def write_video(out: Path, index: int, count: int, video: Tensor, prompt: str, fps: float) -> Path:

@@ -34,7 +34,7 @@ from pan.parallel.mesh import build_mesh, cp_group, cp_rank
 from pan.parallel.world import close_world, init_world, is_main_process
 from pan.recipe import get_recipe
 from pan.task import Part, PartSpec, StepContext, global_sums
-from pan.watchdog import exit_when_launcher_dies, watchdog_running
+from pan.watchdog import STARTUP, exit_if_launcher_gone, stop_watching_launcher, watch_launcher, watchdog_running
 
 
 @dataclass(kw_only=True)
@@ -69,9 +69,18 @@ class TrainerConfig:
     watchdog_first_timeout: float = knob(
         1800.0, "seconds allowed to the first run of each phase in a launch (no median yet: "
                 "compilation, the first save, data that is read again after a resume)", gt=0)
+    watchdog_startup_timeout: float = knob(
+        1200.0, "seconds allowed to a launch's start-up, everything before its first step (the "
+                "rendezvous, the lease, resuming or warm-starting from a checkpoint, building and "
+                "loading the models, the data loader); longer is a hang, ended like one (every rank's "
+                "Python stacks, exit 3). Keep it below the process group's timeout (1800 s, "
+                "process_group_timeout where the recipe has it), which would end a start-up stuck in "
+                "a collective without the stacks", gt=0)
     exit_when_launcher_dies: bool = knob(
         True, "a rank whose launcher (torchrun, srun, the parent process) is gone stops at once "
-              "instead of training on or waiting forever")
+              "(exit 1, one log line) instead of training on or waiting forever, also while it "
+              "starts; train.py watches from its first line, false stops the watch once the config "
+              "is read")
 
     def check(self, job) -> None:
         require(self.legacy_eager_mode, "legacy_eager_mode",
@@ -364,7 +373,7 @@ def build_trainer(job) -> Trainer:
 
     log = get_logger()
     quiet_library_progress_bars()
-    world = init_world()
+    world = init_world(getattr(job, "process", None))
     dims = ParallelDims.from_config(job.parallel, world.size, world.local_size)
     cfg = job.trainer
     if cfg.gradient_accumulation_steps > 1:
@@ -428,19 +437,32 @@ def train(job) -> int:
     log = get_logger()
     trainer = None
     guards = contextlib.ExitStack()
+    cfg = job.trainer
     try:
-        if job.trainer.exit_when_launcher_dies:
-            exit_when_launcher_dies()  # first: a rendezvous can wait for a launcher that is gone
-        world = init_world()
-        # Before anything is written to output_dir: one run per folder.
-        lease = guards.enter_context(run_lease(job.checkpoint.output_dir, job.checkpoint.lease_timeout, world))
-        log.info("lease of %s held (lease_timeout %g s)", job.checkpoint.output_dir, job.checkpoint.lease_timeout)
-        trainer = build_trainer(job)
+        if cfg.exit_when_launcher_dies:
+            watch_launcher()  # started by train.py's first line already; here for other callers
+        else:
+            stop_watching_launcher()
+        dog = None
+        if cfg.watchdog:
+            dog = guards.enter_context(watchdog_running(cfg.watchdog_factor, cfg.watchdog_min_timeout,
+                                                        cfg.watchdog_first_timeout,
+                                                        cfg.watchdog_startup_timeout))
+        # The start-up is watched as a phase of its own: a rank frozen or stuck on a dead file system
+        # while the others wait for it in a collective (the resume's broadcasts) is a hang too.
+        with dog.watching(STARTUP, "the start-up") if dog is not None else contextlib.nullcontext():
+            # The process config's process_group_timeout also bounds the rendezvous.
+            world = init_world(getattr(job, "process", None))
+            if dog is not None:
+                dog.use_process_group()
+            # Before anything is written to output_dir: one run per folder.
+            lease = guards.enter_context(run_lease(job.checkpoint.output_dir, job.checkpoint.lease_timeout,
+                                                   world))
+            log.info("lease of %s held (lease_timeout %g s)", job.checkpoint.output_dir,
+                     job.checkpoint.lease_timeout)
+            trainer = build_trainer(job)
         trainer.lease = lease
-        if job.trainer.watchdog:
-            trainer.watchdog = guards.enter_context(watchdog_running(
-                job.trainer.watchdog_factor, job.trainer.watchdog_min_timeout,
-                job.trainer.watchdog_first_timeout, world))
+        trainer.watchdog = dog
         trainer.fit()
         log.info("training finished at step %d", trainer.state.step)
         return 0
@@ -463,10 +485,17 @@ def train(job) -> int:
         return 2
     except dist.DistBackendError as e:
         # A peer process died (its own error is above): one line here, not a traceback per rank.
+        # When the launcher is gone, that is why (the peers stopped on seeing it): say so instead.
+        exit_if_launcher_gone(grace_s=1.0)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"pan: rank {os.environ.get('RANK', '0')} lost a peer process ({first[:200]}); the "
               "first error above says why.", file=sys.stderr)
         return 1
+    except Exception:
+        # The launcher's store vanishes with it: an error of the rendezvous or of a new process group
+        # ("Broken pipe") can come before the launcher watch sees the launcher gone.
+        exit_if_launcher_gone(grace_s=1.0)
+        raise
     finally:
         if trainer is not None:
             trainer.close()

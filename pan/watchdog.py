@@ -1,17 +1,23 @@
-"""Ranks that stop on their own: when a step, save or validation hangs, and when their launcher dies.
+"""Ranks that stop on their own: when the start-up, a step, a save or a validation hangs, and when
+their launcher dies.
 
-Hangs. The loop runs each phase ("step", "save", "validation") under `Watchdog.watching(phase)`. A
-phase that runs longer than max(min_timeout, factor x the median of its last runs) (first_timeout
-while it has no history) is a hang: the rank that sees it first logs why, tells the others through
-the process group's store, and every rank writes its Python stacks (faulthandler, every thread) to
-its stderr, waits a few seconds for the others to do the same, and exits with HANG_EXIT_CODE, so the
-scheduler can restart the run. A rank hung in native code that never releases the GIL cannot run the
+Hangs. train() runs the start-up (rendezvous, lease, resume, model build: everything before the first
+step) under `Watchdog.watching(STARTUP)`, the loop each phase ("step", "save", "validation") under
+`Watchdog.watching(phase)`. A start-up longer than startup_timeout, a phase that runs longer than
+max(min_timeout, factor x the median of its last runs) (first_timeout while it has no history) is a
+hang: the rank that sees it first logs why, tells the others through the process group's store (once
+there is one), and every rank writes its Python stacks (faulthandler, every thread) to its stderr,
+waits a few seconds for the others to do the same, and exits with HANG_EXIT_CODE, so the scheduler
+can restart the run. A rank hung in native code that never releases the GIL cannot run the
 watchdog thread: faulthandler's own C timer, armed for each phase a little later, dumps its stacks
 and exits 1 instead.
 
 Orphans. torchrun starts each rank in a session of its own, so a SIGKILLed launcher leaves its ranks
-training (or waiting in a collective) forever. A thread notices that the parent process changed and
-ends the rank.
+importing, waiting in the rendezvous, training or waiting in a collective, forever. train.py starts
+`watch_launcher` before anything heavy is imported: it records the parent process, ends the rank at
+once when that is no launcher any more (torchrun died before the rank started), and from then on a
+thread ends the rank within LAUNCHER_POLL_S of the parent's change. That part uses the standard
+library only.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ WAIT_FOR_PEERS_S = 10.0  # how long a rank that dumped its stacks waits for the 
 BACKSTOP_S = 30.0       # faulthandler's timer fires this long after the Python thread should have
 HISTORY = 100           # runs of a phase its median is taken over
 _HANG_KEY, _DUMPED_KEY = "pan/watchdog/hang", "pan/watchdog/dumped"
+STARTUP = "start-up"    # the phase of everything before the first step
 
 
 def _flush() -> None:
@@ -59,8 +66,9 @@ class Watchdog:
     """Times the loop's phases on one rank and ends every rank of the run when one hangs."""
 
     def __init__(self, factor: float, min_timeout: float, first_timeout: float, rank: int,
-                 world_size: int, store=None):
+                 world_size: int, store=None, startup_timeout: float | None = None):
         self.factor, self.min_timeout, self.first_timeout = factor, min_timeout, first_timeout
+        self.startup_timeout = first_timeout if startup_timeout is None else startup_timeout
         self.rank, self.world_size, self.store = rank, world_size, store
         self.history: dict[str, collections.deque] = collections.defaultdict(
             lambda: collections.deque(maxlen=HISTORY))
@@ -73,10 +81,12 @@ class Watchdog:
     def describe(self) -> str:
         return (f"watchdog: a step, save or validation running longer than max({self.min_timeout:g} s, "
                 f"{self.factor:g} x the median of its last {HISTORY}) ({self.first_timeout:g} s for the "
-                f"first of its kind) is a hang: every rank then writes its Python stacks to the log and "
-                f"the run exits {HANG_EXIT_CODE}")
+                f"first of its kind), or a start-up longer than {self.startup_timeout:g} s, is a hang: "
+                f"every rank then writes its Python stacks to the log and the run exits {HANG_EXIT_CODE}")
 
     def limit(self, phase: str) -> float:
+        if phase == STARTUP:
+            return self.startup_timeout
         past = self.history[phase]
         if not past:
             return self.first_timeout
@@ -84,7 +94,7 @@ class Watchdog:
 
     @contextlib.contextmanager
     def watching(self, phase: str, what: str = "") -> Iterator[None]:
-        """Time one run of `phase` ("step", "save", "validation"); `what` names it in the log."""
+        """Time one run of `phase` (STARTUP, "step", "save", "validation"); `what` names it in the log."""
         limit = self.limit(phase)
         start = time.monotonic()
         with self._lock:
@@ -110,6 +120,11 @@ class Watchdog:
             self._thread.join()
             self._thread = None
         faulthandler.cancel_dump_traceback_later()
+
+    def use_process_group(self) -> None:
+        """Tell and hear the other ranks' hangs through the default process group's store, once it
+        is up (a hang in the rendezvous is only this rank's)."""
+        self.store = _default_store()
 
     def _run(self) -> None:
         while not self._stop.wait(POLL_S):
@@ -168,10 +183,13 @@ class Watchdog:
 
 
 @contextlib.contextmanager
-def watchdog_running(factor: float, min_timeout: float, first_timeout: float, world
-                     ) -> Iterator[Watchdog]:
-    """A started Watchdog of this rank for the run (its thread stopped on the way out)."""
-    dog = Watchdog(factor, min_timeout, first_timeout, world.rank, world.size, _default_store())
+def watchdog_running(factor: float, min_timeout: float, first_timeout: float,
+                     startup_timeout: float | None = None) -> Iterator[Watchdog]:
+    """A started Watchdog of this rank for the run (its thread stopped on the way out). It can start
+    before the process group (the start-up is watched from its first moment): the rank and world size
+    are torchrun's, and `use_process_group` gives it the store once the group is up."""
+    dog = Watchdog(factor, min_timeout, first_timeout, int(os.environ.get("RANK", "0")),
+                   int(os.environ.get("WORLD_SIZE", "1")), _default_store(), startup_timeout)
     dog.start()
     try:
         yield dog
@@ -179,25 +197,157 @@ def watchdog_running(factor: float, min_timeout: float, first_timeout: float, wo
         dog.stop()
 
 
-def exit_when_launcher_dies(poll_s: float = 1.0) -> bool:
-    """Start a thread that ends this process (exit LAUNCHER_GONE_EXIT_CODE) once its parent is gone.
+# -- the launcher --------------------------------------------------------------------------------
+# Everything below runs before torch is imported (train.py's first lines): standard library only.
 
-    Only for a rank started by a launcher (RANK is set: torchrun, srun, the tests); a plain `python
-    train.py` may be meant to outlive its shell (nohup). Returns whether the thread started.
-    """
-    parent = os.getppid()
-    if "RANK" not in os.environ or parent == 1:
+LAUNCHER_POLL_S = 0.25  # how often the launcher watch looks at the parent process
+
+
+def _proc_parent(pid: int) -> int | None:
+    """The parent pid of process `pid` (None: it is gone, or this system has no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])  # the command name, in (), may hold spaces
+
+
+def _proc_command(pid: int) -> str | None:
+    """Process `pid`'s command line ("" when it cannot be read; None when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return ""
+    return " ".join(arg.decode(errors="replace") for arg in raw.split(b"\0") if arg)
+
+
+def _may_be_torchrun(pid: int) -> bool:
+    """Whether process `pid` can be a torchrun agent (torchrun, `python -m torch.distributed.run`, a
+    Python program that calls it): a Python interpreter. Where that cannot be told, yes."""
+    command = _proc_command(pid)
+    if command is None:
         return False
-    log = get_logger()
+    if not command:
+        return True
+    program = os.path.basename(command.split()[0]).lower()
+    return "python" in program or "pypy" in program or "torch" in command.lower()
 
-    def watch():
-        while True:
-            time.sleep(poll_s)
-            if os.getppid() != parent:
-                log.error("the launcher of this rank (pid %d) is gone: this rank stops (exit %d)",
-                          parent, LAUNCHER_GONE_EXIT_CODE)
-                _flush()
-                os._exit(LAUNCHER_GONE_EXIT_CODE)
 
-    threading.Thread(target=watch, name="pan-launcher-watch", daemon=True).start()
+class _LauncherWatch:
+    """The launcher of this rank, as recorded when the process started, and the thread that ends the
+    rank once that launcher is gone."""
+
+    def __init__(self):
+        self.pid = os.getpid()
+        self.parent = os.getppid()  # the launcher, unless it died before this line ran
+        # torchrun starts each rank in a session of its own: the session's leader is the process
+        # torchrun started (this rank, or a wrapper such as `torchrun --no-python run.sh` that
+        # starts it), and its parent is torchrun's agent.
+        self.torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+        self.leader, self.agent = self.pid, self.parent
+        if self.torchrun and os.path.isdir("/proc") and os.getsid(0) != self.pid:
+            self.leader = os.getsid(0)
+            self.agent = _proc_parent(self.leader)
+        self.gone_at_start = self._gone_at_start()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _gone_at_start(self) -> str | None:
+        """Why the launcher is already gone when this process starts (None: it is there, or that
+        cannot be told). Only torchrun's ranks can tell: their launcher is a Python process, so a
+        parent that is no Python process (init, pid 1, or a subreaper) adopted the rank."""
+        if not self.torchrun or self.agent is None or not os.path.isdir("/proc"):
+            return None
+        if _may_be_torchrun(self.agent):
+            return None
+        command = (_proc_command(self.agent) or "?").split(" ")[0]
+        return (f"torchrun died before this rank started: the process torchrun started now has the "
+                f"parent pid {self.agent} ({os.path.basename(command)}), not torchrun's agent")
+
+    def gone(self) -> str | None:
+        """Why this rank's launcher is gone (None while it is there): its parent changed (the rank
+        was adopted by init or a subreaper), or it was gone when the rank started."""
+        if self.gone_at_start is not None:
+            return self.gone_at_start
+        if os.getppid() != self.parent:
+            return f"this rank's parent is now pid {os.getppid()}"
+        if self.leader != self.pid and self.agent is not None:
+            now = _proc_parent(self.leader)
+            if now is not None and now != self.agent:
+                return f"the process torchrun started (pid {self.leader}) now has the parent pid {now}"
+        return None
+
+    def exit_if_gone(self) -> None:
+        """End this process (exit LAUNCHER_GONE_EXIT_CODE, one log line) when its launcher is gone."""
+        reason = self.gone()
+        if reason is None:
+            return
+        launcher = self.agent if self.agent is not None and self.gone_at_start is None else "unknown"
+        get_logger().error("the launcher of this rank (pid %s) is gone: this rank stops (exit %d); %s",
+                           launcher, LAUNCHER_GONE_EXIT_CODE, reason)
+        _flush()
+        os._exit(LAUNCHER_GONE_EXIT_CODE)
+
+    def start(self, poll_s: float) -> None:
+        self.exit_if_gone()
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
+
+        def watch():
+            while not self._stop.wait(poll_s):
+                self.exit_if_gone()
+
+        self._thread = threading.Thread(target=watch, name="pan-launcher-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+_launcher: _LauncherWatch | None = None
+
+
+def watch_launcher(poll_s: float = LAUNCHER_POLL_S) -> bool:
+    """End this process (exit LAUNCHER_GONE_EXIT_CODE, with one log line) once its launcher is gone:
+    at once if it is gone already, else from a thread that looks every `poll_s` seconds.
+
+    Call it first thing (train.py does, before torch is imported): torchrun starts each rank in a
+    session of its own, so a launcher killed while its ranks import, wait in the rendezvous or train
+    leaves them running (holding GPUs) or waiting forever. The launcher is the parent process as
+    recorded at the first call. Only for a rank started by a launcher (RANK is set: torchrun, srun,
+    the tests); a plain `python train.py` may be meant to outlive its shell (nohup). Calls after the
+    first keep the first record. Returns whether the watch runs.
+    """
+    global _launcher
+    if "RANK" not in os.environ:
+        return False
+    if _launcher is None:
+        _launcher = _LauncherWatch()
+    _launcher.start(poll_s)
     return True
+
+
+def stop_watching_launcher() -> None:
+    """Stop the launcher watch (`exit_when_launcher_dies: false`, read once the config is)."""
+    if _launcher is not None:
+        _launcher.stop()
+
+
+def exit_if_launcher_gone(grace_s: float = 0.0) -> None:
+    """On a rank whose launcher watch runs: end it now (as the watch would) if its launcher is gone,
+    looking again for up to `grace_s` seconds. For an error path, so that a rank that lost its peers
+    or the launcher's store says why: a dying process closes its sockets before its children are
+    given to a new parent, so the error can come first."""
+    if _launcher is None or _launcher._stop.is_set():
+        return
+    deadline = time.monotonic() + grace_s
+    while True:
+        _launcher.exit_if_gone()
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.05)

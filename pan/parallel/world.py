@@ -24,9 +24,10 @@ class ProcessConfig:
 
     process_group_timeout: float = knob(
         1800.0, "seconds a collective waits for every rank before the run fails (NCCL's default is "
-                "600): keep it above the longest work one rank does alone between two collectives "
-                "(committing a checkpoint, decoding validation videos); the watchdog "
-                "(watchdog_factor) catches real hangs sooner", gt=0)
+                "600), and the most the rendezvous that starts the process group waits for the launcher's "
+                "store and every rank: keep it above the longest work one rank does alone between two "
+                "collectives (committing a checkpoint, decoding validation videos); the watchdog "
+                "(watchdog_factor, watchdog_startup_timeout) catches real hangs sooner", gt=0)
     allow_tf32: bool = knob(
         True, "on CUDA, fp32 matmuls and convolutions run on TF32 tensor cores (fp32 range, 10-bit "
               "mantissa inputs, fp32 sums; ~7x faster on H100): what runs outside bf16 autocast "
@@ -82,7 +83,9 @@ def is_main_process() -> bool:
 def init_world(cfg: ProcessConfig | None = None) -> World:
     """Start the default process group when torchrun launched several processes (NCCL on GPUs, gloo on
     CPU); a plain `python train.py` is a world of one and starts none. On GPUs, process LOCAL_RANK
-    uses cuda:LOCAL_RANK (TF32 as `allow_tf32` says)."""
+    uses cuda:LOCAL_RANK (TF32 as `allow_tf32` says). `process_group_timeout` bounds the rendezvous
+    too: a rank never waits longer for a launcher's store that is gone or for a rank that never
+    comes (train() passes the job's ProcessConfig; recipes without one get its defaults)."""
     cfg = cfg or ProcessConfig()
     rank = int(os.environ.get("RANK", 0))
     size = int(os.environ.get("WORLD_SIZE", 1))

@@ -3,9 +3,6 @@ classifier-free guidance on packed inputs."""
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -26,6 +23,7 @@ from pan.sampling import (
     place_model,
     resolve_weights,
     sample_dtype,
+    sample_parser,
     write_video,
 )
 
@@ -96,13 +94,7 @@ def sample_pan(job, argv: list[str]) -> int:
 
 
 def _sample_pan(job, argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="pan sample", description="Generate videos from a checkpoint.")
-    parser.add_argument("--checkpoint", required=True, type=Path,
-                        help="checkpoint-N/ dir, a run's output_dir (latest checkpoint), or an exported "
-                             ".safetensors")
-    parser.add_argument("--config", help="run config (default: the run's config.yaml)")
-    parser.add_argument("--prompt", action="append", required=True, help="caption (repeatable)")
-    parser.add_argument("--out", required=True, type=Path, help="output .mp4 (a .gif is written beside)")
+    parser = sample_parser("Generate videos from a Pan checkpoint.")
     parser.add_argument("--image", help="first-frame image (image-to-video)")
     parser.add_argument("--video", help="video whose first --video-frames frames are continued")
     parser.add_argument("--video-frames", type=int, default=5, help="pixel frames taken from --video")

@@ -5,9 +5,6 @@ recipe's `sample` hook).
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
 import torch
 from torch import Tensor, nn
 
@@ -18,7 +15,7 @@ from pan.models.packing import PackInfo
 from pan.parallel.world import planned_task
 from pan.recipes.pyramid_flow.config import PyramidJobConfig
 from pan.recipes.pyramid_flow.model import build_dit
-from pan.sampling import resolve_weights, write_video
+from pan.sampling import resolve_weights, sample_parser, write_video
 
 
 def velocity_fn(model: nn.Module, features: list[TextFeatures]):
@@ -61,12 +58,7 @@ def sample_videos(task, model: nn.Module, prompts: list[str], *, num_frames: int
 def sample_main(job: PyramidJobConfig, argv: list[str]) -> int:
     """`pan sample` for a pyramid_flow run: text-to-video with the stage-by-stage sampler and CFG."""
     v = job.validation
-    parser = argparse.ArgumentParser(prog="pan sample", description="Generate videos from a "
-                                     "pyramid_flow checkpoint (stage by stage, with CFG).")
-    parser.add_argument("--checkpoint", required=True, type=Path)
-    parser.add_argument("--config")
-    parser.add_argument("--prompt", action="append", required=True)
-    parser.add_argument("--out", required=True, type=Path)
+    parser = sample_parser("Generate videos from a pyramid_flow checkpoint (stage by stage, with CFG).")
     parser.add_argument("--num-frames", type=int, default=v.sample_num_frames)
     parser.add_argument("--height", type=int, default=v.sample_height)
     parser.add_argument("--width", type=int, default=v.sample_width)

@@ -6,9 +6,7 @@ The `task` the functions take is the run's task (a PyramidFlowARTask) with its e
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -20,7 +18,7 @@ from pan.models.packing import PackInfo
 from pan.parallel.world import planned_task
 from pan.recipes.pyramid_flow.model import build_dit
 from pan.recipes.pyramid_flow_ar.config import PyramidARJobConfig
-from pan.sampling import SampleSettings, load_condition, resolve_weights, write_video
+from pan.sampling import SampleSettings, load_condition, resolve_weights, sample_parser, write_video
 
 
 def history_velocity(model: nn.Module, features: list[TextFeatures]):
@@ -94,12 +92,8 @@ def sample_main(job: PyramidARJobConfig, argv: list[str]) -> int:
     """`pan sample` for a pyramid_flow_ar run: unit by unit, each through the spatial pyramid, with
     CFG; from text, from a first image (--image) or continuing a clip (--video)."""
     v = job.validation
-    parser = argparse.ArgumentParser(prog="pan sample", description="Generate videos autoregressively "
-                                     "from a pyramid_flow_ar checkpoint (unit by unit, with CFG).")
-    parser.add_argument("--checkpoint", required=True, type=Path)
-    parser.add_argument("--config")
-    parser.add_argument("--prompt", action="append", required=True)
-    parser.add_argument("--out", required=True, type=Path)
+    parser = sample_parser("Generate videos autoregressively from a pyramid_flow_ar checkpoint (unit by unit, "
+                           "with CFG).")
     parser.add_argument("--image", help="first frame (image-to-video): generation continues after it")
     parser.add_argument("--video", help="a clip whose first --video-frames frames are continued")
     parser.add_argument("--video-frames", type=int, default=None,
