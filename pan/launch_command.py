@@ -10,23 +10,54 @@ Nothing is run: the commands are printed to be copied.
 
 Workflows are declared by the recipes (`Recipe.workflows`, pan/recipe.py); `all_workflows()` lists
 every recipe's. A config whose recipe is not the workflow's is refused.
+
+    python -m pan.launch_command torchrun [torchrun arguments] train.py [train.py arguments]
+
+runs torchrun (in this process) and exits with the ranks' status instead of torchrun's 1 for every
+failure: what the printed commands and scripts/_launch.sh run, so that a scheduler sees pan's exit
+statuses (STATUS_MEANINGS). See `run_torchrun`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import shlex
+import signal
 import sys
+import threading
+import time
+import traceback
 from dataclasses import dataclass
+from pathlib import Path
 
-from pan.config import ConfigError, load_job_config
+from pan.config import EXIT_CONFIG_ERROR, ConfigError, load_job_config
 from pan.config.core import require
 from pan.parallel.dims import ParallelDims
 from pan.recipe import Workflow, all_workflows, resolve
+from pan.watchdog import HANG_EXIT_CODE
 
 EXIT_INVALID = 2
 DEFAULT_MASTER_PORT = 29500
 TRAIN_SCRIPT = "train.py"
+# Each node runs torchrun through this module, which exits with the ranks' status (run_torchrun).
+TORCHRUN = ["python", "-m", "pan.launch_command", "torchrun"]
+
+# The statuses a launch ends with, as the ranks return them (pan/trainer.py's train()), and what each
+# means for a requeue policy. Every other status is a failure of its own kind (the log says which).
+EXIT_FAILED = 1
+EXIT_PREEMPTED = 128 + signal.SIGTERM  # 143: what a rank returns once it saved the step it stopped at
+STATUS_MEANINGS = {
+    0: "finished",
+    EXIT_FAILED: "failed (a crash, non-finite losses, a lost peer or launcher, a rank killed by a "
+                 "signal): read the log before retrying",
+    EXIT_CONFIG_ERROR: "refused launch or unreadable run (config, data, resume, output_dir held by "
+                       "another run): do not retry until it is fixed",
+    HANG_EXIT_CODE: "hang: the watchdog ended every rank with its stacks in the log; retry",
+    EXIT_PREEMPTED: "stopped by SIGTERM (preemption, time limit, scancel) after saving the step it "
+                    "stopped at: requeue, it resumes from there",
+}
 
 
 @dataclass
@@ -62,15 +93,17 @@ def build_commands(workflow: Workflow, config: str, overrides: list[str], nodes:
     rendezvous = [f"--nnodes={nodes}", f"--nproc_per_node={gpus_per_node}",
                   f"--master_port={master_port}"]
     if nodes == 1:
-        torchrun = ["torchrun", *rendezvous, "--master_addr=127.0.0.1", "--node_rank=0", *train_args]
+        torchrun = [*TORCHRUN, *rendezvous, "--master_addr=127.0.0.1", "--node_rank=0", *train_args]
         srun = None
     else:
         # Each node fills in its own rank; MASTER_ADDR is the first node of the allocation.
-        torchrun = ["torchrun", *rendezvous, "--master_addr=$MASTER_ADDR", "--node_rank=$SLURM_NODEID",
+        torchrun = [*TORCHRUN, *rendezvous, "--master_addr=$MASTER_ADDR", "--node_rank=$SLURM_NODEID",
                     *train_args]
+        python, *module = TORCHRUN
         srun = ["srun", f"--nodes={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
-                "--cpu-bind=none", "bash", "-c", 'exec "$0" --node_rank="$SLURM_NODEID" "$@"',
-                "torchrun", *rendezvous, "--master_addr=$MASTER_ADDR", *train_args]
+                "--cpu-bind=none", "bash", "-c",
+                f'exec "$0" {" ".join(module)} --node_rank="$SLURM_NODEID" "$@"',
+                python, *rendezvous, "--master_addr=$MASTER_ADDR", *train_args]
     sbatch = [f"PAN_NPROC_PER_NODE={gpus_per_node}", "sbatch", f"--nodes={nodes}", workflow.script,
               config, *overrides]
     summary = (f"workflow {workflow.name} ({workflow.description}): {nodes} node(s) x {gpus_per_node} "
@@ -89,14 +122,18 @@ def shell_join(args: list[str]) -> str:
     return " ".join(word(a) for a in args)
 
 
+STATUS_NOTE = ("# each command exits with the ranks' status: 0 finished, 1 failed, 2 refused (do not "
+               "retry), 3 hang (retry), 143 stopped by SIGTERM and saved (requeue)")
+
+
 def render(commands: LaunchCommands) -> str:
-    lines = [f"# {commands.summary}"]
+    lines = [f"# {commands.summary}", STATUS_NOTE]
     if commands.srun is None:
         lines += ["# torchrun on this node (run from the repository root):", shell_join(commands.torchrun)]
     else:
         lines += ["# torchrun on every node (node_rank 0..N-1; MASTER_ADDR = the first node):",
                   shell_join(commands.torchrun),
-                  "# srun inside an allocation (salloc/sbatch), one torchrun per node:",
+                  "# srun inside an allocation (salloc/sbatch), one torchrun per node (the highest node status wins):",
                   'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
                   shell_join(commands.srun)]
     lines += ["# the same run through the workflow's Slurm launch script:", shell_join(commands.sbatch)]
@@ -172,5 +209,130 @@ def main_launch_command(argv: list[str]) -> int:
     return 0
 
 
+# ---- torchrun, exiting with the ranks' status ---------------------------------------------------
+
+
+def child_processes(parent: int) -> list[int]:
+    """The pids whose parent is `parent` (torchrun's ranks, when `parent` is torchrun)."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent:  # the name in (...) may hold spaces
+            found.append(int(entry.name))
+    return found
+
+
+class SigtermToRanks:
+    """torchrun's SIGTERM, passed on to its ranks, which decide: each finishes its step, saves and
+    exits 143, and torchrun returns once they are done, with their status, however long the save
+    takes. (torchrun's own handling stops them 30 s later, interrupting a longer save, and says 1.)
+    A rank gets it with its decoding workers, as from torchrun (each rank is a process group of its
+    own); a rank torchrun starts after the SIGTERM gets it as soon as it runs. Nothing here raises
+    into torchrun: after its ranks ended, a SIGTERM changes nothing."""
+
+    def __init__(self):
+        self.signalled: set[int] = set()
+        self.received = False
+
+    def handle(self, signum, frame) -> None:
+        ranks = self.pass_on(again=True)
+        print(f"pan launch: SIGTERM: passed on to the {ranks} rank(s) running on this node (and to any "
+              "it starts later): they save and stop", file=sys.stderr, flush=True)
+        if not self.received:
+            self.received = True
+            threading.Thread(target=self.pass_on_to_new_ranks, name="pan-sigterm", daemon=True).start()
+
+    def pass_on(self, again: bool) -> int:
+        ranks = child_processes(os.getpid())
+        for pid in ranks:
+            if again or pid not in self.signalled:
+                self.signalled.add(pid)
+                with contextlib.suppress(OSError):  # ended meanwhile
+                    if os.getpgid(pid) == pid:
+                        os.killpg(pid, signal.SIGTERM)
+                    else:
+                        os.kill(pid, signal.SIGTERM)
+        return len(ranks)
+
+    def pass_on_to_new_ranks(self) -> None:
+        while True:
+            time.sleep(0.2)
+            self.pass_on(again=False)
+
+
+def ranks_status(failures: dict) -> tuple[int, str]:
+    """The status of a failed launch from torchrun's failures ({global rank: ProcessFailure}): the
+    first failure's (the others follow from it: torchrun stops the other ranks once one failed);
+    among failures seen in the same second, the highest status, as srun picks among nodes. A rank
+    killed by a signal is a failure (1): 143 only ever comes from ranks that saved."""
+    first = min(f.timestamp for f in failures.values())
+    rank, failure = max(((r, f) for r, f in failures.items() if f.timestamp == first),
+                        key=lambda rf: (rf[1].exitcode, -rf[0]))
+    if failure.exitcode < 0:
+        name = signal.Signals(-failure.exitcode).name
+        return EXIT_FAILED, f"rank {rank} was killed by {name}"
+    return failure.exitcode, f"rank {rank} exited with {failure.exitcode}"
+
+
+def run_torchrun(argv: list[str]) -> int:
+    """torchrun with `argv`, returning the ranks' status (STATUS_MEANINGS).
+
+    torchrun reports 1 for any failed rank. Here the status is the first failed rank's own (2, 3,
+    143, ...; a rank killed by a signal: 1), or 0. SIGTERM (preemption, time limit, scancel, srun
+    ending the step) goes to the ranks, which save and stop, and torchrun waits for them however
+    long their save takes; SIGINT, SIGHUP and SIGQUIT stop the ranks as torchrun does (then the
+    status is 128 + the signal).
+    """
+    signal.signal(signal.SIGTERM, SigtermToRanks().handle)  # first: a SIGTERM may come at any moment
+    from torch.distributed import run as torch_run  # lazy: the launch-command printer needs no torch
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    if any("--signals-to-handle" in action.option_strings for action in torch_run.get_args_parser()._actions):
+        argv = ["--signals-to-handle=SIGINT,SIGHUP,SIGQUIT", *argv]  # SIGTERM stays ours (above)
+    else:
+        print("pan launch: this torch's torchrun has no --signals-to-handle: on SIGTERM it stops the "
+              "ranks itself and the status is 1", file=sys.stderr)
+    failed = None
+    try:
+        torch_run.main(argv)
+    except ChildFailedError as e:
+        failed = e
+    except SignalException as e:
+        failed = e
+    except Exception as e:  # noqa: BLE001 - torchrun's own failure (rendezvous, arguments): as torchrun says
+        traceback.print_exc()
+        failed = e
+    # The status is decided: a SIGTERM from now on (srun ending this step because another node ended
+    # first) must not kill this process, also not while Python finalises (which restores SIGTERM's
+    # default action where a Python handler was set, but keeps an ignored signal ignored).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if failed is None:
+        status, why = 0, "every rank finished"
+    elif isinstance(failed, ChildFailedError):
+        print(failed, file=sys.stderr)  # torchrun's table of the failed ranks
+        status, why = ranks_status(failed.failures)
+    elif isinstance(failed, SignalException):  # 143 is the ranks' alone: a SIGTERM here (an old torch) fails
+        status = EXIT_FAILED if failed.sigval == signal.SIGTERM else 128 + failed.sigval
+        why = f"torchrun was stopped by {failed.sigval.name}"
+    else:
+        status, why = EXIT_FAILED, "torchrun failed"
+    meaning = STATUS_MEANINGS.get(status, "failed")
+    print(f"pan launch: status {status} ({why}): {meaning}", file=sys.stderr, flush=True)
+    return status
+
+
+def main(argv: list[str]) -> int:
+    """`python -m pan.launch_command torchrun ...` runs torchrun; anything else prints commands."""
+    if argv[:1] == ["torchrun"]:
+        return run_torchrun(argv[1:])
+    return main_launch_command(argv)
+
+
 if __name__ == "__main__":
-    sys.exit(main_launch_command(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:]))

@@ -6,7 +6,27 @@
 #   PAN_DEFAULT_CONFIG=config/<run>.yaml
 #   source "$PAN_ROOT/scripts/_launch.sh" "$@"
 # Arguments: [config.yaml] [train.py overrides...]. Under Slurm it runs one torchrun per node with
-# srun; without SLURM_JOB_ID it runs one single-node torchrun here. It exits with torchrun's code.
+# srun; without SLURM_JOB_ID it runs one single-node torchrun here.
+#
+# Exit status: the ranks' own, not torchrun's 1 for any failure. Each node runs torchrun through
+# `python -m pan.launch_command torchrun`, which exits with the status of the first rank that failed
+# (of those that failed in the same second, the highest); the job (and `sbatch --wait`, and the
+# ExitCode sacct shows) ends with it:
+#   0    finished
+#   1    failed: a crash, non-finite losses, a lost peer, a rank killed by a signal (read the log)
+#   2    refused launch or unreadable run: config, data, resume, output_dir held by another run
+#        (do not retry until it is fixed)
+#   3    hang: the watchdog ended every rank, their stacks are in the log (retry)
+#   143  stopped by SIGTERM (preemption, time limit, scancel, USR1 below with PAN_REQUEUE=0) after
+#        every rank saved the step it stopped at (requeue: the next launch resumes from it)
+# Several nodes: the job's status is the highest of the nodes' (srun's rule: 143 > 3 > 2 > 1 > 0,
+# and a node killed by a signal makes it 128 + the signal, e.g. 137). Refusals, hangs and SIGTERM
+# saves are decided by all ranks together (a refusal is raised on every rank, the watchdog ends every
+# rank, every rank saves the same step), so every node reports the same status and it is the job's.
+# When one node fails alone, srun ends the others (--kill-on-bad-exit: SIGTERM to their step): they
+# report 1 (a rank killed by that SIGTERM, or one whose step cannot finish without its peers), so the
+# first node's status stands, unless they outlive Slurm's KillWait: then they are SIGKILLed and the
+# job reports 137.
 #
 # Environment it reads (all optional):
 #   PAN_ROOT            repository root (default: the Slurm submit dir, else the current dir)
@@ -16,7 +36,8 @@
 #   PAN_TRAIN_SCRIPT    the script torchrun starts (default: train.py)
 #   MASTER_PORT         rendezvous port on the first node (default: 29500)
 #   PAN_REQUEUE         1 (default): after Slurm's warning signal (USR1) the run saves and the job
-#                       requeues itself; 0: it saves and exits 143 (resubmit it yourself)
+#                       requeues itself (unless the ranks' status is 0 or 2: finished, refused);
+#                       0: it saves and exits 143 (resubmit it yourself)
 #   HF_HOME, PAN2_CACHE_ROOT, WANDB_PROJECT, WANDB_RUN_ID, WANDB_API_KEY
 set -euo pipefail
 
@@ -124,11 +145,11 @@ if [[ -n "${SLURM_JOB_ID:-}" ]]; then
   # shellcheck disable=SC2016
   pan_cmd=(
     srun --ntasks-per-node=1 --nodes="$SLURM_NNODES" --kill-on-bad-exit=1 --cpu-bind=none
-    bash -c 'exec "$0" -m torch.distributed.run --node_rank="$SLURM_NODEID" "$@"'
+    bash -c 'exec "$0" -m pan.launch_command torchrun --node_rank="$SLURM_NODEID" "$@"'
     "$pan_python" "${pan_torchrun_args[@]}"
   )
 else
-  pan_cmd=("$pan_python" -m torch.distributed.run --node_rank=0 "${pan_torchrun_args[@]}")
+  pan_cmd=("$pan_python" -m pan.launch_command torchrun --node_rank=0 "${pan_torchrun_args[@]}")
 fi
 
 echo "pan launch: job ${SLURM_JOB_ID:-local} on ${pan_nnodes} node(s) x ${GPUS_PER_NODE} process(es), master ${MASTER_ADDR}:${MASTER_PORT}"
@@ -153,13 +174,21 @@ echo "pan launch: $(pan_quote "${pan_cmd[@]}")"
 # process of the job's steps, as a preemption does): each finishes its step, the run saves it and
 # exits 143; then this job requeues itself and its next run resumes from that checkpoint.
 pan_warned=0
+# shellcheck disable=SC2317 # run by the trap below
 pan_on_warning() {
   pan_warned=1
   echo "pan launch: warning signal (USR1: time limit or preemption ahead): every rank saves and stops"
   scancel --signal=TERM "$SLURM_JOB_ID" || true
 }
+# A SIGTERM to this shell (scancel, preemption, the time limit) reaches the ranks too: they save and
+# stop. This shell waits for them, so that the job ends with their status (143), not killed by it.
+# shellcheck disable=SC2317 # run by the trap below
+pan_on_sigterm() {
+  echo "pan launch: SIGTERM (scancel, preemption or the time limit): waiting for the ranks to save and stop"
+}
 if [[ -n "${SLURM_JOB_ID:-}" ]]; then
   trap pan_on_warning USR1
+  trap pan_on_sigterm TERM
 fi
 
 set +e
@@ -178,8 +207,9 @@ else
   pan_rc=$?
 fi
 set -e
-echo "pan launch: torchrun exited with code $pan_rc"
-if ((pan_warned)) && [[ -n "${SLURM_JOB_ID:-}" && "${PAN_REQUEUE:-1}" == 1 ]]; then
+echo "pan launch: the ranks' status is $pan_rc"
+# A run that finished, or was refused, is not requeued: the next run would do nothing or be refused.
+if ((pan_warned && pan_rc != 0 && pan_rc != 2)) && [[ -n "${SLURM_JOB_ID:-}" && "${PAN_REQUEUE:-1}" == 1 ]]; then
   echo "pan launch: requeueing job $SLURM_JOB_ID: its next run resumes from the checkpoint just saved"
   if scontrol requeue "$SLURM_JOB_ID"; then
     exit 0 # Slurm ends this run of the job and queues it again

@@ -12,8 +12,10 @@ when tests fail.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +37,20 @@ def environ_outside_slurm() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
 
 
+# Job states after which a job no longer runs (`scontrol show job`'s JobState).
+ENDED_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY",
+                "BOOT_FAIL", "DEADLINE"}
+
+
+@dataclass
+class JobEnd:
+    """How Slurm recorded a job's end: its JobState and ExitCode=<exit_code>:<signal>, the fields
+    sacct prints (this cluster has no accounting database, so they are read from slurmctld)."""
+    state: str
+    exit_code: int
+    signal: int
+
+
 @dataclass
 class SlurmCluster:
     base: Path  # holds etc/slurm.conf, log/, state/, munge/ of this cluster
@@ -49,6 +65,31 @@ class SlurmCluster:
             ["sbatch", "--wait", f"--output={output}", *options, str(script), *args],
             env={**self.env, **env}, cwd=cwd, capture_output=True, text=True, timeout=timeout,
         )
+
+    def submit(self, script: Path, args: list[str], *, env: dict[str, str], cwd: Path, output: Path,
+               options: tuple[str, ...] = ()) -> str:
+        """Submit `script args` (`options` beat the script's #SBATCH lines); returns the job id."""
+        submitted = subprocess.run(
+            ["sbatch", "--parsable", f"--output={output}", *options, str(script), *args],
+            env={**self.env, **env}, cwd=cwd, capture_output=True, text=True, timeout=60, check=True)
+        return submitted.stdout.strip().split(";")[0]
+
+    def wait_for_end(self, job_id: str, timeout: float) -> JobEnd:
+        """Wait until the job has ended; its state and exit code as slurmctld records them. Polled
+        well within MinJobAge (4 s here), the time an ended job stays in slurmctld's memory."""
+        deadline = time.time() + timeout
+        record = ""
+        while time.time() < deadline:
+            shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=self.env,
+                                   capture_output=True, text=True, timeout=60, check=False)
+            assert shown.returncode == 0, f"job {job_id} is gone before its end was seen: {shown.stderr}"
+            record = shown.stdout
+            state = re.search(r"\bJobState=(\S+)", record)
+            if state and state.group(1) in ENDED_STATES:
+                exit_code, signal = re.search(r"\bExitCode=(\d+):(\d+)", record).groups()
+                return JobEnd(state.group(1), int(exit_code), int(signal))
+            time.sleep(0.2)
+        raise AssertionError(f"job {job_id} still runs after {timeout:g} s: {record}")
 
     def job_log(self, output: Path) -> str:
         return output.read_text() if output.exists() else "<no job output>"

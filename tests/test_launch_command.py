@@ -1,4 +1,5 @@
-"""`pan launch-command`: the printed commands, the refusals, and one printed command run for real."""
+"""`pan launch-command`: the printed commands, the refusals, and printed commands run for real: one
+trains, one is refused and exits with the ranks' status (2), not torchrun's 1."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from dist_utils import free_port
 from pan.checkpoint import dcp as layout
+from pan.checkpoint.lease import RunLease, this_process
 from pan.data.synth import synth_dataset
 from pan.launch_command import main_launch_command
 
@@ -47,10 +49,10 @@ def test_single_node_prints_torchrun_and_sbatch(tmp_path, data, capsys):
                              "--config", DEMO, *tiny(tmp_path, data))
     assert code == 0
     torchrun, sbatch = lines
-    assert shlex.split(torchrun)[:6] == ["torchrun", "--nnodes=1", "--nproc_per_node=2",
-                                         "--master_port=29500", "--master_addr=127.0.0.1",
-                                         "--node_rank=0"]
-    assert shlex.split(torchrun)[6:] == ["train.py", "--config", DEMO, *tiny(tmp_path, data)]
+    assert shlex.split(torchrun)[:9] == ["python", "-m", "pan.launch_command", "torchrun", "--nnodes=1",
+                                         "--nproc_per_node=2", "--master_port=29500",
+                                         "--master_addr=127.0.0.1", "--node_rank=0"]
+    assert shlex.split(torchrun)[9:] == ["train.py", "--config", DEMO, *tiny(tmp_path, data)]
     assert shlex.split(sbatch) == ["PAN_NPROC_PER_NODE=2", "sbatch", "--nodes=1", "scripts/pretrain.sh",
                                    DEMO, *tiny(tmp_path, data)]
 
@@ -67,8 +69,10 @@ def test_multi_node_prints_srun_with_per_node_rank(tmp_path, data, capsys):
     words = shlex.split(srun)
     assert words[:5] == ["srun", "--nodes=3", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
                          "--cpu-bind=none"]
-    assert words[5:8] == ["bash", "-c", 'exec "$0" --node_rank="$SLURM_NODEID" "$@"']
-    assert words[8:10] == ["torchrun", "--nnodes=3"] and str(spaced) in words  # quoted as one word
+    assert words[5:8] == ["bash", "-c",
+                          'exec "$0" -m pan.launch_command torchrun --node_rank="$SLURM_NODEID" "$@"']
+    assert words[8:10] == ["python", "--nnodes=3"] and str(spaced) in words  # quoted as one word
+    assert shlex.split(torchrun)[:4] == ["python", "-m", "pan.launch_command", "torchrun"]
     assert shlex.split(sbatch)[:3] == ["PAN_NPROC_PER_NODE=4", "sbatch", "--nodes=3"]
 
 
@@ -112,3 +116,24 @@ def test_printed_torchrun_command_trains(tmp_path, data, capsys):
     assert layout.complete_checkpoints(tmp_path / "run") == [tmp_path / "run" / "checkpoint-2"]
     meta = layout.read_json(tmp_path / "run" / "checkpoint-2" / layout.META)
     assert meta["world_size"] == 2 and meta["dp_size"] == 2
+
+
+def test_printed_torchrun_command_exits_with_the_ranks_status(tmp_path, data, capsys):
+    """The printed single-node command on an output_dir whose lease another run holds (this process):
+    both ranks refuse, and the command exits 2 (do not retry), where torchrun alone says 1."""
+    out = tmp_path / "run"
+    holder = RunLease(out, timeout=3600, processes=[this_process()])
+    holder.acquire()
+    try:
+        code, lines, _ = printed(capsys, "--workflow", "pretrain", "--nodes", "1", "--gpus-per-node", "2",
+                                 "--config", DEMO, "--master-port", str(free_port()), *tiny(tmp_path, data))
+        assert code == 0
+        env = dict(os.environ, OMP_NUM_THREADS="1",
+                   PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+        run = subprocess.run(["bash", "-c", lines[0]], cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=240, check=False)
+    finally:
+        holder.release()
+    assert run.returncode == 2, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "is in use by the run started" in run.stderr and "pan launch: status 2 (rank" in run.stderr
+    assert not list(out.glob("checkpoint-*"))

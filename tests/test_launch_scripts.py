@@ -3,7 +3,8 @@
 Without Slurm the scripts run one torchrun here; under a real two-node Slurm on this machine
 (tests/slurm_cluster.py) they go through `sbatch --wait` and `srun`, one torchrun per node. A stand-in train.py records each rank's arguments and
 environment, which proves the plumbing: processes per node, node rank, master address, argument
-pass-through, exported caches, exit code. The last test runs the real trainer when it exists.
+pass-through, exported caches, exit code. The last tests run the real trainer: the job's exit code,
+as Slurm records it, is the ranks' status (2 refused, 3 hang, 143 stopped by SIGTERM and saved).
 """
 
 from __future__ import annotations
@@ -124,8 +125,8 @@ def test_local_run_uses_default_config_and_passes_overrides(tmp_path):
     env = launch_env(tmp_path, PAN_NPROC_PER_NODE="2")
     result = run_local("sft.sh", ["--max_steps", "3", "--run_name", "a b'c"], repo, env)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "torch.distributed.run --node_rank=0 --nnodes=1 --nproc_per_node=2" in result.stdout
-    assert "torchrun exited with code 0" in result.stdout
+    assert "-m pan.launch_command torchrun --node_rank=0 --nnodes=1 --nproc_per_node=2" in result.stdout
+    assert "the ranks' status is 0" in result.stdout
 
     records = rank_records(tmp_path)
     assert sorted(r["env"]["RANK"] for r in records) == ["0", "1"]
@@ -207,7 +208,7 @@ def test_sbatch_runs_torchrun_through_srun(slurm_cluster, tmp_path):
     job_log = slurm_cluster.job_log(log)
     assert result.returncode == 0, result.stderr + job_log
     assert "pan launch: srun --ntasks-per-node=1 --nodes=1" in job_log
-    assert "torchrun exited with code 0" in job_log
+    assert "the ranks' status is 0" in job_log
 
     records = rank_records(tmp_path)
     assert sorted(r["env"]["RANK"] for r in records) == ["0", "1"]
@@ -245,8 +246,9 @@ def test_sbatch_runs_one_torchrun_per_node(slurm_cluster, tmp_path):
         assert (e["WORLD_SIZE"], e["MASTER_ADDR"]) == (str(slurm_cluster.nodes), "127.0.0.1")
 
 
-def test_sbatch_exits_with_torchrun_code(slurm_cluster, tmp_path):
-    """A failing rank fails torchrun, the job step and the job; PAN_TRAIN_SCRIPT picks the script."""
+def test_sbatch_exits_with_the_ranks_status(slurm_cluster, tmp_path):
+    """A failing rank fails torchrun, the job step and the job with its own status (torchrun alone
+    would say 1); PAN_TRAIN_SCRIPT picks the script."""
     repo = make_repo(tmp_path / "repo")
     failing_train = repo / "failing_train.py"
     failing_train.write_text(STAND_IN_TRAIN)
@@ -255,8 +257,8 @@ def test_sbatch_exits_with_torchrun_code(slurm_cluster, tmp_path):
     result = slurm_cluster.sbatch_wait(repo / "scripts" / "pretrain.sh", ["--max_steps", "1"], env=env,
                                        cwd=repo, output=log, timeout=FIRST_JOB_TIMEOUT_S)
     job_log = slurm_cluster.job_log(log)
-    assert result.returncode == 1, result.stderr + job_log  # torchrun reports any failed worker as 1
-    assert "torchrun exited with code 1" in job_log
+    assert result.returncode == 3, result.stderr + job_log
+    assert "pan launch: status 3 (rank" in job_log and "the ranks' status is 3" in job_log
     # torchrun stops the other rank when the first one fails, possibly before it wrote its record.
     records = rank_records(tmp_path)
     assert records and all(r["argv"] == ["--config", "config/pretrain_29B_720p.yaml", "--max_steps", "1"]
@@ -298,8 +300,9 @@ def tiny_training_args(tmp_path: Path, out_dir: Path, *extra: str) -> list[str]:
 def test_scancel_saves_the_step_the_job_stopped_at_and_the_next_job_resumes(slurm_cluster, tmp_path):
     """The real train.py on the tiny CPU config, 2 processes under scripts/pretrain.sh. scancel
     sends SIGTERM to the batch shell, srun, torchrun, both ranks and their decoding workers, and
-    SIGKILL after KillWait: the ranks finish their step, save it, and exit 143; a second job on the
-    same output_dir resumes from that checkpoint and trains the next step only."""
+    SIGKILL after KillWait: the ranks finish their step, save it, and exit 143, and so does the job
+    (the batch shell waits for them); a second job on the same output_dir resumes from that
+    checkpoint and trains the next step only."""
     out_dir = tmp_path / "run"
     env = {**slurm_cluster.env, **launch_env(tmp_path, PAN_ROOT=str(REPO_ROOT), PAN_NPROC_PER_NODE="2")}
     args = tiny_training_args(tmp_path, out_dir, "--save_interval", "1000",
@@ -314,12 +317,10 @@ def test_scancel_saves_the_step_the_job_stopped_at_and_the_next_job_resumes(slur
         assert time.time() < deadline, slurm_cluster.job_log(log)
         time.sleep(0.2)
     subprocess.run(["scancel", job_id], env=env, check=True, timeout=60)
-    while subprocess.run(["squeue", "-h", "-j", job_id], env=env, capture_output=True, text=True,
-                         timeout=60).stdout.strip():
-        assert time.time() < deadline + 120, slurm_cluster.job_log(log)
-        time.sleep(0.5)
-
+    ended = slurm_cluster.wait_for_end(job_id, timeout=120)
     first = slurm_cluster.job_log(log)
+    assert (ended.state, ended.exit_code, ended.signal) == ("CANCELLED", 143, 0), (ended, first)
+
     saved = sorted(out_dir.glob("checkpoint-*"))
     assert len(saved) == 1 and (saved[0] / "COMPLETE.json").is_file(), (saved, first)
     step = int(saved[0].name.removeprefix("checkpoint-"))
@@ -386,3 +387,100 @@ def test_causal_vae_script_trains_with_context_parallel_under_slurm(slurm_cluste
     assert result.returncode == 0, job_log
     assert "config config/causal_vae_tiny.yaml" in job_log and "--nproc_per_node=2" in job_log
     assert logged_steps(job_log) == [1, 2] and (out_dir / "checkpoint-2" / "COMPLETE.json").is_file(), job_log
+
+
+# ---- the job's exit status is the ranks' (as Slurm records it) ------------------------------
+# The tests' toy recipe (tests/plugins/pan_toy_gan): milliseconds a step, so each job is its start-up.
+TOY_RECIPE_ENV = {"PAN_RECIPE_MODULES": "pan_toy_gan"}
+HANG_AT_STEP = 4
+# Rank 1 sleeps inside its 4th step (as in tests/test_watchdog.py), started by the launch script.
+HUNG_TRAIN = f"""\
+import os, sys, time
+import pan_toy_gan.task as toy_gan_task
+from pan.cli import cmd_train
+from pan.parallel.world import exit_process
+
+real_step = toy_gan_task.ToyGanTask.train_step
+
+def hung_step(self, ctx, micro_batches):
+    if ctx.step == {HANG_AT_STEP - 1} and os.environ["RANK"] == "1":
+        time.sleep(3600)  # stands for a rank stuck inside its step
+    return real_step(self, ctx, micro_batches)
+
+toy_gan_task.ToyGanTask.train_step = hung_step
+exit_process(cmd_train(sys.argv[1:]))
+"""
+
+
+def toy_config(path: Path, output_dir: Path, step_sleep: float = 0.0, **training) -> Path:
+    import yaml
+
+    path.write_text(yaml.safe_dump({
+        "recipe": "toy_gan",
+        "model": {"toy_width": 8, "toy_samples": 40, "toy_batch": 2, "toy_step_sleep": step_sleep},
+        "training": {"max_steps": 100000, "learning_rate": 1e-2, "warmup_steps": 0, "dtype": "fp32", **training},
+        "output": {"output_dir": str(output_dir), "save_interval": 100000, "log_interval": 1,
+                   "progress_bar": False}}))
+    return path
+
+
+def wait_for_step(output_dir: Path, step: int, log: Path, timeout: float = FIRST_JOB_TIMEOUT_S) -> None:
+    from launch_utils import last_logged_step
+
+    deadline = time.time() + timeout
+    while last_logged_step(output_dir) < step:
+        assert time.time() < deadline, log.read_text() if log.exists() else "<no job output>"
+        time.sleep(0.1)
+
+
+def test_job_exit_code_is_3_when_the_watchdog_ends_a_hang_on_two_nodes(slurm_cluster, tmp_path):
+    """Rank 1 (on node 1) hangs inside a step: the watchdog ends both ranks with 3, each node's
+    torchrun and the job report 3 (torchrun alone: 1)."""
+    out, log = tmp_path / "run", tmp_path / "job.out"
+    config = toy_config(tmp_path / "toy.yaml", out, watchdog_factor=5.0, watchdog_min_timeout=2.0,
+                        watchdog_first_timeout=60.0)
+    (tmp_path / "hung_train.py").write_text(HUNG_TRAIN)
+    env = launch_env(tmp_path, PAN_ROOT=str(REPO_ROOT), PAN_NPROC_PER_NODE="1",
+                     PAN_TRAIN_SCRIPT=str(tmp_path / "hung_train.py"), **TOY_RECIPE_ENV)
+    job = slurm_cluster.submit(REPO_ROOT / "scripts" / "pretrain.sh", [str(config)], env=env, cwd=tmp_path,
+                               output=log, options=(f"--nodes={slurm_cluster.nodes}",))
+    ended = slurm_cluster.wait_for_end(job, timeout=FIRST_JOB_TIMEOUT_S)
+    job_log = slurm_cluster.job_log(log)
+    assert (ended.state, ended.exit_code, ended.signal) == ("FAILED", 3, 0), (ended, job_log[-4000:])
+    assert "watchdog: Python stacks of rank 1" in job_log and "in hung_step" in job_log, job_log[-4000:]
+    assert "the ranks' status is 3" in job_log
+
+
+def test_job_exit_codes_are_2_for_a_refused_launch_and_143_for_a_saved_stop(slurm_cluster, tmp_path):
+    """A job trains (2 processes, PAN_REQUEUE=0). A second job on its output_dir is refused by the
+    lease: its exit code is 2. Then Slurm's warning (USR1) to the first job: every rank saves the step
+    it stopped at and the job ends with 143 (torchrun alone: 1 for both)."""
+    out = tmp_path / "run"
+    config = toy_config(tmp_path / "toy.yaml", out, step_sleep=0.02)  # leaves the CPUs to the second job
+    script = REPO_ROOT / "scripts" / "pretrain.sh"
+    first_log, second_log = tmp_path / "first.out", tmp_path / "second.out"
+
+    def env() -> dict[str, str]:  # each job its own rendezvous port: both run on this machine
+        return launch_env(tmp_path, PAN_ROOT=str(REPO_ROOT), PAN_NPROC_PER_NODE="2", PAN_REQUEUE="0",
+                          **TOY_RECIPE_ENV)
+
+    first = slurm_cluster.submit(script, [str(config)], env=env(), cwd=tmp_path, output=first_log)
+    try:
+        wait_for_step(out, 2, first_log)  # the lease is held
+        second = slurm_cluster.submit(script, [str(config)], env=env(), cwd=tmp_path, output=second_log)
+        refused = slurm_cluster.wait_for_end(second, timeout=FIRST_JOB_TIMEOUT_S)
+        second_text = slurm_cluster.job_log(second_log)
+        assert (refused.state, refused.exit_code, refused.signal) == ("FAILED", 2, 0), (refused, second_text)
+        assert "is in use by the run started" in second_text and f"Slurm job {first}" in second_text, (
+            second_text[-3000:])
+        assert "pan launch: status 2 (rank" in second_text
+    finally:
+        subprocess.run(["scancel", "--batch", "--signal=USR1", first], env=slurm_cluster.env, timeout=60,
+                       check=False)
+    stopped = slurm_cluster.wait_for_end(first, timeout=120)
+    first_text = slurm_cluster.job_log(first_log)
+    assert (stopped.state, stopped.exit_code, stopped.signal) == ("FAILED", 143, 0), (stopped, first_text[-4000:])
+    saved = sorted(out.glob("checkpoint-*"))
+    assert len(saved) == 1 and (saved[0] / "COMPLETE.json").is_file(), (saved, first_text[-4000:])
+    assert f"stopped by SIGTERM after step {saved[0].name.removeprefix('checkpoint-')}" in first_text
+    assert "the ranks' status is 143" in first_text and "requeueing" not in first_text
