@@ -35,6 +35,7 @@ from pathlib import Path
 from pan.config import EXIT_CONFIG_ERROR, ConfigError, load_job_config
 from pan.config.core import require
 from pan.parallel.dims import ParallelDims
+from pan.parallel.world import planned_task
 from pan.recipe import Workflow, all_workflows, resolve
 from pan.watchdog import HANG_EXIT_CODE
 
@@ -80,6 +81,7 @@ def validate(workflow: Workflow, config: str, overrides: list[str], nodes: int, 
             f"recipe. Use a {workflow.recipe} config, or the workflow of the {job.recipe} recipe "
             f"({', '.join(w.name for w in all_workflows().values() if w.recipe == job.recipe) or 'none'}).")
     dims = ParallelDims.from_config(job.parallel, nodes * gpus_per_node, gpus_per_node)
+    planned_task(job, dims)  # what the recipe's task refuses for this layout (context groups, ...)
     if workflow.check is not None:
         resolve(workflow.check)(job, dims)
     return job, dims

@@ -240,8 +240,10 @@ ENVIRONMENT_CHECKS: list[Check] = [check_devices, check_backend]
 # ================================================================================================
 
 def check_layout(ctx: Preflight) -> list[Row]:
-    """cp and data-parallel degrees for the planned world (the trainer's own ParallelDims)."""
+    """cp and data-parallel degrees for the planned world (the trainer's own ParallelDims), and what
+    the recipe's task refuses for it (a context group across nodes, ...)."""
     d = ctx.dims
+    ctx.task  # noqa: B018 - built here so that its layout refusal is this row's
     return [Row("layout", "pass", f"world {ctx.world_size} = dp_replicate {d.dp_replicate} x dp_shard "
                 f"{d.dp_shard} x cp {d.cp}; {d.dp} data-parallel ranks.")]
 

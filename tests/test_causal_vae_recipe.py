@@ -432,6 +432,29 @@ def test_launch_command_prints_each_stage_or_both_chained(tmp_path, capsys, monk
     assert "--stage applies to workflows run in stages" in capsys.readouterr().err
 
 
+
+def test_a_context_group_that_does_not_fit_the_node_is_refused_by_launch_command_and_the_layout_row(
+        tmp_path, capsys, monkeypatch):
+    """What the task refuses for a layout (context_size 2 on 3 processes per node), launch-command
+    refuses too, and pan check says it in the layout row (the rows that need the task point there)."""
+    from pan.launch_command import main_launch_command
+    from pan.preflight import Preflight, run_preflight
+
+    monkeypatch.chdir(ROOT)
+    csv = write_csv(tmp_path / "videos.csv", BIKES)
+    lpips = tmp_path / "vgg_lpips.pth"
+    torch.save(LPIPS().state_dict(), lpips)
+    overrides = ["--video_csv_paths", str(csv), "--lpips_ckpt", str(lpips), "--model_path", str(FOLDER),
+                 "--output_dir", str(tmp_path / "run")]
+    base = ["--workflow", "causal-video-vae", "--stage", "2", "--nodes", "1"]
+    assert main_launch_command([*base, "--gpus-per-node", "3", *overrides]) == 2
+    assert "context_size" in capsys.readouterr().err
+    assert main_launch_command([*base, "--gpus-per-node", "4", *overrides]) == 0
+    job = load_job_config(["--config", "config/causal_vae_stage2.yaml", *overrides], warn=lambda m: None)
+    rows = {row.check: row for row in run_preflight(Preflight(job, 1, 3))}
+    assert rows["layout"].status == "fail" and "context_size" in rows["layout"].detail
+    assert "the same problem as the `layout` row above" in rows["output dir"].detail
+
 # ----------------------------------------------------------------------------------------------
 # SIGKILL and resume on 2 processes: both parts, both optimizers, exact
 # ----------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from pan.data.sources import SourceError, read_annotations, read_image_tars, rea
 from pan.estimate import Phase, Probe, largest_batch, loader_bytes
 from pan.models.lpips import LPIPS
 from pan.parallel.vae_context import frame_split
-from pan.preflight import Row, check_cpu, check_memory, check_output_dir, check_step_time, spread_rows
+from pan.preflight import Row, check_cpu, check_layout, check_memory, check_output_dir, check_step_time, spread_rows
 from pan.recipes.causal_vae.config import DISCRIMINATOR, VAE, check_lpips_file, resolve_warm_start
 from pan.recipes.causal_vae.data import ClipBatch, ClipReader
 from pan.recipes.causal_vae.model import vae_forward_flops
@@ -199,5 +199,5 @@ def vae_probe(ctx) -> Probe:
 
 
 # The rows of `pan check`, in this order.
-CHECKS = [check_output_dir, check_cpu, check_context, check_frames, check_lpips, check_gan, check_warm_start,
+CHECKS = [check_layout, check_output_dir, check_cpu, check_context, check_frames, check_lpips, check_gan, check_warm_start,
           check_clips, check_memory, check_step_time]
