@@ -80,3 +80,38 @@ def test_the_import_contracts_hold():
     done = subprocess.run([lint, "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert "0 broken" in done.stdout
+
+
+def lazy_imports_without_reason(root: Path) -> list[str]:
+    """Imports of pan's own modules inside functions whose line (or the line above) carries no
+    comment saying why the import waits: the import graph should be read at the top of a file."""
+    import ast
+
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for inner in ast.walk(node):
+                names = ([a.name for a in inner.names] if isinstance(inner, ast.Import) else
+                         [inner.module or ""] if isinstance(inner, ast.ImportFrom) and not inner.level else [])
+                if not any(n == "pan" or n.startswith("pan.") for n in names):
+                    continue
+                here, above = lines[inner.lineno - 1], lines[inner.lineno - 2].strip()
+                if "#" not in here and not above.startswith("#"):
+                    found.append(f"{path.relative_to(root.parent)}:{inner.lineno}: {here.strip()}")
+    return found
+
+
+def test_function_level_imports_of_pan_say_why():
+    found = lazy_imports_without_reason(ROOT / "pan")
+    assert not found, "lazy imports of pan modules without a reason:\n" + "\n".join(found)
+
+
+def test_the_lazy_import_rule_finds_one(tmp_path):
+    package = tmp_path / "pan"
+    package.mkdir()
+    (package / "a.py").write_text("def f():\n    from pan import b\n\n\ndef g():\n"
+                                  "    import pan.c  # lazy: why\n    import json\n")
+    assert lazy_imports_without_reason(package) == ["pan/a.py:2: from pan import b"]

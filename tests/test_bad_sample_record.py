@@ -53,12 +53,9 @@ def test_each_bad_sample_is_read_once_and_skips_are_counted_apart(bad_data, read
         next(loader)
     assert set(loader.bad_samples) == BAD_IDS
     assert {i: why[0] for i, why in loader.bad_samples.items()} == {i: reasons_by_id()[i] for i in BAD_IDS}
-    first = bad_reads(loader, reads)
-    if workers == 0:
-        assert first == {i: 1 for i in BAD_IDS}
-    else:  # also the copies already handed to the workers (a few passes over this tiny set) when found
-        in_flight = workers * loader.samples_in_flight_per_worker()
-        assert set(first) == BAD_IDS and sum(first.values()) <= len(BAD_IDS) + in_flight, first
+    # Once, also with workers: a visit sent while an earlier one of its row is still being read
+    # goes as Deferred (a KnownBad: not read), settled when it arrives (tests/test_bad_rows.py).
+    assert bad_reads(loader, reads) == {i: 1 for i in BAD_IDS}
     reads.clear()
     skips_before = sum(loader.skipped_total.values())
     for _ in range(6):

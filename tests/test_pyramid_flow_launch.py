@@ -303,12 +303,16 @@ def test_annotation_rows_are_read_and_judged_against_the_dit(tmp_path, released,
     assert worst == "warn" and "#1 missing_file" in detail and "#2 bad_row" in detail  # skipped in training
     worst, detail = rows_of({**good[1], "latent": str(tmp_path / "gone.pt")}, "{not json")
     assert worst == "fail" and "0/2" in detail  # nothing usable
+    # Rows the DiT cannot take are skipped in training as `unfit` (the reader's own check), and
+    # pan check reads them with that reader: a warning while other rows fit.
     for bad, words in (({"latent": saved("c4.pt", torch.zeros(1, 4, 5, 16, 16))}, "latent has 4 channels"),
-                       ({"latent": saved("12.pt", latent[..., :12, :12].clone())}, "not a multiple of 8x8"),
+                       ({"latent": saved("12.pt", latent[..., :12, :12].clone())}, "not made of whole"),
                        ({"text_fea": saved("t.pt", {**features, "prompt_embed": features["prompt_embed"][..., :16]})},
-                        "text features are 16 wide, the DiT takes 24")):
+                        "is 16 wide, the DiT takes")):
         worst, detail = rows_of(good[0], {**good[1], **bad})
-        assert worst == "fail" and words in detail, detail
+        assert worst == "warn" and "#1 unfit" in detail and words in detail, detail
+        worst, detail = rows_of({**good[1], **bad})
+        assert worst == "fail" and "0/1" in detail, detail
     worst, detail = rows_of(good[0], {**good[1], "latent": saved("big.pt", torch.zeros(1, 3, 40, 16, 16))})
     assert worst == "warn" and "#1 over_budget" in detail
 
@@ -376,9 +380,11 @@ def test_precomputed_files_train_the_recipe_on_the_online_inputs(tmp_path, relea
 
 
 def test_text_encoders_load_only_where_captions_are_encoded(tmp_path, released, precomputed, monkeypatch):
+    import pan.recipes.pyramid_flow.task as pyramid_task  # where the task looks the encoder builder up
+
     loads = []
     build = pyramid_text.build_text_encoder
-    monkeypatch.setattr(pyramid_text, "build_text_encoder", lambda *a: loads.append(a) or build(*a))
+    monkeypatch.setattr(pyramid_task, "build_text_encoder", lambda *a: loads.append(a) or build(*a))
 
     def task_and_loads(jsonl: Path, *extra) -> tuple[PyramidFlowTask, int]:
         loads.clear()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from pan.data.config import DataConfig
+from pan.data.fit import SampleFit
 from pan.data.packed import PackedLoader, TokensOf
 from pan.data.plan import IMAGE_STREAM, Planner, StreamOrder
 from pan.data.reader import RowSource, read_row_sources
@@ -29,21 +30,22 @@ def row_weights(cfg: DataConfig, sources: dict[str, RowSource]) -> dict[str, flo
 
 
 def build_data_loader(cfg: DataConfig, *, tokens_of: TokensOf, dp_rank: int, dp_size: int, seed: int,
-                      latent_tokens_of: TokensOf | None = None) -> PackedLoader:
+                      latent_tokens_of: TokensOf | None = None, fit: SampleFit | None = None) -> PackedLoader:
     """The packed loader of one data-parallel rank.
 
     tokens_of(num_frames, height, width) -> model tokens of a decoded sample (pixel dims);
     latent_tokens_of(t, h, w) -> model tokens of a precomputed latent grid (needed only when a CSV
-    has a latent_path column or an annotation row names a latent). Every rank reads a disjoint
-    share of every stream.
+    has a latent_path column or an annotation row names a latent); fit: what the run's model takes
+    (pan/data/fit.py; a sample that does not fit is skipped as a bad sample). Every rank reads a
+    disjoint share of every stream.
     """
     return build_sharded_loader(cfg, tokens_of=tokens_of, dp_rank=dp_rank, dp_size=dp_size, seed=seed,
-                                latent_tokens_of=latent_tokens_of).loaders[dp_rank]
+                                latent_tokens_of=latent_tokens_of, fit=fit).loaders[dp_rank]
 
 
 def build_sharded_loader(cfg: DataConfig, *, tokens_of: TokensOf, dp_rank: int, dp_size: int, seed: int,
                          accumulation: int = 1, latent_tokens_of: TokensOf | None = None,
-                         writes_cursors: bool = True) -> ShardedLoader:
+                         writes_cursors: bool = True, fit: SampleFit | None = None) -> ShardedLoader:
     """The `accumulation` data shards of one data-parallel rank (see ShardedLoader), the sources
     read once for all of them; arguments as for build_data_loader."""
     if not 0 <= dp_rank < dp_size:
@@ -72,14 +74,16 @@ def build_sharded_loader(cfg: DataConfig, *, tokens_of: TokensOf, dp_rank: int, 
         planner = Planner(streams, row_weights(cfg, sources), image_prob, seed, shard)
         loaders[shard] = PackedLoader(cfg, sources=sources, tars=tars, planner=planner, tokens_of=tokens_of,
                                       latent_tokens_of=latent_tokens_of, dp_rank=shard, dp_size=count,
-                                      seed=seed)
+                                      seed=seed, fit=fit)
     return ShardedLoader(loaders, writes_cursors)
 
 
 def build_step_shards(task, dims) -> ShardedLoader:
     """The loader of a recipe whose micro-batches are data shards (`Task.sharded_micro_batches`):
-    its job's data keys, seed and accumulation, and its `tokens_of` / `latent_tokens_of`."""
+    its job's data keys, seed and accumulation, its `tokens_of` / `latent_tokens_of`, and what its
+    model takes (`sample_fit()`, when the task has one)."""
     job = task.job
+    fit = task.sample_fit() if hasattr(task, "sample_fit") else None
     return build_sharded_loader(job.data, tokens_of=task.tokens_of, dp_rank=task.dp_rank, dp_size=dims.dp,
                                 seed=job.trainer.seed, accumulation=job.trainer.gradient_accumulation_steps,
-                                latent_tokens_of=task.latent_tokens_of)
+                                latent_tokens_of=task.latent_tokens_of, fit=fit)

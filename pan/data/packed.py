@@ -35,9 +35,10 @@ from torch.utils.data import DataLoader
 
 from pan.data.batch import RawBatch, Sample
 from pan.data.config import DataConfig
+from pan.data.fit import SampleFit
 from pan.data.packing import LookaheadPacker
 from pan.data.plan import IMAGE_STREAM, Planner, Ref, StreamOrder
-from pan.data.reader import KnownBad, Loaded, RowSource, SampleReader, rules_of
+from pan.data.reader import Deferred, KnownBad, Loaded, RowSource, SampleReader, rules_of
 from pan.data.sources import ImageTarSet, SourceError
 
 logger = logging.getLogger(__name__)
@@ -67,20 +68,67 @@ def _close_at_exit(loader_ref: weakref.ref) -> None:
         loader.close()
 
 
+Key = tuple[str, int]  # a row: (stream, index)
+
+
+class Visits:
+    """The rows a rank's decoding workers are reading now (a visit sent, its sample not arrived yet:
+    row -> the data shard whose workers read it) and the rows read good lately. The shards of a
+    rank share one (ShardedLoader), as they share the record of bad samples.
+
+    Why: the sampler sends a visit of a row in the run's record of bad samples as KnownBad, but a
+    row joins the record only when its sample arrives, and the workers keep many visits in flight.
+    With fewer rows than that, every pass over the data sent a bad row again before its first visit
+    had come back, and each copy was read. Now a visit of a row that is being read and not known to
+    be good is sent as Deferred: not read by the worker, settled by the training process once the
+    earlier visit is in (a skip when that found the row bad; else read there)."""
+
+    def __init__(self, remembered: int):
+        self.reading: dict[Key, int] = {}   # row -> the data shard whose workers read it
+        self.good: collections.OrderedDict[Key, None] = collections.OrderedDict()
+        self.remembered = remembered  # how many good rows are kept (the most recent ones)
+        # shard -> its loader (weakly: a loader must stay collectable, its workers stop with it)
+        self.shards: dict[int, weakref.ref[PackedLoader]] = {}
+
+    def reader_of(self, key: Key) -> PackedLoader | None:
+        """The loader whose workers are reading row `key` (None: no one)."""
+        shard = self.reading.get(key)
+        return None if shard is None else self.shards[shard]()
+
+    def read_good(self, key: Key) -> None:
+        self.good[key] = None
+        self.good.move_to_end(key)
+        while len(self.good) > self.remembered:
+            self.good.popitem(last=False)
+
+
 class RefSequence:
     """The DataLoader's sampler: buffered references to re-read first, then the plan onwards, in
-    which a sample of the run's record of bad samples is sent as KnownBad (not read again). It runs
-    in the training process, so it sees the record as it grows."""
+    which a sample of the run's record of bad samples is sent as KnownBad (not read again), and a
+    visit of a row being read already (and not known to be good) as Deferred. It runs in the
+    training process, so it sees the record as it grows."""
 
-    def __init__(self, replay: list[Ref], planner: Planner, known_bad: dict[tuple[str, int], tuple[str, str]]):
+    def __init__(self, replay: list[Ref], planner: Planner, known_bad: dict[Key, tuple[str, str]],
+                 visits: Visits | None = None, shard: int = 0):
         self.replay, self.planner, self.known_bad = replay, planner, known_bad
+        self.visits, self.shard = visits, shard
 
     def __iter__(self):
-        yield from self.replay
+        for ref in self.replay:
+            yield self._visit(ref)
         while True:
             ref = self.planner.next_ref()
             bad = self.known_bad.get((ref.stream, ref.index))
-            yield ref if bad is None else KnownBad(ref, bad[0])
+            yield self._visit(ref) if bad is None else KnownBad(ref, bad[0])
+
+    def _visit(self, ref: Ref) -> Ref | Deferred:
+        key = (ref.stream, ref.index)
+        if self.visits is None or key in self.visits.good:
+            return ref
+        if key in self.visits.reading:
+            return Deferred(ref)
+        self.visits.reading[key] = self.shard
+        return ref
 
 
 class PackedLoader:
@@ -88,10 +136,11 @@ class PackedLoader:
 
     def __init__(self, cfg: DataConfig, *, sources: dict[str, RowSource], tars: ImageTarSet | None,
                  planner: Planner, tokens_of: TokensOf, latent_tokens_of: TokensOf | None,
-                 dp_rank: int, dp_size: int, seed: int):
+                 dp_rank: int, dp_size: int, seed: int, fit: SampleFit | None = None):
         self.cfg, self.seed, self.dp_rank, self.dp_size = cfg, seed, dp_rank, dp_size
         self.tokens_of, self.latent_tokens_of = tokens_of, latent_tokens_of
-        self.reader = SampleReader(sources, tars, rules_of(cfg))
+        # `fit`: what the run's model takes; a sample that does not fit is a bad sample (pan/data/fit.py).
+        self.reader = SampleReader(sources, tars, rules_of(cfg), fit=fit)
         self._initial = planner.copy()
         self.planner = planner              # advanced only by samples that reached this process
         self.packer = LookaheadPacker(cfg.max_tokens_per_batch, cfg.max_samples_per_batch,
@@ -101,7 +150,11 @@ class PackedLoader:
         self._skipped_since: collections.Counter[str] = collections.Counter()
         # The run's record of bad samples: (stream, index) -> (reason, detail). Each is read once
         # per run (carried in the checkpoint); later visits are skipped without reading it.
-        self.known_bad: dict[tuple[str, int], tuple[str, str]] = {}
+        self.known_bad: dict[Key, tuple[str, str]] = {}
+        # Rows being read by the workers and rows read good lately (see Visits); shared by the shards.
+        self.visits = Visits(max(4096, 4 * self.samples_in_flight()))
+        self.visits.shards[dp_rank] = weakref.ref(self)
+        self._arrived: collections.deque[Loaded] = collections.deque()  # taken in ahead (settle)
         self.batches = 0                    # batches made so far (saved: it numbers the next one)
         self.batched_samples = 0            # samples in them
         self._results = None
@@ -140,26 +193,73 @@ class PackedLoader:
         return True
 
     def _receive(self) -> bool:
-        """Take the next decoded sample into the buffer; False if it was skipped."""
-        if self._results is None:
-            self._start_workers()
-        got: Loaded = next(self._results)
+        """Take the next sample into the buffer; False if it was skipped."""
+        got = self._next_arrival()
         if self.replay:
             expected = self.replay.pop(0)
         else:
             expected = self.planner.next_ref()
         assert got.ref == expected, f"decoded {got.ref}, expected {expected}"
-        sample = got.sample
-        if sample is not None:
-            sample.tokens = self._tokens(sample)
-            if sample.tokens > self.cfg.max_tokens_per_batch:
-                got = Loaded(got.ref, None, "over_budget", f"{sample.tokens} tokens > max_tokens_per_batch "
-                                                           f"{self.cfg.max_tokens_per_batch}")
+        if got.deferred:
+            got = self._settle_deferred(got)
         if got.sample is None:
             self._skip(got)
             return False
         self.packer.add(got.ref.seq, got.sample.tokens, (got.ref, got.sample))
         return True
+
+    def _next_arrival(self) -> Loaded:
+        if self._arrived:
+            return self._arrived.popleft()
+        if self._results is None:
+            self._start_workers()
+        return self._arrive(next(self._results))
+
+    def _arrive(self, got: Loaded) -> Loaded:
+        """A visit's outcome as it comes in: a sample's tokens counted (over the budget, or of a
+        shape the recipe's token count refuses: skipped), its row no longer being read, and a bad
+        row recorded (the first time)."""
+        if got.deferred:
+            return got
+        sample = got.sample
+        if sample is not None:
+            try:
+                sample.tokens = self._tokens(sample)
+            except ValueError as e:  # the recipe cannot count it: a shape its model cannot take
+                got = Loaded(got.ref, None, "unfit", str(e))
+            else:
+                if sample.tokens > self.cfg.max_tokens_per_batch:
+                    got = Loaded(got.ref, None, "over_budget", f"{sample.tokens} tokens > "
+                                                               f"max_tokens_per_batch {self.cfg.max_tokens_per_batch}")
+        if not got.known:
+            key = (got.ref.stream, got.ref.index)
+            if self.visits.reading.get(key) == self.dp_rank:
+                del self.visits.reading[key]
+            if got.sample is not None:
+                self.visits.read_good(key)
+            else:
+                self._record(got)
+        return got
+
+    def _settle_deferred(self, got: Loaded) -> Loaded:
+        """A Deferred visit, when the trainer reaches it: skipped if its row was found bad meanwhile,
+        else read here (its row's earlier visit came back good, or was dropped by a restart). The
+        earlier visit came first on this shard; on another shard of the rank, that shard takes its
+        samples in until it has come."""
+        key = (got.ref.stream, got.ref.index)
+        reading = self.visits.reader_of(key)
+        if reading is not None and reading is not self:
+            reading.settle(key)
+        bad = self.known_bad.get(key)
+        if bad is not None:
+            return Loaded(got.ref, None, bad[0], known=True)
+        return self._arrive(self.reader[got.ref])
+
+    def settle(self, key: Key) -> None:
+        """Take this shard's samples in (kept, in order, for its own batches) until its visit of row
+        `key` has come back."""
+        while self._results is not None and self.visits.reading.get(key) == self.dp_rank:
+            self._arrived.append(self._arrive(next(self._results)))
 
     def _tokens(self, sample: Sample) -> int:
         if sample.latent is not None or sample.raw_latent is not None:
@@ -167,11 +267,14 @@ class PackedLoader:
         return int(self.tokens_of(*sample.grid))
 
     def _skip(self, got: Loaded) -> None:
-        """Count a skip; record (and log) a bad sample the first time it is found."""
+        """Count a skip (its row was recorded when it came in: `_arrive`)."""
         self.skipped_total[got.reason] += 1
         self._skipped_since[got.reason] += 1
+
+    def _record(self, got: Loaded) -> None:
+        """Record (and log) a bad sample the first time it is found: it is not read again this run."""
         key = (got.ref.stream, got.ref.index)
-        if not got.known and key not in self.known_bad:
+        if key not in self.known_bad:
             self.known_bad[key] = (got.reason, got.detail[:300])  # the record travels in every cursor
             logger.warning("skipping %s (%s): %s", self._sample_id(got.ref), got.reason, got.detail)
 
@@ -198,13 +301,18 @@ class PackedLoader:
 
     def _data_loader(self) -> DataLoader:
         workers = self.cfg.packed_dataloader_num_workers
-        sampler = RefSequence(list(self.replay), self.planner.copy(), self.known_bad)
+        sampler = RefSequence(list(self.replay), self.planner.copy(), self.known_bad, self.visits, self.dp_rank)
         # Our own generator: otherwise each new iterator draws its base seed from the global torch
         # RNG, and a resumed run's global RNG would be one draw away from the uninterrupted run's.
         return DataLoader(self.reader, batch_size=None, sampler=sampler, collate_fn=_keep,
                           num_workers=workers, generator=torch.Generator().manual_seed(self.seed),
                           prefetch_factor=self.samples_in_flight_per_worker() if workers else None,
                           worker_init_fn=_ignore_sigterm if workers else None)
+
+    def samples_in_flight(self) -> int:
+        """Visits the decoding workers hold at most (0 without workers: each is read when needed)."""
+        workers = self.cfg.packed_dataloader_num_workers
+        return workers * self.samples_in_flight_per_worker() if workers else 0
 
     def samples_in_flight_per_worker(self) -> int:
         """DataLoader's prefetch factor counts samples here: keep `packed_dataloader_prefetch_factor`
@@ -214,8 +322,11 @@ class PackedLoader:
         return self.cfg.packed_dataloader_prefetch_factor * share
 
     def close(self) -> None:
-        """Stop the decoding workers (they restart on the next batch)."""
+        """Stop the decoding workers (they restart on the next batch, from what the trainer took)."""
         self._results = None
+        self._arrived.clear()
+        for key in [key for key, shard in self.visits.reading.items() if shard == self.dp_rank]:
+            del self.visits.reading[key]
 
     # --- state -----------------------------------------------------------------------------------
 

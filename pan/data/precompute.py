@@ -50,10 +50,12 @@ from safetensors.torch import save_file
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from pan.config import load_config_or_exit
 from pan.data.decode import FrameRules, SkipSample
 from pan.data.plan import Ref
 from pan.data.reader import Loaded, RowSource, SampleReader, stream_name
 from pan.data.sources import AnnotationSource, SourceError, VideoCsvSource
+from pan.logging import quiet_library_progress_bars
 from pan.parallel.world import close_world, start_process_group
 from pan.recipe import get_recipe
 
@@ -456,12 +458,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=None, help="only the first N rows of each CSV")
     parser.add_argument("--device", default=None, help="encoder device (default: cuda if present, else cpu)")
     args, rest = parser.parse_known_args(argv)
-    from pan.logging import quiet_library_progress_bars
     quiet_library_progress_bars()
     if args.limit is not None and args.limit < 1:
         parser.error("--limit must be at least 1")
-    from pan.config import load_config_or_exit
-
     job = load_config_or_exit(rest)
     share = Share.from_env()
     if share.world > 1:  # torchrun: gloo is enough to hand round the small reports

@@ -1,6 +1,7 @@
 """Loading: reference -> sample (runs in the decoding workers). `SampleReader` decodes the sample a
-`Ref` names (a video CSV row, an annotation row or an image of the tars), or says why it cannot;
-`rules_of` and `read_row_sources` give it the config's frame rules and sources."""
+`Ref` names (a video CSV row, an annotation row or an image of the tars), checks it against what the
+run's model takes (`SampleFit`, pan/data/fit.py), or says why it cannot; `rules_of` and
+`read_row_sources` give it the config's frame rules and sources."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from pan.data.decode import (
     pick_bucket,
     video_stream,
 )
+from pan.data.fit import SampleFit
 from pan.data.plan import IMAGE_STREAM, Ref
 from pan.data.sources import (
     AnnotationSource,
@@ -46,37 +48,49 @@ class Loaded:
     reason: str = ""   # skip reason when sample is None
     detail: str = ""
     known: bool = False  # a known-bad sample, skipped without reading it again
+    deferred: bool = False  # not read: another visit of its row was being read (see Deferred)
 
 
 @dataclass(frozen=True)
 class KnownBad:
-    """What the sampler sends instead of a reference in the run's record of bad samples."""
+    """What the sampler sends instead of a reference in the run's record of bad samples: a visit
+    the worker does not read."""
     ref: Ref
     reason: str
+
+
+@dataclass(frozen=True)
+class Deferred(KnownBad):
+    """What the sampler sends instead of a reference whose row is being read already (an earlier
+    visit still in flight in the decoding workers) and is not known to be good: the worker does not
+    read it either. The training process settles it when it arrives, after the earlier visit: a
+    skip if that found the row bad, else it reads the row itself (PackedLoader). So a bad row is read
+    once even when more visits are in flight than the data has rows."""
+    reason: str = ""
 
 
 class SampleReader(Dataset):
     """Map-style dataset over references: decodes one sample, or reports why it cannot.
 
     With `use_precomputed` false, annotation rows are decoded from their video or image even when
-    they name a latent or text features (what a precompute needs).
+    they name a latent or text features (what a precompute needs). With a `fit`, every sample read
+    is checked against what the run's model takes, and one that does not fit is skipped (`unfit`,
+    `not_finite`).
     """
 
     def __init__(self, sources: dict[str, RowSource], tars: ImageTarSet | None, rules: FrameRules,
-                 use_precomputed: bool = True):
+                 use_precomputed: bool = True, fit: SampleFit | None = None):
         self.sources, self.tars, self.rules = sources, tars, rules
-        self.use_precomputed = use_precomputed
+        self.use_precomputed, self.fit = use_precomputed, fit
 
     def __getitem__(self, ref: Ref | KnownBad) -> Loaded:
         if isinstance(ref, KnownBad):
-            return Loaded(ref.ref, None, ref.reason, known=True)
+            return Loaded(ref.ref, None, ref.reason, known=True, deferred=isinstance(ref, Deferred))
         try:
-            if ref.stream == IMAGE_STREAM:
-                return Loaded(ref, self._image(ref.index))
-            src = self.sources[ref.stream]
-            if isinstance(src, AnnotationSource):
-                return Loaded(ref, self._annotation_row(src, ref.index))
-            return Loaded(ref, self._video_row(src, ref.index))
+            sample = self._read(ref)
+            if self.fit is not None:
+                self.fit.check(sample)
+            return Loaded(ref, sample)
         except SkipSample as e:
             return Loaded(ref, None, e.reason, e.detail)
         except FileNotFoundError as e:
@@ -84,6 +98,14 @@ class SampleReader(Dataset):
         except Exception as e:  # noqa: BLE001 - any error in a file (FFmpeg, Pillow, safetensors,
             # I/O) spoils that sample only; it is logged with its type so real bugs stay visible.
             return Loaded(ref, None, "decode_error", f"{type(e).__name__}: {e}")
+
+    def _read(self, ref: Ref) -> Sample:
+        if ref.stream == IMAGE_STREAM:
+            return self._image(ref.index)
+        src = self.sources[ref.stream]
+        if isinstance(src, AnnotationSource):
+            return self._annotation_row(src, ref.index)
+        return self._video_row(src, ref.index)
 
     def _video_row(self, src: VideoCsvSource, i: int) -> Sample:
         row = src.rows[i]

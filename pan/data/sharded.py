@@ -17,7 +17,8 @@ class ShardedLoader:
     data-parallel size whose accumulation keeps the count continues every shard exactly, and each
     step trains the same micro-batches as the uninterrupted run would have. Another count continues
     through `load_elastic_state` (nothing lost or repeated, but other batches). The shards of a rank
-    share one record of bad samples and split its decoding workers.
+    share one record of bad samples (and one account of the rows being read) and split its decoding
+    workers.
     """
 
     def __init__(self, loaders: dict[int, PackedLoader], writes_cursors: bool = True):
@@ -58,11 +59,19 @@ class ShardedLoader:
         self._share_bad_sample_record()
 
     def _share_bad_sample_record(self) -> None:
+        """One record of bad samples for the rank's shards, and one account of the rows their
+        workers are reading (pan.data.packed.Visits): a bad row is read once by all of them."""
         record = {}
         for loader in self.loaders.values():
             record.update(loader.known_bad)
+        visits = next(iter(self.loaders.values())).visits
+        others = [loader for loader in self.loaders.values() if loader.visits is not visits]
+        visits.remembered += sum(loader.visits.remembered for loader in others)
         for loader in self.loaders.values():
             loader.known_bad = record
+        for loader in others:  # (at the start: nothing is in flight yet)
+            visits.shards.update(loader.visits.shards)
+            loader.visits = visits
 
     @property
     def known_bad(self) -> dict[tuple[str, int], tuple[str, str]]:

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from pan.data.build import build_step_shards
+from pan.data.fit import SampleFit
 from pan.data.plan import seed_draws
 from pan.encoders.vae import vae_geometry
 from pan.models.packing import PackInfo
@@ -91,6 +92,13 @@ class PackedTask(Task):
     @abc.abstractmethod
     def latent_tokens_of(self, t: int, h: int, w: int) -> int:
         """Budgeted tokens of a sample whose full-resolution latent is (t, h, w)."""
+
+    def sample_fit(self) -> SampleFit:
+        """What the DiT takes, checked on every sample as it is read (pan/data/fit.py): a row that
+        does not fit is skipped as a bad sample instead of stopping the step. Here, clips the VAE
+        can encode; a recipe adds its DiT's latent channels, units and text widths."""
+        return SampleFit(temporal_factor=self.geometry.temporal_factor, spatial_factor=self.geometry.spatial_factor,
+                         model="the DiT")
 
     def tokens_of(self, num_frames: int, height: int, width: int) -> int:
         """Model tokens of a clip of this pixel shape (what the data packer budgets)."""

@@ -15,7 +15,7 @@ from torch import Tensor
 from pan.data.batch import Sample
 from pan.data.decode import FrameRules, SkipSample, centre_crop, decode_image, frame_step, pick_bucket, video_stream
 from pan.data.plan import Ref, stable_int
-from pan.data.reader import SampleReader, number
+from pan.data.reader import KnownBad, SampleReader, number
 from pan.parallel.vae_context import frame_range
 
 
@@ -112,13 +112,14 @@ class ClipReader(SampleReader):
 
     def __init__(self, base: SampleReader, *, seed: int, temporal_factor: int, context_rank: int = 0,
                  context_size: int = 1, random_window: bool = True):
-        super().__init__(base.sources, base.tars, base.rules, use_precomputed=False)
+        super().__init__(base.sources, base.tars, base.rules, use_precomputed=False, fit=base.fit)
         self.seed, self.temporal_factor = seed, temporal_factor
         self.context_rank, self.context_size, self.random_window = context_rank, context_size, random_window
         self._window_rng = random.Random(0)
 
-    def __getitem__(self, ref: Ref):
-        self._window_rng = random.Random(stable_int(self.seed, "window", ref.stream, ref.epoch, ref.index))
+    def __getitem__(self, ref: Ref | KnownBad):
+        if not isinstance(ref, KnownBad):  # (a known-bad or deferred visit is not read)
+            self._window_rng = random.Random(stable_int(self.seed, "window", ref.stream, ref.epoch, ref.index))
         return super().__getitem__(ref)
 
     def share(self) -> FrameShare:

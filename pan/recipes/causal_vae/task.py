@@ -15,9 +15,12 @@ from torch import Tensor
 
 from pan.config.core import ConfigError
 from pan.data.batch import Sample
+from pan.data.build import build_sharded_loader
+from pan.data.fit import SampleFit
 from pan.data.plan import Ref, seed_draws
 from pan.data.reader import SampleReader, rules_of
-from pan.data.sources import SourceError
+from pan.data.sources import SourceError, read_video_csv
+from pan.media import to_uint8_frames, write_mp4
 from pan.models.causal_vae import WEIGHTS_NAME, CausalVideoVAE, check_state_dict, renamed_legacy_attention_keys
 from pan.models.lpips import LPIPS
 from pan.models.vae_discriminator import NLayerDiscriminator
@@ -127,10 +130,13 @@ class CausalVAETask(Task):
         """A sample's size for the packer: its pixels (frames x H x W of the whole clip)."""
         return num_frames * height * width
 
-    def build_loader(self, dims):
-        from pan.data.build import build_sharded_loader
-        from pan.data.sources import read_video_csv
+    def sample_fit(self) -> SampleFit:
+        """Clips this VAE can encode (1 + a multiple of its temporal factor frames, sides in whole
+        spatial factors), checked as each is read: any other is skipped as a bad sample."""
+        return SampleFit(temporal_factor=self.vae_cfg.temporal_factor, spatial_factor=self.vae_cfg.spatial_factor,
+                         unit_from="the VAE", model="the VAE")
 
+    def build_loader(self, dims):
         for path in self.job.data.video_csv_paths:
             src = read_video_csv(path)
             if "path" not in src.columns:
@@ -140,7 +146,8 @@ class CausalVAETask(Task):
         loader = build_sharded_loader(self.job.data, tokens_of=self.tokens_of, dp_rank=self.data_rank,
                                       dp_size=self.data_size, seed=self.job.trainer.seed,
                                       accumulation=self.job.trainer.gradient_accumulation_steps,
-                                      latent_tokens_of=self.tokens_of, writes_cursors=self.context_rank == 0)
+                                      latent_tokens_of=self.tokens_of, writes_cursors=self.context_rank == 0,
+                                      fit=self.sample_fit())
         for shard in loader.loaders.values():
             shard.reader = ClipReader(shard.reader, seed=self.job.trainer.seed,
                                       temporal_factor=self.vae_cfg.temporal_factor,
@@ -266,7 +273,6 @@ class CausalVAETask(Task):
     def heldout_clips(self) -> list[Sample]:
         """The first validation_clips rows of validation_csv that decode: whole clips from their start."""
         if self._heldout is None:
-            from pan.data.sources import read_video_csv
             v = self.job.validation
             rules = dataclasses.replace(rules_of(self.job.data), max_frames=v.validation_frames or self.job.data.max_frames)
             src = read_video_csv(v.validation_csv)
@@ -288,8 +294,7 @@ class CausalVAETask(Task):
     def validate(self, parts, step: int, output_dir) -> dict[str, float]:
         """PSNR, SSIM and LPIPS of the held-out clips' reconstructions (posterior mean), and the
         reconstructions as video (input | reconstruction) in output_dir/reconstructions/step-N/."""
-        from pan.eval import psnr, ssim
-        from pan.media import to_uint8_frames, write_mp4
+        from pan.eval import psnr, ssim  # lazy: pan.eval loads scipy, needed only when validating
 
         clips = self.heldout_clips()
         model = parts[VAE].model

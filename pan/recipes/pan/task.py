@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from pan.data.build import build_data_loader
+from pan.data.fit import SampleFit
 from pan.diffusion.conditioning import condition_frames, model_input_latent
 from pan.diffusion.flow import FlowConfig, add_noise, output_velocity, sample_timesteps, velocity_target
 from pan.encoders.text import TextEncoder, frozen_dtype
@@ -83,6 +84,14 @@ class PanTask(PackedTask):
     def latent_tokens_of(self, t: int, h: int, w: int) -> int:
         pt, ph, pw = self.arch.patch_size
         return (t // pt) * (h // ph) * (w // pw)
+
+    def sample_fit(self) -> SampleFit:
+        """The transformer's latents (out_channels, whole patches) and caption width; annotation
+        rows' Pyramid-Flow latents are not taken (another VAE's, unnormalised)."""
+        arch = self.arch
+        return dataclasses.replace(super().sample_fit(), channels=arch.out_channels, unit=tuple(arch.patch_size),
+                                   unit_from=f"patch_size {list(arch.patch_size)}", text_width=arch.text_embed_dim,
+                                   raw_latents=False)
 
     # -- one micro-batch -------------------------------------------------------------------------
     def sample_latent(self, sample) -> Tensor:
@@ -188,7 +197,7 @@ class PanTask(PackedTask):
         if self.reads_data:
             loader = build_data_loader(cfg, tokens_of=self.tokens_of, dp_rank=self.dp_rank,
                                        dp_size=self.dims.dp, seed=self.job.trainer.seed,
-                                       latent_tokens_of=self.latent_tokens_of)
+                                       latent_tokens_of=self.latent_tokens_of, fit=self.sample_fit())
             batch = next(iter(loader))
             loader.close()
         for sigma in self.job.validation.validation_timesteps:

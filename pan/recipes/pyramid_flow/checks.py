@@ -424,7 +424,11 @@ def check_data(ctx: Preflight) -> list[Row]:
             tars = read_image_tars(job.data.image_tar_paths)
         except (SourceError, OSError) as e:
             rows.append(Row("data", "fail", str(e), "fix or remove the tar(s)."))
-    reader = SampleReader({name: src for name, (_, src) in sources.items()}, tars, rules_of(job.data))
+    # The reader training uses, with what the DiT takes (the task's sample_fit, from the built model):
+    # a row that does not fit is skipped as `unfit` here as it is in training.
+    ctx.models  # noqa: B018 - the task's meta DiT, which sample_fit reads
+    reader = SampleReader({name: src for name, (_, src) in sources.items()}, tars, rules_of(job.data),
+                          fit=ctx.task.sample_fit())
     streams = [(path, name, len(src)) for name, (path, src) in sources.items()]
     if tars is not None:
         streams.append((", ".join(job.data.image_tar_paths), IMAGE_STREAM, len(tars)))
@@ -436,25 +440,17 @@ def check_data(ctx: Preflight) -> list[Row]:
 def _sample_rows(ctx: Preflight, reader, label: str, stream: str, size: int) -> Row:
     """Read `sample_rows` rows spread over a source (first, last, between) and judge them."""
     picks = spread_rows(ctx.sample_rows, size)
-    good, skipped, unfit = 0, [], []
+    good, skipped = 0, []
     for index in picks:
         got = reader[Ref(seq=0, stream=stream, epoch=0, pos=0, index=index)]
+        over = _over_budget(ctx, got.sample) if got.sample is not None else None
         if got.sample is None:
             skipped.append(f"#{index} {got.reason}: {got.detail}")
-            continue
-        problem = _unfit(ctx, got.sample)
-        over = _over_budget(ctx, got.sample) if problem is None else None
-        if problem:
-            unfit.append(f"#{index} {problem}")
         elif over:
             skipped.append(f"#{index} over_budget: {over}")
         else:
             good += 1
     detail = f"{label}: {size} rows; {good}/{len(picks)} of rows {picks} fit the DiT"
-    if unfit:
-        return Row("data", "fail", detail + ". " + "; ".join(unfit + skipped) + ".",
-                   "such rows would stop training: recompute them for this model (`pan data precompute`) "
-                   "or fix the buckets.")
     if skipped and not good:
         return Row("data", "fail", detail + ". Skipped: " + "; ".join(skipped) + ".",
                    "fix the paths, files or frame rules named above.")
@@ -466,36 +462,6 @@ def _sample_rows(ctx: Preflight, reader, label: str, stream: str, size: int) -> 
 
 def _latent_of(sample) -> torch.Tensor | None:
     return sample.raw_latent if sample.raw_latent is not None else sample.latent
-
-
-def _unfit(ctx: Preflight, sample) -> str | None:
-    """Why a loaded sample would stop training this DiT (None when it would not): latent channels
-    and stage divisibility, decoded clip shapes, text feature widths."""
-    job, task, shape = ctx.job, ctx.task, dit_shape(ctx.job)
-    uh, uw = stage_unit(job)
-    latent = _latent_of(sample)
-    if latent is not None:
-        c, _, h, w = latent.shape
-        if c != shape.latent_channels:
-            return f"its latent has {c} channels, the DiT takes {shape.latent_channels} (another VAE's latent?)"
-    else:
-        t, h, w = sample.grid
-        error = task.geometry.clip_shape_error(t, h, w)
-        if error:
-            return f"decodes to {t}x{h}x{w} but {error}"
-        _, _, h, w = task.geometry.latent_shape(t, h, w)
-    if h % uh or w % uw:
-        return (f"its latent is {w}x{h} (W x H), not a multiple of {uw}x{uh} that {job.pyramid.stages} stages "
-                f"of {shape.patch} patches need")
-    features = sample.text_features
-    if features is not None:
-        wide = features["prompt_embed"].shape[-1]
-        if wide != shape.caption_width:
-            return f"its text features are {wide} wide, the DiT takes {shape.caption_width}"
-        pooled = features["pooled_prompt_embed"].shape[-1]
-        if shape.pooled_width is not None and pooled != shape.pooled_width:
-            return f"its pooled text feature is {pooled} wide, the DiT takes {shape.pooled_width}"
-    return None
 
 
 def _over_budget(ctx: Preflight, sample) -> str | None:

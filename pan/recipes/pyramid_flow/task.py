@@ -28,6 +28,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
+from pan.data.fit import SampleFit
+from pan.data.sources import read_annotations
 from pan.diffusion.pyramid import (
     GeneratorDraws,
     PyramidSchedule,
@@ -36,7 +38,9 @@ from pan.diffusion.pyramid import (
     noise_sample,
     normalize_latent,
 )
-from pan.encoders.pyramid_text import PyramidTextEncoder, TextFeatures
+from pan.encoders.pyramid_text import PyramidTextEncoder, TextFeatures, build_text_encoder, load_features
+from pan.encoders.vae import build_vae
+from pan.media import to_uint8_frames, write_gif, write_mp4
 from pan.models.packing import PackInfo
 from pan.recipes.packed import PackedInputs, PackedTask
 from pan.recipes.pyramid_flow.config import PyramidJobConfig
@@ -97,8 +101,6 @@ class PyramidTask(PackedTask):
         beside a precomputed empty caption, so that no T5 sits on the GPU for nothing."""
         if not self.reads_data:
             return
-        from pan.encoders.vae import build_vae
-
         self.vae = build_vae(self.job.vae, device=self.world.device)
         self.empty = self.empty_caption()
 
@@ -106,8 +108,6 @@ class PyramidTask(PackedTask):
     def text_encoder(self) -> PyramidTextEncoder:
         """The released T5 + CLIP encoders, loaded at their first use."""
         if self._text_encoder is None:
-            from pan.encoders.pyramid_text import build_text_encoder
-
             m = self.job.model
             name = "pyramid_flux" if m.model_name == "pan" else m.model_name
             self._text_encoder = build_text_encoder(self.job.text, name, m.model_path or "", self.world.device)
@@ -116,8 +116,6 @@ class PyramidTask(PackedTask):
     def encodes_captions(self) -> bool:
         """Whether training encodes captions: validation prompts, rows of video CSVs and image tars,
         annotation rows without a `text_fea` (a text search: rows are parsed only when read)."""
-        from pan.data.sources import read_annotations
-
         data = self.job.data
         if self.job.validation.validation_interval or data.video_csv_paths or data.image_tar_paths:
             return True
@@ -129,8 +127,6 @@ class PyramidTask(PackedTask):
         encodes captions anyway; else `text_fea/empty.pt` as `pan data precompute` writes it beside
         its annotation files (the first found); else the encoders' after all (the original's tools
         write no such file)."""
-        from pan.encoders.pyramid_text import load_features
-
         if not self.encodes_captions():
             for path in self.job.data.annotation_paths:
                 saved = Path(path).parent / EMPTY_TEXT_FEA
@@ -139,6 +135,27 @@ class PyramidTask(PackedTask):
         return self.text_encoder.empty_features()
 
     # -- data --------------------------------------------------------------------------------------
+    def sample_fit(self) -> SampleFit:
+        """What the DiT takes of a sample (checked as it is read; pan/data/fit.py): its latent
+        channels; latent H and W in whole units of 2^(stages - 1) patches (every stage halves them,
+        the smallest must still cut into patches), T in whole temporal patches; SD3's position
+        table's reach; the widths of precomputed text features."""
+        m, stages = self.job.model, self.job.pyramid.stages
+        if m.model_name == "pan":
+            c = self.model.dit.config
+            channels, patch, caption, pooled, table = c.out_channels, tuple(c.patch_size), c.text_embed_dim, None, None
+        else:
+            c = self.model.config
+            p = 2 if m.model_name == "pyramid_flux" else c.patch_size  # miniFLUX: 2x2 tokens always (quirk F1)
+            channels, patch, caption, pooled = self.model.latent_channels, (1, p, p), c.joint_attention_dim, \
+                c.pooled_projection_dim
+            table = getattr(c, "pos_embed_max_size", None)
+        down = 2 ** (stages - 1)
+        return dataclasses.replace(
+            super().sample_fit(), channels=channels, unit=(patch[0], down * patch[1], down * patch[2]),
+            unit_from=f"{stages} pyramid stages of {patch[1]}x{patch[2]} patches",
+            max_side=None if table is None else table * patch[1], caption_width=caption, pooled_width=pooled)
+
     def raw_latent(self, sample) -> Tensor:
         """The sample's latent as the VAE gives it (not normalised) [C, T, H, W], fp32."""
         if getattr(sample, "raw_latent", None) is not None:
@@ -188,8 +205,6 @@ class PyramidTask(PackedTask):
     def write_samples(self, model: nn.Module, prompts: list[str], out_dir: Path, *, seed: int) -> list[Path]:
         """Validation samples: the ranks holding the encoders compute, the main rank writes each one
         as MP4, GIF and its prompt."""
-        from pan.media import to_uint8_frames, write_gif, write_mp4
-
         if not self.reads_data:
             return []
         was_training = model.training

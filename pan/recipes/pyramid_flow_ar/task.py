@@ -44,6 +44,8 @@ import torch
 from torch import Tensor, nn
 
 from pan.config.core import require
+from pan.data.build import build_sharded_loader
+from pan.data.plan import seed_draws
 from pan.diffusion.pyramid import (
     Draws,
     GeneratorDraws,
@@ -173,11 +175,9 @@ class PyramidFlowARTask(PyramidTask):
         return self.plan.loader_rank, self.plan.loader_size
 
     def build_loader(self, dims):
-        from pan.data.build import build_sharded_loader
-
         return build_sharded_loader(self.job.data, tokens_of=self.tokens_of, dp_rank=self.plan.loader_rank,
                                     dp_size=self.plan.loader_size, seed=self.job.trainer.seed,
-                                    latent_tokens_of=self.latent_tokens_of,
+                                    latent_tokens_of=self.latent_tokens_of, fit=self.sample_fit(),
                                     writes_cursors=self.plan.slots[0] == 0)
 
     def data_shards(self) -> int:
@@ -186,8 +186,6 @@ class PyramidFlowARTask(PyramidTask):
     def seed_draws_for(self, batch) -> None:
         """Each slot's streams for a new batch of the group, from (seed, the slot's place among all
         groups' slots, the batch's number); its samples take the next places of the stage rotation."""
-        from pan.data.plan import seed_draws
-
         for generator, rng, slot in zip(self.generators, self.rngs, self.plan.slots):
             seed_draws(generator, rng, self.job.trainer.seed, self.plan.virtual_rank(slot), batch.number)
         self.batches = batch.number
