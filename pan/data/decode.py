@@ -101,6 +101,18 @@ def video_stream(container):
     return stream, rate
 
 
+def frame_converter(stream, rules: FrameRules):
+    """How each decoded frame of `stream` becomes one of the clip's frames: resized to cover its
+    bucket (area averaging when shrinking avoids aliasing; bicubic when enlarging) and centre-cropped
+    to it, as uint8 RGB [H, W, 3]. What every decoder of video files shares."""
+    bucket, h, w, scale = pick_bucket(stream.codec_context.height, stream.codec_context.width, rules)
+    interpolation = "AREA" if scale < 1 else "BICUBIC"
+
+    def convert(frame) -> np.ndarray:
+        return centre_crop(frame.to_ndarray(format="rgb24", width=w, height=h, interpolation=interpolation), bucket)
+    return convert
+
+
 def decode_video(path: str, rules: FrameRules, start: float = 0.0,
                  end: float | None = None) -> tuple[torch.Tensor, float]:
     """Decode [start, end) seconds of a video -> (uint8 frames [T, 3, H, W], output fps).
@@ -113,9 +125,7 @@ def decode_video(path: str, rules: FrameRules, start: float = 0.0,
         stream, rate = video_stream(container)
         src_fps = float(rate)
         step = frame_step(src_fps, rules)
-        bucket, h, w, scale = pick_bucket(stream.codec_context.height, stream.codec_context.width, rules)
-        # Area averaging when shrinking avoids aliasing; bicubic when enlarging.
-        interpolation = "AREA" if scale < 1 else "BICUBIC"
+        convert = frame_converter(stream, rules)
         wanted = [round(k * step) for k in range(rules.max_frames)]  # source indices, from start
         t0 = float(stream.start_time * stream.time_base) if stream.start_time is not None else 0.0
         half_frame = 0.5 / src_fps
@@ -130,8 +140,7 @@ def decode_video(path: str, rules: FrameRules, start: float = 0.0,
             if end is not None and t >= end - half_frame:
                 break
             if index == wanted[len(kept)]:
-                rgb = frame.to_ndarray(format="rgb24", width=w, height=h, interpolation=interpolation)
-                kept.append(centre_crop(rgb, bucket))
+                kept.append(convert(frame))
                 if len(kept) == len(wanted):
                     break
             index += 1

@@ -20,9 +20,9 @@ from pan.data.config import DataConfig
 from pan.data.decode import (
     FrameRules,
     SkipSample,
-    centre_crop,
     decode_image,
     decode_video,
+    frame_converter,
     frame_step,
     pick_bucket,
     video_stream,
@@ -246,13 +246,11 @@ def decode_frames_at(path: str, indices: tuple[int, ...], rules: FrameRules) -> 
     wanted = indices[:rules.max_frames]
     with av.open(path) as container:
         stream, rate = video_stream(container)
-        bucket, h, w, scale = pick_bucket(stream.codec_context.height, stream.codec_context.width, rules)
-        interpolation = "AREA" if scale < 1 else "BICUBIC"
+        convert = frame_converter(stream, rules)
         kept: list[np.ndarray] = []
         for index, frame in enumerate(container.decode(stream)):  # from the start: indices are exact
             if index == wanted[len(kept)]:
-                rgb = frame.to_ndarray(format="rgb24", width=w, height=h, interpolation=interpolation)
-                kept.append(centre_crop(rgb, bucket))
+                kept.append(convert(frame))
                 if len(kept) == len(wanted):
                     break
     count = rules.usable_count(len(kept))

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from pan.data.batch import Sample
-from pan.data.decode import FrameRules, SkipSample, centre_crop, decode_image, frame_step, pick_bucket, video_stream
+from pan.data.decode import FrameRules, SkipSample, decode_image, frame_converter, frame_step, video_stream
 from pan.data.plan import Ref, stable_int
 from pan.data.reader import KnownBad, SampleReader, number
 from pan.parallel.vae_context import frame_range
@@ -70,7 +70,7 @@ def decode_window(path: str, rules: FrameRules, share: FrameShare, pick: Callabl
         stream, rate = video_stream(container)
         src_fps = float(rate)
         step = frame_step(src_fps, rules)
-        bucket, h, w, scale = pick_bucket(stream.codec_context.height, stream.codec_context.width, rules)
+        convert = frame_converter(stream, rules)
         t0 = float(stream.start_time * stream.time_base) if stream.start_time is not None else 0.0
         duration = (float(stream.duration * stream.time_base) if stream.duration
                     else (container.duration or 0) / 1e6)
@@ -86,12 +86,10 @@ def decode_window(path: str, rules: FrameRules, share: FrameShare, pick: Callabl
         if wanted[0] > 0:
             container.seek(int((t0 + wanted[0] / src_fps) / stream.time_base), stream=stream, backward=True)
         todo, kept = set(wanted), {}
-        interpolation = "AREA" if scale < 1 else "BICUBIC"
         for frame in container.decode(stream):
             index = round(((frame.time or 0.0) - t0) * src_fps)
             if index in todo and index not in kept:
-                rgb = frame.to_ndarray(format="rgb24", width=w, height=h, interpolation=interpolation)
-                kept[index] = centre_crop(rgb, bucket)
+                kept[index] = convert(frame)
             if index >= wanted[-1]:
                 break
     if len(kept) < len(todo):
