@@ -10,6 +10,7 @@ motion rather than memorised captions. `pan.eval` scores generated videos agains
     python -m pan.data.synth --out demo_data
 
 Layout written under `out_dir`: `train/NNNNNN.mp4`, `heldout/NNNNNN.mp4`, `train.csv`, `heldout.csv`
+(and the same rows as `train.jsonl`, `heldout.jsonl`: one {"video", "text"} object a line)
 (columns path,caption,fps,num_frames,width,height; paths relative to the CSV) and
 `heldout_prompts.json` (list of {prompt, colour, shape, direction}).
 """
@@ -156,13 +157,15 @@ def _write_split(out_dir: Path, split: str, specs: list[ClipSpec], size: int, nu
     clip_dir = out_dir / split
     clip_dir.mkdir(parents=True, exist_ok=True)
     csv_path = out_dir / f"{split}.csv"
-    with open(csv_path, "w", newline="") as f:
+    # The same clips as a JSONL annotation file (one {"video", "text"} a line), the other input form.
+    with open(csv_path, "w", newline="") as f, open(csv_path.with_suffix(".jsonl"), "w") as jsonl:
         writer = csv.writer(f)
         writer.writerow(CSV_COLUMNS)
         for i, spec in enumerate(specs):
             relative = f"{split}/{i:06d}.mp4"
             write_mp4(out_dir / relative, render_clip(spec, size, num_frames), fps, pix_fmt=pix_fmt)
             writer.writerow([relative, spec.caption, fps, num_frames, size, size])
+            jsonl.write(json.dumps({"video": relative, "text": spec.caption}) + "\n")
     return csv_path
 
 
