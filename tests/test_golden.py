@@ -251,7 +251,9 @@ def pin_tokenizers(released: Path) -> None:
 def input_checksums(work: Path) -> dict[str, str]:
     data, released = work / "synth", work / "released"
     model_files = [p for p in released.rglob("*") if p.is_file()]
-    return {"synth_clips": files_sha256(data, [p for p in data.rglob("*") if p.is_file()]),
+    # The clips, CSVs and prompts the runs read; not the JSONL copy of the CSVs synth writes since.
+    clips = [p for p in data.rglob("*") if p.is_file() and p.suffix != ".jsonl"]
+    return {"synth_clips": files_sha256(data, clips),
             "released_tensors": tensors_sha256(sorted(p for p in model_files if p.suffix == ".safetensors"))["sha256"],
             "released_other_files": files_sha256(released, [p for p in model_files if p.suffix != ".safetensors"])}
 
