@@ -19,8 +19,10 @@ def cmd_train(argv: list[str]) -> int:
         return 0
     watch_launcher()  # before the config and torch load (train.py has started it already)
     job = load_config_or_exit(argv)
+    from pan.preflight import refuse_at_start  # lazy, as the trainer
     from pan.trainer import train  # lazy: `pan --help` and the other commands never load the trainer
-    return train(job)
+    # What `pan check` fails for this launch's world is refused before anything is built (exit 2).
+    return train(job, preflight=refuse_at_start)
 
 
 def cmd_data(argv: list[str]) -> int:
@@ -53,7 +55,7 @@ COMMANDS = {
     "data": (cmd_data, "data tools: synth (the demo dataset), precompute (latents + text features)"),
     "eval": (_delegate("pan.eval"), "score generated videos against their prompts (the demo's analyser)"),
     "sample": (_delegate("pan.sampling"), "generate videos from a checkpoint"),
-    "export": (_delegate("pan.checkpoint.export", "main_export"),
+    "export": (_delegate("pan.export", "main_export"),
                "write consolidated safetensors weights from a checkpoint"),
     "inspect": (_delegate("pan.checkpoint.export", "main_inspect"),
                 "list a run's checkpoints with step, completeness and size"),

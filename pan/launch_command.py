@@ -11,6 +11,12 @@ Nothing is run: the commands are printed to be copied.
 Workflows are declared by the recipes (`Recipe.workflows`, pan/recipe.py); `all_workflows()` lists
 every recipe's. A config whose recipe is not the workflow's is refused.
 
+A workflow run in stages prints one stage (`--stage NAME`) or all, chained (`--stage both`): an
+override `--key value` reaches every stage printed, `--stage<NAME>.<key> value` that stage only, and
+`--config NAME=X.yaml` replaces that stage's YAML. Chained stages may not share an output_dir, and
+the workflow's check sees the previous stage's job (a stage may start from what the one before it
+writes last).
+
     python -m pan.launch_command torchrun [torchrun arguments] train.py [train.py arguments]
 
 runs torchrun (in this process) and exits with the ranks' status instead of torchrun's 1 for every
@@ -68,10 +74,14 @@ class LaunchCommands:
     torchrun: list[str]              # one node's command (node_rank 0 on a single node)
     srun: list[str] | None           # multi-node only: one torchrun per node through srun
     sbatch: list[str]                # the same run through the workflow's launch script
+    job: object = None               # the loaded job config (the next stage's check reads it)
 
 
-def validate(workflow: Workflow, config: str, overrides: list[str], nodes: int, gpus_per_node: int):
-    """Load the config and check the layout; returns (job, ParallelDims) or raises ConfigError."""
+def validate(workflow: Workflow, config: str, overrides: list[str], nodes: int, gpus_per_node: int,
+             previous=None):
+    """Load the config and check the layout; returns (job, ParallelDims) or raises ConfigError.
+    `previous`: the job of the stage before this one when stages are chained (`--stage both`), which
+    the workflow's check is given (a stage may start from what the previous one writes)."""
     if nodes < 1 or gpus_per_node < 1:
         raise ConfigError(None, f"--nodes ({nodes}) and --gpus-per-node ({gpus_per_node}) must be >= 1.")
     job = load_job_config(["--config", config, *overrides], warn=lambda msg: print(
@@ -82,15 +92,19 @@ def validate(workflow: Workflow, config: str, overrides: list[str], nodes: int, 
             f"({', '.join(w.name for w in all_workflows().values() if w.recipe == job.recipe) or 'none'}).")
     dims = ParallelDims.from_config(job.parallel, nodes * gpus_per_node, gpus_per_node)
     planned_task(job, dims)  # what the recipe's task refuses for this layout (context groups, ...)
+    if previous is not None:
+        refuse_shared_output_dir(job, previous)
     if workflow.check is not None:
-        resolve(workflow.check)(job, dims)
+        check = resolve(workflow.check)
+        check(job, dims) if previous is None else check(job, dims, previous=previous)
     return job, dims
 
 
 def build_commands(workflow: Workflow, config: str, overrides: list[str], nodes: int,
-                   gpus_per_node: int, master_port: int = DEFAULT_MASTER_PORT) -> LaunchCommands:
+                   gpus_per_node: int, master_port: int = DEFAULT_MASTER_PORT,
+                   previous=None) -> LaunchCommands:
     """Validate, then build the torchrun, srun (nodes > 1) and sbatch commands."""
-    job, dims = validate(workflow, config, overrides, nodes, gpus_per_node)
+    job, dims = validate(workflow, config, overrides, nodes, gpus_per_node, previous)
     train_args = [TRAIN_SCRIPT, "--config", config, *overrides]
     rendezvous = [f"--nnodes={nodes}", f"--nproc_per_node={gpus_per_node}",
                   f"--master_port={master_port}"]
@@ -111,7 +125,7 @@ def build_commands(workflow: Workflow, config: str, overrides: list[str], nodes:
     summary = (f"workflow {workflow.name} ({workflow.description}): {nodes} node(s) x {gpus_per_node} "
                f"processes = world {dims.world_size} (dp_replicate {dims.dp_replicate} x dp_shard "
                f"{dims.dp_shard} x cp {dims.cp}), recipe {job.recipe}, config {config}")
-    return LaunchCommands(summary, torchrun, srun, sbatch)
+    return LaunchCommands(summary, torchrun, srun, sbatch, job)
 
 
 def shell_join(args: list[str]) -> str:
@@ -142,24 +156,105 @@ def render(commands: LaunchCommands) -> str:
     return "\n".join(lines)
 
 
-def stage_configs(workflow: Workflow, stage: str | None, config: str | None) -> list[tuple[str | None, str]]:
+STAGE_KEY_PREFIX = "--stage"   # `--stage<NAME>.<key> value`: an override of that stage only
+
+
+def stage_configs(workflow: Workflow, stage: str | None, configs: list[str] | None) -> list[tuple[str | None, str]]:
     """(stage, config) of each run the command prints: the workflow's one run, one stage, or every
-    stage in order (`--stage both`)."""
+    stage in order (`--stage both`). `configs`: the --config values, `YAML` or, per stage,
+    `STAGE=YAML` (a stage not named takes its default YAML)."""
+    configs = configs or []
     if stage is None:
-        return [(None, config or workflow.default_config)]
+        require(len(configs) <= 1 and not any(_stage_named(c, workflow) for c in configs), "config",
+                f"names one YAML for workflow {workflow.name}: give --config once, as --config X.yaml.")
+        return [(None, configs[0] if configs else workflow.default_config)]
     if not workflow.stages:
         raise ConfigError(None, f"--stage applies to workflows run in stages "
                                 f"({', '.join(w.name for w in all_workflows().values() if w.stages) or 'none'}); "
                                 f"{workflow.name} is one run: drop --stage.")
-    if stage == "both":
-        if config is not None:
-            raise ConfigError(None, "--stage both prints every stage with its own YAML; --config names "
-                                    "one: pick a stage with --stage, or drop --config.")
-        return list(workflow.stages.items())
-    if stage not in workflow.stages:
+    if stage != "both" and stage not in workflow.stages:
         raise ConfigError(None, f"workflow {workflow.name} has the stages {list(workflow.stages)} (or both), "
                                 f"not {stage!r}.")
-    return [(stage, config or workflow.stages[stage])]
+    chosen = dict(workflow.stages)
+    plain = [c for c in configs if not _stage_named(c, workflow)]
+    if stage == "both":
+        require(not plain, "config",
+                f"{plain[0] if plain else ''} names one YAML, but --stage both prints every stage "
+                f"({', '.join(workflow.stages)}): give each stage's own as --config STAGE=YAML (e.g. "
+                f"--config {next(iter(workflow.stages))}=my_stage.yaml; a stage not named keeps its "
+                "default), or pick one stage with --stage.")
+    elif plain:
+        require(len(plain) == 1 and len(configs) == 1, "config", "names several YAMLs for one stage: give one.")
+        chosen[stage] = plain[0]
+    for value in configs:
+        if _stage_named(value, workflow):
+            name, _, path = value.partition("=")
+            require(stage == "both" or name == stage, "config",
+                    f"{value} is a YAML of stage {name}, but only stage {stage} is printed.")
+            chosen[name] = path
+    return list(chosen.items()) if stage == "both" else [(stage, chosen[stage])]
+
+
+def _stage_named(config: str, workflow: Workflow) -> bool:
+    return bool(workflow.stages) and config.partition("=")[0] in workflow.stages and "=" in config
+
+
+def split_stage_overrides(workflow: Workflow, overrides: list[str]) -> tuple[list[str], dict[str, list[str]]]:
+    """The overrides every run takes, and each stage's own (`--stage2.output_dir runs/x` ->
+    stage 2's `--output_dir runs/x`), in the loader's `--key value` / `--key=value` forms."""
+    shared, per_stage = [], {}
+    i = 0
+    while i < len(overrides):
+        arg = overrides[i]
+        name, eq, value = arg.partition("=")
+        stage, dot, key = name.removeprefix(STAGE_KEY_PREFIX).partition(".")
+        if not (name.startswith(STAGE_KEY_PREFIX) and dot and key):
+            shared.append(arg)
+            i += 1
+            continue
+        if not workflow.stages or stage not in workflow.stages:
+            has = f"the stages {list(workflow.stages)}" if workflow.stages else "no stages"
+            raise ConfigError(None, f"{name} sets a key of stage {stage!r}, but workflow {workflow.name} has {has}.")
+        words = [f"--{key}" + (f"={value}" if eq else "")]
+        if not eq and i + 1 < len(overrides) and not overrides[i + 1].startswith("--"):
+            words.append(overrides[i + 1])
+            i += 1
+        per_stage.setdefault(stage, []).extend(words)
+        i += 1
+    return shared, per_stage
+
+
+def stage_runs(workflow: Workflow, runs: list[tuple[str | None, str]], overrides: list[str], nodes: int,
+               gpus_per_node: int, master_port: int) -> list[tuple[str | None, LaunchCommands]]:
+    """Each run's validated commands: the shared overrides and the stage's own; a chained stage is
+    checked against the one before it, and two stages may not write one output_dir."""
+    shared, per_stage = split_stage_overrides(workflow, overrides)
+    printed = {stage for stage, _ in runs}
+    stray = sorted(set(per_stage) - printed)
+    if stray:
+        raise ConfigError(None, f"--stage{stray[0]}.* overrides are given, but only stage(s) "
+                                f"{', '.join(str(s) for s in printed)} are printed: drop them or use --stage both.")
+    done: list[tuple[str | None, LaunchCommands]] = []
+    for stage, config in runs:
+        previous = done[-1][1].job if done else None
+        try:
+            commands = build_commands(workflow, config, [*shared, *per_stage.get(stage, [])], nodes,
+                                      gpus_per_node, master_port, previous=previous)
+        except ConfigError as e:
+            if stage is None:
+                raise
+            raise ConfigError(None, f"stage {stage} ({config}): {e}") from None
+        done.append((stage, commands))
+    return done
+
+
+def refuse_shared_output_dir(job, previous) -> None:
+    """Two chained stages writing one output_dir: the second would resume the first."""
+    out = job.checkpoint.output_dir
+    require(Path(previous.checkpoint.output_dir).resolve() != Path(out).resolve(), "output_dir",
+            f"is {out} for this stage and the one before it: a run resumes the checkpoints of its "
+            "output_dir, so this stage would continue the previous one. Give each stage its own with "
+            "--stage<NAME>.output_dir DIR (an --output_dir override reaches every stage).")
 
 
 def render_stages(runs: list[tuple[str | None, LaunchCommands]]) -> str:
@@ -186,24 +281,26 @@ def main_launch_command(argv: list[str]) -> int:
         description="Print a validated torchrun command (and the srun and sbatch lines) for a "
                     "workflow; never runs it. Other arguments are train.py overrides (--key value).",
         usage=f"pan launch-command --workflow {{{','.join(workflows)}}} --nodes N --gpus-per-node G "
-              "[--config X.yaml] [--key value ...]",
+              "[--config X.yaml] [--stage STAGE|both] [--key value ...] [--stage<NAME>.<key> value ...]",
         epilog="workflows:\n" + "\n".join(f"  {w.name:<22} {w.description} (recipe {w.recipe})"
                                            for w in workflows.values()),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workflow", required=True, choices=list(workflows))
     parser.add_argument("--nodes", type=int, required=True)
     parser.add_argument("--gpus-per-node", type=int, required=True, help="processes per node")
-    parser.add_argument("--config", default=None, help="run YAML (default: the workflow's)")
+    parser.add_argument("--config", action="append", default=None, metavar="[STAGE=]YAML",
+                        help="run YAML (default: the workflow's); with stages, STAGE=YAML gives one "
+                             "stage's (repeatable)")
     parser.add_argument("--stage", default=None,
                         help="for workflows run in stages: one stage (its default YAML), or `both` "
-                             "(every stage, chained)")
+                             "(every stage, chained). Overrides reach every stage printed; "
+                             "--stage<NAME>.<key> VALUE (e.g. --stage2.output_dir runs/s2) only that stage")
     parser.add_argument("--master-port", type=int, default=DEFAULT_MASTER_PORT)
     args, overrides = parser.parse_known_args(argv)
     workflow = workflows[args.workflow]
     try:
-        runs = [(stage, build_commands(workflow, config, overrides, args.nodes, args.gpus_per_node,
-                                       args.master_port))
-                for stage, config in stage_configs(workflow, args.stage, args.config)]
+        runs = stage_runs(workflow, stage_configs(workflow, args.stage, args.config), overrides, args.nodes,
+                          args.gpus_per_node, args.master_port)
     except ConfigError as e:
         print(f"pan launch-command: refused: {e}", file=sys.stderr)
         return EXIT_INVALID

@@ -4,15 +4,29 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 _LOGGER_NAME = "pan"
+
+
+class _CurrentStderr(logging.StreamHandler):
+    """A handler writing to whatever sys.stderr is when it writes (a redirected or captured
+    stream), never to one replaced and closed since the logger was made."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
 
 
 def get_logger() -> logging.Logger:
     logger = logging.getLogger(_LOGGER_NAME)
     if not logger.handlers:
         rank = int(os.environ.get("RANK", "0"))
-        handler = logging.StreamHandler()
+        handler = _CurrentStderr()
         prefix = f"[pan r{rank}]" if "RANK" in os.environ else "[pan]"
         handler.setFormatter(logging.Formatter(f"{prefix} %(asctime)s %(levelname)s %(message)s",
                                                datefmt="%H:%M:%S"))

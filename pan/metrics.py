@@ -60,6 +60,13 @@ GPU_PEAK_FLOPS: list[tuple[str, float]] = [
 ]
 
 
+CPU_PEAK_SOURCE = "measured fp32 matmul"
+# Why a CPU run logs a few percent where `pan check` estimates more.
+CPU_MFU_NOTE = ("; on a CPU the yardstick is one large fp32 matmul, which a small model's small matmuls, "
+                "elementwise work and per-operation overhead run far below: a few percent is normal, and "
+                "`pan check`'s step-time MFU counts compute alone")
+
+
 def datasheet_bf16_peak(name: str) -> float | None:
     """The dense bf16 peak of the GPU called `name` (torch.cuda.get_device_name), None if unknown."""
     for pattern, peak in GPU_PEAK_FLOPS:
@@ -94,7 +101,7 @@ def peak_flops(device: torch.device, dtype: str) -> tuple[float, str]:
         if peak is not None and torch.backends.cuda.matmul.fp32_precision == "tf32":
             return peak / 2, f"{name} datasheet, dense TF32"
         return measured_matmul_peak(device, 4096), f"{name} measured matmul"
-    return measured_matmul_peak(device), "measured fp32 matmul"
+    return measured_matmul_peak(device), CPU_PEAK_SOURCE
 
 
 # The trainer's own numbers in each step's values; every other key is a recipe metric.
@@ -148,7 +155,9 @@ class Metrics:
         return None
 
     def start(self, step: int, max_steps: int) -> None:
-        self.log.info("MFU is measured against %.1f GFLOP/s in all (%s)", self.peak / 1e9, self.peak_source)
+        self.log.info("MFU is the model's FLOPs per wall-clock second of the logged steps (data waits and "
+                      "warm-up included) against %.1f GFLOP/s in all (%s)%s", self.peak / 1e9, self.peak_source,
+                      CPU_MFU_NOTE if self.peak_source == CPU_PEAK_SOURCE else "")
         # The bar is for terminals: piped into a file (CI, Slurm's output file, tee) its carriage
         # returns would run into the log lines.
         if self.world.is_main and self.cfg.progress_bar and sys.stderr.isatty():

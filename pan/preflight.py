@@ -28,6 +28,8 @@ import shutil
 import sys
 import tempfile
 import textwrap
+import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,9 +39,14 @@ import torch
 from safetensors import safe_open
 
 from pan.checkpoint import dcp as layout
+from pan.checkpoint.manager import first_problem
 from pan.checkpoint.warm_start import ShapeDiff, part_folder
 from pan.config import ConfigError, load_job_config
+from pan.config.core import split_fix
+from pan.data.sources import AnnotationSource, scan_annotations
 from pan.estimate import FP32_BYTES, estimate_run, fitting_changes, probe_of, state_bytes
+from pan.logging import get_logger
+from pan.lora import LORA_KEY, add_adapters, base_names, reference_differences
 from pan.parallel.dims import ParallelDims
 from pan.parallel.names import unwrapped_name
 from pan.parallel.world import planned_task
@@ -69,10 +76,12 @@ class Preflight:
     sample_rows: int = DEFAULT_SAMPLE_ROWS
     notes: dict = field(default_factory=dict)
     device_memory: float | None = None   # GiB per device to plan for (--device-memory); None: this machine's
+    at_start: bool = False      # run by train.py on the world it was launched in (`refuse_at_start`)
 
     def with_job(self, job) -> Preflight:
         """The same planned layout for another job (a suggested change of keys)."""
-        return Preflight(job, self.nodes, self.gpus_per_node, self.sample_rows, device_memory=self.device_memory)
+        return Preflight(job, self.nodes, self.gpus_per_node, self.sample_rows, device_memory=self.device_memory,
+                         at_start=self.at_start)
 
     @functools.cached_property
     def estimate(self):
@@ -105,11 +114,20 @@ class Preflight:
 
     @functools.cached_property
     def models(self) -> dict[str, torch.nn.Module]:
-        """The recipe's parts on the meta device (shapes only, no memory), as the trainer builds them.
-        The task is made first, outside the meta device: its constructor may compute real values."""
+        """The recipe's parts on the meta device (shapes only, no memory), as the trainer builds them:
+        a LoRA part (`spec.lora`) with its adapters injected, its base frozen at the base's dtype
+        (`pan.lora.add_adapters`; meta tensors have no fingerprint). The task is made first,
+        outside the meta device: its constructor may compute real values."""
         specs = self.part_specs
+        trainer = self.job.trainer
+        models = {}
         with torch.device("meta"):
-            return {spec.name: spec.build() for spec in specs}
+            for spec in specs:
+                model = spec.build()
+                if spec.lora is not None:
+                    add_adapters(model, spec.lora, trainer.seed, trainer.dtype, None)
+                models[spec.name] = model
+        return models
 
     @property
     def model(self) -> torch.nn.Module:
@@ -118,7 +136,9 @@ class Preflight:
 
     @functools.cached_property
     def model_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
+        """The main part's tensor shapes under the plain model's names (a LoRA part's base: what
+        warm-start sources and released folders hold)."""
+        return {k: tuple(v.shape) for k, v in base_names(self.model.state_dict()).items()}
 
 
 Check = Callable[[Preflight], list[Row]]
@@ -131,19 +151,57 @@ def spread_rows(count: int, size: int) -> list[int]:
     return sorted({round(i * (size - 1) / max(n - 1, 1)) for i in range(n)})
 
 
+def with_annotation_scan(row: Row, source: AnnotationSource) -> Row:
+    """A source's data row with every row of the annotation file parsed and its files looked up
+    (cheap: nothing is decoded): a warning naming the rows training would skip, a failure when it
+    would skip them all."""
+    scan = scan_annotations(source)
+    if not scan.bad:
+        return row
+    scanned = "Every row parsed" if scan.rows == scan.total else f"{scan.rows} of its {scan.total} rows parsed"
+    detail = (row.detail.rstrip(".") + f". {scanned}: {scan.bad} of {scan.rows} would be skipped in "
+              f"training: {scan.summary()}.")
+    if scan.bad == scan.rows or row.status == "fail":
+        return Row("data", "fail", detail, "an annotation file holds one JSON object per line, "
+                   "{\"video\": \"clips/x.mp4\", \"text\": \"a caption\"}, paths relative to the file "
+                   "(docs/data.md): fix the rows or the paths.")
+    return Row("data", "warn", detail, "fix or remove those rows: training skips them.")
+
+
+
 def check_name(fn: Check) -> str:
     return fn.__name__.removeprefix("check_").replace("_", " ")
 
 
+def config_rows(check: str, error: ConfigError) -> list[Row]:
+    """One failed row per problem of a ConfigError: the key, what is wrong, and its fix apart."""
+    rows = []
+    for problem in error.problems():
+        detail, fix = split_fix(problem)
+        rows.append(Row(check, "fail", detail, fix))
+    return rows
+
+
+def crash_row(check: str, error: Exception) -> Row:
+    """A check that raised something else than a ConfigError: which check, what, and where."""
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else None
+    return Row(check, "fail", f"the `{check}` check crashed with {type(error).__name__}: {error}"
+               + (f" (in {where})" if where else "") + ".",
+               f"no known refusal covers this: look at the keys the `{check}` row reads (docs/preflight.md, "
+               "\"What is checked\"); if they look right, report this row as a bug of the check.")
+
+
 def run_check(fn: Check, ctx: Preflight) -> list[Row]:
-    """A check's rows; a ConfigError or any other exception it raises becomes one failed row, so one
-    broken check never hides the others."""
+    """A check's rows; a ConfigError it raises becomes one failed row per problem (key, detail,
+    fix), any other exception a row saying which check crashed, so one broken check never hides
+    the others."""
     try:
         return fn(ctx)
     except ConfigError as e:
-        return [Row(check_name(fn), "fail", str(e), "see the message")]
+        return config_rows(check_name(fn), e)
     except Exception as e:  # noqa: BLE001 - report it as a row and keep checking
-        return [Row(check_name(fn), "fail", f"{type(e).__name__}: {e}", "see the message")]
+        return [crash_row(check_name(fn), e)]
 
 
 def recipe_checks(recipe: str) -> list[Check]:
@@ -159,6 +217,66 @@ def run_preflight(ctx: Preflight) -> list[Row]:
     return said_once(rows)
 
 
+class StartRefused(ConfigError):
+    """train.py's refusal of a launch that `pan check` fails: the failed rows, each with its fix (a
+    ConfigError, so the trainer refuses it as it refuses a config: exit 2)."""
+
+    def __init__(self, text: str):
+        super().__init__(None, text)
+
+
+def one_line(text: str) -> str:
+    """A row's lines (one problem each) on one log line."""
+    return text.replace(":\n", ": ").replace("\n", "; ")
+
+
+def format_refusal(failed: list[Row]) -> str:
+    """The failed rows as train.py prints them: one problem a line, its fix below it."""
+    plural = "s" if len(failed) > 1 else ""
+    lines = [f"`pan check` fails for this launch ({len(failed)} problem{plural}; nothing was built or written):"]
+    for r in failed:
+        lines += [f"  {r.check}: {line}" for line in r.detail.splitlines()]
+        lines += [f"    fix: {line}" for line in r.fix.splitlines()]
+    return "\n".join(lines)
+
+
+def start_rows(job, world) -> list[Row]:
+    """`pan check`'s rows for the world a launch runs in (its nodes x processes per node), as
+    train.py runs them before it takes the lease, writes config.yaml or builds a model. Every row of
+    `pan check` runs: what it refuses, the launch refuses; the environment rows see the devices of
+    rank 0's node (those of the other nodes are checked by `init_world` on each)."""
+    return run_preflight(Preflight(job, ctx_nodes(world), world.local_size, at_start=True))
+
+
+def ctx_nodes(world) -> int:
+    return max(world.size // max(world.local_size, 1), 1)
+
+
+def refuse_at_start(job, world) -> None:
+    """Rank 0 runs `start_rows`; its warnings go to the log; when a row fails, every rank raises
+    StartRefused with the failed rows (train() exits 2, rank 0 printing them)."""
+    log, problem = get_logger(), None
+    if world.rank == 0:
+        t0 = time.perf_counter()
+        try:
+            rows = start_rows(job, world)
+        except Exception as e:  # noqa: BLE001 - every check is guarded; this is the table itself
+            rows = [crash_row("pan check", e)]  # said like any check's crash, and the other ranks are told
+        counts = {s: sum(r.status == s for r in rows) for s in ("pass", "warn", "fail")}
+        log.info("pan check's %d rows for this launch (%d x %d processes): %d passed, %d warnings, %d "
+                 "failed (%.1f s)", len(rows), ctx_nodes(world), world.local_size, counts["pass"],
+                 counts["warn"], counts["fail"], time.perf_counter() - t0)
+        for r in rows:
+            if r.status == "warn":
+                log.warning("pan check, %s: %s (fix: %s)", r.check, one_line(r.detail), one_line(r.fix))
+        failed = [r for r in rows if r.status == "fail"]
+        if failed:
+            problem = format_refusal(failed)
+    problem = first_problem(problem)  # every rank learns rank 0's verdict
+    if problem is not None:
+        raise StartRefused(problem)
+
+
 def said_once(rows: list[Row]) -> list[Row]:
     """A failure that several checks run into (an impossible layout stops the checks that need it)
     is printed in full once; the later rows point to it."""
@@ -166,8 +284,13 @@ def said_once(rows: list[Row]) -> list[Row]:
     for row in rows:
         if row.status != "fail":
             continue
-        if row.detail in first:
-            row.detail, row.fix = f"the same problem as the `{first[row.detail]}` row above.", "see there."
+        # The same words, or a row that itself names an earlier failed row as its cause ("... (see
+        # the batch row)"): the same problem in another wording.
+        cause = next((check for check in first.values()
+                      if f"see the {check} row" in row.detail or f"see the `{check}` row" in row.detail), None)
+        if row.detail in first or cause is not None:
+            cause = cause or first[row.detail]
+            row.detail, row.fix = f"the same problem as the `{cause}` row above.", "see there."
         else:
             first[row.detail] = row.check
     return rows
@@ -179,9 +302,11 @@ def format_table(rows: list[Row], width: int = 100) -> str:
     text_w = max(40, width - name_w - 10)
     lines = [f"{'check':<{name_w}} | status | detail", f"{'-' * name_w}-+--------+-{'-' * text_w}"]
     for r in rows:
-        body = textwrap.wrap(r.detail, text_w) or [""]
+        # A detail or fix of several problems holds one a line ("\n"): each is wrapped by itself.
+        body = [w for line in r.detail.splitlines() for w in textwrap.wrap(line, text_w)] or [""]
         if r.fix and r.status != "pass":
-            body += textwrap.wrap("fix: " + r.fix, text_w)
+            body += [w for line in ("fix: " + r.fix).splitlines()
+                     for w in textwrap.wrap(line, text_w)]
         lines.append(f"{r.check:<{name_w}} | {r.status:<6} | {body[0]}")
         lines += [f"{'':<{name_w}} | {'':<6} | {more}" for more in body[1:]]
     counts = {s: sum(r.status == s for r in rows) for s in ("pass", "warn", "fail")}
@@ -287,15 +412,22 @@ def stored_shapes(kind: str, path: Path, part: str = layout.TRANSFORMER) -> dict
 
 def checkpoint_bytes(ctx: Preflight) -> tuple[int, str]:
     """Size of one checkpoint of every part estimated from the parameter counts (`state_bytes`), and
-    how it was derived. Data cursors, RNG and schedule are kilobytes."""
+    how it was derived. A LoRA part's checkpoint holds its adapters and their states only (its
+    frozen base is loaded from its source on every launch). Data cursors, RNG and schedule are
+    kilobytes."""
     state: dict[str, int] = {}
     for spec in ctx.part_specs:
         for kind, size in state_bytes(ctx.models[spec.name], spec.optim.optim()).items():
+            if kind == "frozen" and spec.lora is not None:
+                continue
             state[kind] = state.get(kind, 0) + size
     total, muon = state["weights"] // FP32_BYTES, state["muon"] // FP32_BYTES
     adamw = state["adamw"] // (2 * FP32_BYTES)
-    how = (f"{total / 1e6:,.1f}M params x 4 B (fp32 weights) + {muon / 1e6:,.1f}M Muon x 4 B + "
-           f"{adamw / 1e6:,.1f}M AdamW x 8 B" + (" + 4 B EMA" if state["ema"] else ""))
+    lora = any(spec.lora is not None for spec in ctx.part_specs)
+    how = (f"{total / 1e6:,.1f}M {'adapter ' if lora else ''}params x 4 B (fp32 weights) + "
+           f"{muon / 1e6:,.1f}M Muon x 4 B + {adamw / 1e6:,.1f}M AdamW x 8 B" + (" + 4 B EMA" if state["ema"] else "")
+           + (f" + {_gib(state['frozen'])} frozen" if state.get("frozen") else "")
+           + ("; the frozen LoRA base is not saved" if lora else ""))
     return sum(state.values()), how
 
 
@@ -314,14 +446,16 @@ def check_output_dir(ctx: Preflight) -> list[Row]:
     """output_dir can be created and written, with room for two checkpoints."""
     out = Path(ctx.job.checkpoint.output_dir)
     base = _existing_ancestor(out)
+    if not base.is_dir():
+        what = "is a file" if base == out.absolute() else f"lies under {base}, which is a file"
+        raise ConfigError("output_dir", f"{out} {what}: a run writes a folder of checkpoints there.",
+                          fix="choose a folder (a new or existing directory) for output_dir.")
     try:
-        if not base.is_dir():
-            raise NotADirectoryError(f"{base} is a file")
         with tempfile.NamedTemporaryFile(dir=base, prefix=".pan-check-"):
             pass
     except OSError as e:
-        return [Row("output dir", "fail", f"{out} cannot be written ({type(e).__name__}: {e}).",
-                    "point output_dir at a writable directory on shared storage.")]
+        return [Row("output dir", "fail", f"`output_dir`: {out} cannot be written ({type(e).__name__}: "
+                    f"{e.strerror or e}).", "point output_dir at a writable directory on shared storage.")]
     size, how = checkpoint_bytes(ctx)
     free = shutil.disk_usage(base).free
     detail = (f"{out} writable; one checkpoint ~ {_gib(size)} ({how}); {_gib(free)} free on "
@@ -331,11 +465,14 @@ def check_output_dir(ctx: Preflight) -> list[Row]:
                     "free space, or use a larger file system: a save needs room for the new "
                     "checkpoint next to the previous one.")]
     limit = ctx.job.checkpoint.save_total_limit
-    if limit is None or free < (limit + 1) * size:
-        kept = "every checkpoint is kept" if limit is None else f"save_total_limit {limit} keeps {limit}"
-        return [Row("output dir", "warn", detail + f"; {kept}, plus one being written.",
+    saves = -(-ctx.job.trainer.max_steps // ctx.job.checkpoint.save_interval)  # the last step's included
+    kept = saves if limit is None else min(limit, saves)   # a short run never reaches its limit
+    if free < (kept + 1) * size:
+        kept_text = (f"every checkpoint is kept ({saves} in {ctx.job.trainer.max_steps} steps)" if limit is None
+                     else f"save_total_limit {limit} keeps {limit}")
+        return [Row("output dir", "warn", detail + f"; {kept_text}, plus one being written.",
                     "set save_total_limit so that (limit + 1) checkpoints fit.")]
-    return [Row("output dir", "pass", detail + ".")]
+    return [Row("output dir", "pass", detail + f"; room for the {kept} checkpoint(s) kept, plus one being written.")]
 
 
 def latest_checkpoint(ctx: Preflight) -> Path | None:
@@ -354,8 +491,9 @@ def check_resume(ctx: Preflight) -> list[Row]:
     good = next((p for p, problem in readable if problem is None), None)
     bad = [f"{p.name}: {problem}" for p, problem in readable if problem is not None]
     if good is None:
-        return [Row("resume", "fail", f"{out} has checkpoints but none is readable ({'; '.join(bad)}); "
-                    "the trainer refuses to overwrite them.", "repair them, or move them out of "
+        # The trainer's own words (UnreadableRunError), should its resume get there first.
+        return [Row("resume", "fail", f"{out} has checkpoints but none is readable ({'; '.join(bad)}). "
+                    "Starting from scratch would overwrite this run.", "repair them, or move them out of "
                     "output_dir to start fresh.")]
     meta = layout.read_json(good / layout.META)
     rows = []
@@ -383,10 +521,20 @@ def check_resume(ctx: Preflight) -> list[Row]:
         rows.append(Row("resume", "warn", layout_text + ": the data streams restart "
                         "(restart_data_on_dp_change).", "keep the data-parallel size to continue the "
                         "data where it stopped."))
+    lora_problems = lora_resume_problems(ctx, meta)
+    if lora_problems:
+        rows.append(Row("resume", "fail", f"{good.name}: " + "; ".join(lora_problems) + ".",
+                        "resume with the LoRA keys and base of the run in output_dir, or use a new "
+                        "output_dir (warm start from that checkpoint if wanted)."))
+        return rows
     differ = []
+    lora = {spec.name for spec in ctx.part_specs if spec.lora is not None}
     for part, model in ctx.models.items():
+        # A LoRA part's checkpoint holds its adapters only (pan/checkpoint/manager.py): its frozen
+        # base, buffers included, is not compared.
         diff = ShapeDiff.of(stored_shapes("checkpoint", good / part, part),
-                            {k: v.shape for k, v in model.state_dict().items()})
+                            {k: v.shape for k, v in model.state_dict().items()
+                             if part not in lora or LORA_KEY.search(k)})
         named = f"{part}: " if len(ctx.models) > 1 else ""
         differ += [named + line for line in diff.lines(missing="not in the checkpoint")]
     if differ:
@@ -397,6 +545,28 @@ def check_resume(ctx: Preflight) -> list[Row]:
         rows.append(Row("resume", "pass", f"resumes {good.name} (step {meta['step']}); "
                         + layout_text.split("; ")[1] + "."))
     return rows
+
+
+def lora_resume_problems(ctx: Preflight, meta: dict) -> list[str]:
+    """How this run's LoRA keys differ from those of the checkpoint's run, part by part (what the
+    checkpoint manager refuses at resume; the base's fingerprint is compared there, once it is
+    loaded)."""
+    saved = meta.get("lora", {})
+    problems = []
+    for spec in ctx.part_specs:
+        was, now = saved.get(spec.name), spec.lora
+        if was is None and now is None:
+            continue
+        if was is None or now is None:
+            problems.append(f"{spec.name} was trained {'with LoRA' if was else 'fully'} and this run trains "
+                            f"it {'with LoRA' if now else 'fully'} (lora_rank {now.lora_rank if now else 0})")
+            continue
+        adapted = sorted({key[:LORA_KEY.search(key).start()] for key in ctx.models[spec.name].state_dict()
+                          if LORA_KEY.search(key)})
+        current = {"rank": now.lora_rank, "alpha": now.lora_alpha or now.lora_rank, "init": now.lora_init,
+                   "targets": adapted}
+        problems += [f"{spec.name} {line}" for line in reference_differences(was, current)]
+    return problems
 
 
 # ================================================================================================
@@ -423,8 +593,8 @@ def check_memory(ctx: Preflight) -> list[Row]:
     changes = ctx.fitting_changes
     fix = ("; or ".join(f"{c.text} (~{_gib(c.estimate.total)}, {c.estimate.tokens_per_second:,.0f} tok/s)"
                         for c in changes) if changes else
-           "no single change of activation checkpointing, cp_size, hybrid_shard or max_tokens_per_batch "
-           "fits: use a smaller model or devices with more memory")
+           "no single change of activation checkpointing, cp_size, hybrid_shard, lora_rank (where the "
+           "recipe has LoRA) or max_tokens_per_batch fits: use a smaller model or devices with more memory")
     return [Row("memory", "fail", detail + ": it does not fit.", fix + ".")]
 
 
@@ -438,7 +608,8 @@ def check_step_time(ctx: Preflight) -> list[Row]:
     return [Row("step time", "pass", f"~{est.step_time:.3g} s per step ({parts}); "
                 f"{est.tokens_per_second:,.0f} tokens/s on {ctx.world_size} device(s); {steps} steps ~ "
                 f"{est.run_hours:,.2f} h wall, {est.gpu_hours:,.1f} device-hours; MFU ~{100 * est.mfu:.0f}% "
-                f"of the device peak. Rates {est.rates.source}.")]
+                f"of the device peak, for compute alone (the MFU training logs counts whole wall-clock "
+                f"steps: data waits, the first steps' warm-up and Python overhead too). Rates {est.rates.source}.")]
 
 
 def format_memory(est) -> str:
@@ -495,7 +666,7 @@ def main_check(argv: list[str]) -> int:
         job = load_job_config(rest, warn=lambda msg: print(f"pan check: {msg}", file=sys.stderr))
     except ConfigError as e:
         ctx = Preflight(None, args.nodes, args.gpus_per_node, args.sample_rows)
-        rows = [Row("config", "fail", str(e), "fix the keys named; every problem found is listed.")]
+        rows = config_rows("config", e)  # every problem found, one a row
         report(rows + run_preflight(ctx), None, args)
         return EXIT_CONFIG_ERROR
     ctx = Preflight(job, args.nodes, args.gpus_per_node, args.sample_rows, device_memory=args.device_memory)

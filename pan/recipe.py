@@ -50,6 +50,7 @@ class Workflow:
     script: str                      # the Slurm launch script (scripts/<name>.sh)
     description: str
     # A workflow-specific rule, "module:function" called as function(job, dims): raises ConfigError.
+    # For a stage after the first of `--stage both` it is called with previous=<that stage's job>.
     check: str | None = None
     # A workflow run in stages (the causal VAE's): stage name -> its default YAML, in order.
     stages: dict[str, str] | None = None

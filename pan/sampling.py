@@ -12,8 +12,11 @@ import torch
 from torch import Tensor
 
 from pan.checkpoint import dcp as layout
+from pan.checkpoint.adapters import apply_lora
+from pan.checkpoint.dcp import is_lora_checkpoint
 from pan.checkpoint.export import consolidated_weights
-from pan.config import EXIT_CONFIG_ERROR, load_config_or_exit
+from pan.config import EXIT_CONFIG_ERROR, ConfigError, load_config_or_exit
+from pan.lora_runs import merged_weights
 from pan.media import to_uint8_frames, write_gif, write_mp4
 from pan.recipe import get_recipe
 
@@ -34,16 +37,39 @@ class SampleSettings:
 # `pan sample`
 # ------------------------------------------------------------------------------------------------
 
-def resolve_weights(path: Path, use_ema: bool) -> tuple[dict[str, Tensor], Path | None]:
+def resolve_weights(path: Path, use_ema: bool, lora: Path | None = None) -> tuple[dict[str, Tensor], Path | None]:
     """Transformer weights from an exported .safetensors, a checkpoint-N/ (or its transformer/), or a
-    run's output_dir (its latest complete checkpoint). Returns the weights and the run dir, if known."""
+    run's output_dir (its latest complete checkpoint); a LoRA run's checkpoint gives its base with
+    the adapters merged in, and `lora` (`--lora PATH`: a peft folder or a LoRA run's checkpoint)
+    merges its adapters into the weights (pan/lora_runs.py). Returns the weights and the
+    run dir, if known."""
+    weights, run_dir = _resolve_weights(path, use_ema)
+    if lora is not None:
+        try:
+            weights = apply_lora(weights, lora, use_ema)
+        except (ValueError, FileNotFoundError) as e:
+            raise SystemExit(f"pan sample: {e}") from e
+    return weights, run_dir
+
+
+def _checkpoint_weights(source: Path, use_ema: bool = False) -> dict[str, Tensor]:
+    """One DCP folder's weights, or for a LoRA checkpoint's folder its merged model."""
+    if not is_lora_checkpoint(source):
+        return consolidated_weights(source)
+    try:
+        return merged_weights(source, ema=use_ema)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"pan sample: {e}") from e
+
+
+def _resolve_weights(path: Path, use_ema: bool) -> tuple[dict[str, Tensor], Path | None]:
     from safetensors.torch import load_file
 
 
     if path.suffix == ".safetensors":
         return load_file(str(path)), None
     if (path / layout.DCP_METADATA).is_file():  # a transformer/ (or ema/) DCP folder
-        return consolidated_weights(path), path.parent.parent
+        return _checkpoint_weights(path), path.parent.parent
     if not (path / layout.TRANSFORMER).is_dir():  # a run dir: take its latest complete checkpoint
         done = layout.complete_checkpoints(path)
         if not done:
@@ -52,7 +78,7 @@ def resolve_weights(path: Path, use_ema: bool) -> tuple[dict[str, Tensor], Path 
     source = path / (layout.EMA if use_ema else layout.TRANSFORMER)
     if not source.is_dir():
         raise SystemExit(f"pan sample: {path} has no {source.name}/ weights.")
-    return consolidated_weights(source), path.parent
+    return _checkpoint_weights(source), path.parent
 
 
 def load_condition(path: str, given_frames: int, settings: SampleSettings, vae, device) -> Tensor:
@@ -76,13 +102,31 @@ def load_condition(path: str, given_frames: int, settings: SampleSettings, vae, 
 DEFAULT_RECIPE = "pan"  # what a bare exported .safetensors is sampled as (its --config may say otherwise)
 
 
+class HelpWithDefaults(argparse.HelpFormatter):
+    """Every option's help ends with its default, where it has one (None and False say nothing: the
+    help says where such a value comes from)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("%(default)" in text or any(action.default is v for v in (None, False, argparse.SUPPRESS))
+                or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
 def sample_parser(description: str) -> argparse.ArgumentParser:
-    """`pan sample`'s parser with the options every recipe's sampler takes; the recipe adds its own."""
-    parser = argparse.ArgumentParser(prog="pan sample", description=description)
+    """`pan sample`'s parser with the options every recipe's sampler takes; the recipe adds its own
+    (each with a help text; defaults are printed by `HelpWithDefaults`)."""
+    parser = argparse.ArgumentParser(prog="pan sample", description=description, formatter_class=HelpWithDefaults)
     parser.add_argument("--checkpoint", required=True, type=Path,
                         help="checkpoint-N/ dir, a run's output_dir (latest checkpoint), or an exported "
                              ".safetensors")
     parser.add_argument("--config", help="run config (default: the run's config.yaml)")
+    parser.add_argument("--lora", type=Path,
+                        help="LoRA adapters merged into the --checkpoint weights before sampling: a "
+                             "peft folder (`pan export --format peft`) or a LoRA run's checkpoint-N/ "
+                             "or output_dir (--ema: the adapters' EMA). A LoRA run's checkpoint given "
+                             "as --checkpoint is merged onto its own base without it")
     parser.add_argument("--prompt", action="append", required=True, help="caption (repeatable)")
     parser.add_argument("--out", required=True, type=Path, help="output .mp4 (a .gif is written beside)")
     return parser
@@ -120,15 +164,30 @@ def main(argv: list[str] | None = None) -> int:
     probe.add_argument("--config")
     known, _ = probe.parse_known_args(argv)
     config = known.config or (run_config_of(known.checkpoint) if known.checkpoint else None)
-    if config is None:  # no run to read the recipe from: the default recipe's sampler says what it needs
-        return get_recipe(DEFAULT_RECIPE).hook("sample")(None, argv)
-    job = load_config_or_exit(["--config", str(config)])
-    recipe = get_recipe(job.recipe)
-    if recipe.sample is None:
-        print(f"pan sample: the {job.recipe} recipe has no sampler ({recipe.description}).",
-              file=sys.stderr)
+    quiet_loading_bars()
+    try:
+        if config is None:  # no run to read the recipe from: the default recipe's sampler says what it needs
+            return get_recipe(DEFAULT_RECIPE).hook("sample")(None, argv)
+        job = load_config_or_exit(["--config", str(config)])
+        recipe = get_recipe(job.recipe)
+        if recipe.sample is None:
+            print(f"pan sample: the {job.recipe} recipe has no sampler ({recipe.description}).",
+                  file=sys.stderr)
+            return EXIT_CONFIG_ERROR
+        return recipe.hook("sample")(job, argv)
+    except ConfigError as e:  # what the sampler needs and the run's config does not give (encoders, VAE)
+        print(f"pan sample: refused: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    return recipe.hook("sample")(job, argv)
+
+
+def quiet_loading_bars() -> None:
+    """transformers' and diffusers' bars while loading the frozen encoders say nothing `pan sample`'s
+    own lines do not: off, on a terminal too."""
+    import importlib.util
+
+    for name in ("transformers", "diffusers"):
+        if importlib.util.find_spec(name) is not None:
+            __import__(f"{name}.utils.logging", fromlist=["disable_progress_bar"]).disable_progress_bar()
 
 
 # ------------------------------------------------------------------------------------------------

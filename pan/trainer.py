@@ -24,6 +24,7 @@ from pan.config.job import dump_sections, job_to_sections
 from pan.data.packed import DataResumeError
 from pan.data.sources import SourceError
 from pan.logging import get_logger, quiet_library_progress_bars
+from pan.lora_runs import base_with_adapters
 from pan.metrics import Metrics
 from pan.optim.builder import build_optimizer, build_scheduler
 from pan.optim.ema import EMA
@@ -337,27 +338,35 @@ def out_of_memory_advice(step: int) -> str:
 
 
 def build_part(spec: PartSpec, world, dims, mesh, cfg: TrainerConfig, parallel, warm_start,
-               fresh: bool) -> Part:
+               fresh: bool, lora_base=None) -> Part:
     """One part: model materialised and initialised (or loaded from its pretrained weights when the
     run starts `fresh`), warm-started, parallelised (`parallel`: the job's ParallelConfig); its
-    optimizer, LR schedule and EMA."""
+    optimizer, LR schedule and EMA. A LoRA part (`spec.lora`) loads its base from `lora_base` (the
+    warm-start source, planned also when resuming) and trains adapters only."""
     log = get_logger()
     model = materialize_and_init(spec.build(), world.device, cfg.seed, mesh)
-    if warm_start is not None and spec.warm_start:
-        warm_start.before_sharding(model)
-    model = parallelize_model(model, mesh, dims, parallel, cfg)
-    if warm_start is not None and spec.warm_start:
-        warm_start.after_sharding(model, spec.name)
-    if fresh and spec.pretrained is not None:
-        load_full_state_dict(model, spec.pretrained())
-        log.info("%s: started from its pretrained weights", spec.name)
-    log.info("%s: %.1fM parameters", spec.name, sum(p.numel() for p in model.parameters()) / 1e6)
+    lora = None
+    if spec.lora is not None:
+        lora = base_with_adapters(model, spec, cfg, lora_base)
+        model = parallelize_model(model, mesh, dims, parallel, cfg)
+    else:
+        if warm_start is not None and spec.warm_start:
+            warm_start.before_sharding(model)
+        model = parallelize_model(model, mesh, dims, parallel, cfg)
+        if warm_start is not None and spec.warm_start:
+            warm_start.after_sharding(model, spec.name)
+        if fresh and spec.pretrained is not None:
+            load_full_state_dict(model, spec.pretrained())
+            log.info("%s: started from its pretrained weights", spec.name)
+    total = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    log.info("%s: %.1fM parameters (%.2fM trained)", spec.name, total / 1e6, trained / 1e6)
     optim = spec.optim.optim()
     optimizer, report = build_optimizer(model, optim)
     log.info("%s optimizer split:\n%s", spec.name, report)
     scheduler = build_scheduler(optimizer, optim, cfg.max_steps)
     ema = EMA(model, optim.ema_decay) if optim.ema_decay > 0 else None
-    return Part(spec.name, model, optimizer, scheduler, ema, optim)
+    return Part(spec.name, model, optimizer, scheduler, ema, optim, lora)
 
 
 def load_full_state_dict(model, state: dict) -> None:
@@ -377,9 +386,12 @@ def build_trainer(job) -> Trainer:
     dims = ParallelDims.from_config(job.parallel, world.size, world.local_size)
     cfg = job.trainer
     if cfg.gradient_accumulation_steps > 1:
-        log.warning("gradient_accumulation_steps is %d: Pan's production runs validated the eager mode "
-                    "with 1; pan accumulates exactly (tested against one large batch).",
-                    cfg.gradient_accumulation_steps)
+        # A note, not a warning: accumulation is exact; only the Pan recipe's production runs, which
+        # validated its eager mode with 1, make it worth a warning (other recipes ship YAMLs with more).
+        (log.warning if job.recipe == "pan" else log.info)(
+            "gradient_accumulation_steps is %d: pan accumulates exactly (tested against one large "
+            "batch)%s.", cfg.gradient_accumulation_steps,
+            "; Pan's production runs validated the eager mode with 1" if job.recipe == "pan" else "")
     output_dir = Path(job.checkpoint.output_dir)
     sections = job_to_sections(job)  # the resolved config, once: config.yaml and the metrics backend
     if world.is_main:
@@ -402,8 +414,11 @@ def build_trainer(job) -> Trainer:
     specs = task.part_specs()
     # Before any model is built: a run of other parts (or another dp size) in output_dir is refused.
     latest = checkpointer.latest_step([spec.name for spec in specs])
-    warm_start = plan_warm_start(task.warm_start_source(), latest)
-    parts = {spec.name: build_part(spec, world, dims, mesh, cfg, job.parallel, warm_start, fresh=latest is None)
+    # A LoRA part loads its base from the warm-start source on every launch, resumes included.
+    lora_base = plan_warm_start(task.warm_start_source(), None) if any(s.lora for s in specs) else None
+    warm_start = None if all(s.lora for s in specs) else plan_warm_start(task.warm_start_source(), latest)
+    parts = {spec.name: build_part(spec, world, dims, mesh, cfg, job.parallel, warm_start, fresh=latest is None,
+                                   lora_base=lora_base)
              for spec in specs}
     task.load_encoders()
     loader = build_loader_everywhere(task, dims)
@@ -432,8 +447,12 @@ def build_loader_everywhere(task, dims):
     return loader
 
 
-def train(job) -> int:
-    """Entry point of `train.py` / `pan train`: build everything from the job config and train."""
+def train(job, preflight=None) -> int:
+    """Entry point of `train.py` / `pan train`: build everything from the job config and train.
+
+    `preflight(job, world)`, when given, runs once the process group is up and before anything is
+    written or built; a ConfigError it raises on every rank refuses the launch (exit 2, rank 0
+    printing it). `pan.cli.cmd_train` passes `pan check`'s rows (`pan.preflight.refuse_at_start`)."""
     log = get_logger()
     trainer = None
     guards = contextlib.ExitStack()
@@ -455,6 +474,10 @@ def train(job) -> int:
             world = init_world(getattr(job, "process", None))
             if dog is not None:
                 dog.use_process_group()
+            # What `pan check` fails, the launch refuses (train.py and `pan train` pass its rows for
+            # this world, pan.preflight.refuse_at_start): before the lease, config.yaml or any model.
+            if preflight is not None:
+                preflight(job, world)
             # Before anything is written to output_dir: one run per folder.
             lease = guards.enter_context(run_lease(job.checkpoint.output_dir, job.checkpoint.lease_timeout,
                                                    world))

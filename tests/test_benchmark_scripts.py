@@ -1,6 +1,9 @@
 """Every benchmark starts both ways a user runs it: `python benchmarks/X.py` and
-`python -m benchmarks.X` (measurements themselves belong in benchmarks/, never in tests)."""
+`python -m benchmarks.X` (measurements themselves belong in benchmarks/, never in tests); one with a
+quick mode (benchmarks/lora.py --quick) also runs whole."""
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -41,3 +44,21 @@ def test_every_benchmark_starts_as_a_module():
                          text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.splitlines() == [f"{name} 0 'usage:'" for name in names], run.stderr[-2000:]
+
+
+def test_lora_benchmark_quick_mode_prints_its_table_and_writes_json(tmp_path):
+    """`benchmarks/lora.py --quick`: both modes of a tiny Pyramid-Flow DiT trained by the real trainer,
+    the table printed and the JSON written; the adapters are what LoRA trains and saves, and the
+    memory estimate is within 20% of the measured peak in both modes (the goals' ratios need the full
+    size: the real run)."""
+    out = tmp_path / "lora.json"
+    run = subprocess.run([sys.executable, "benchmarks/lora.py", "--quick", "--out", str(out)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600, check=False,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "lora/full: peak memory" in run.stdout and "checkpoint_MiB" in run.stdout
+    full, lora = json.loads(out.read_text())["rows"]
+    assert (full["mode"], lora["mode"]) == ("full", "lora r16")
+    assert full["trained_M"] == full["params_M"] and lora["trained_M"] < full["trained_M"]
+    assert lora["checkpoint_MiB"] < full["checkpoint_MiB"]
+    assert all(abs(row["estimate/peak"] - 1) <= 0.2 for row in (full, lora)), (full, lora)

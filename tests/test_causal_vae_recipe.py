@@ -419,7 +419,10 @@ def test_launch_command_prints_each_stage_or_both_chained(tmp_path, capsys, monk
     assert main_launch_command([*base, "--stage", "1", *overrides, *stage1]) == 0
     out = capsys.readouterr().out
     assert "config/causal_vae_stage1.yaml" in out and "cp 1" in out and "scripts/train_causal_video_vae.sh" in out
-    assert main_launch_command([*base, "--stage", "2", *overrides]) == 0
+    # Stage 2 alone starts from a stage-1 checkpoint that must exist (the YAML's is not there yet).
+    assert main_launch_command([*base, "--stage", "2", *overrides]) == 2
+    assert "`warm_start_checkpoint`" in capsys.readouterr().err
+    assert main_launch_command([*base, "--stage", "2", *overrides, "--warm_start_checkpoint", "null"]) == 0
     assert "config/causal_vae_stage2.yaml" in capsys.readouterr().out
     # both: stage 1's overrides must fit stage 2 too (no image tar there), so give the images to neither
     assert main_launch_command([*base, "--stage", "both", *overrides, *stage1]) == 0
@@ -445,7 +448,7 @@ def test_a_context_group_that_does_not_fit_the_node_is_refused_by_launch_command
     lpips = tmp_path / "vgg_lpips.pth"
     torch.save(LPIPS().state_dict(), lpips)
     overrides = ["--video_csv_paths", str(csv), "--lpips_ckpt", str(lpips), "--model_path", str(FOLDER),
-                 "--output_dir", str(tmp_path / "run")]
+                 "--output_dir", str(tmp_path / "run"), "--warm_start_checkpoint", "null"]
     base = ["--workflow", "causal-video-vae", "--stage", "2", "--nodes", "1"]
     assert main_launch_command([*base, "--gpus-per-node", "3", *overrides]) == 2
     assert "context_size" in capsys.readouterr().err

@@ -12,7 +12,6 @@ two ranks the collectives the estimate counts are also those of a real step."""
 
 import importlib.util
 import statistics
-import weakref
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ import yaml
 from dist_utils import run_distributed
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks.common import LiveTensorBytes  # the live-tensor count the benchmarks print too
 from pan.config import load_job_config
 from pan.preflight import Preflight, check_memory
 
@@ -83,41 +83,6 @@ def frozen_encoders(trainer) -> list[torch.nn.Module]:
     encoders = [getattr(text, "model", None), *getattr(text, "models", []), getattr(task, "vae", None),
                 getattr(task, "lpips", None), getattr(task, "disc_copy", None)]
     return [m for m in encoders if isinstance(m, torch.nn.Module)]
-
-
-class LiveTensorBytes(TorchDispatchMode):
-    """Bytes of the live tensors during a step: what lives across steps (`resident` tensors), and
-    every storage an operation makes from then until it is freed; `peak` is their most. torch's
-    MemTracker counts the same (within 0.5% on the Pan configs here) at 4-5x the cost, and its module
-    tracking refuses the causal VAE's step (a backward inside the forward: the adaptive GAN weight)."""
-
-    def __init__(self, resident: list[torch.Tensor]):
-        super().__init__()
-        self.live: dict[int, int] = {}       # storage address -> bytes
-        self.total = 0
-        for t in resident:
-            self._follow(t.untyped_storage())
-        self.peak = self.total = sum(self.live.values())
-
-    def _follow(self, storage) -> None:
-        key = storage.data_ptr()
-        self.live[key] = storage.nbytes()
-        weakref.finalize(storage, self._freed, key)
-
-    def _freed(self, key: int) -> None:
-        self.total -= self.live.pop(key, 0)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_leaves(out):
-            if not isinstance(t, torch.Tensor) or t.untyped_storage().nbytes() == 0:
-                continue
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in self.live:
-                self._follow(storage)
-                self.total += storage.nbytes()
-        self.peak = max(self.peak, self.total)
-        return out
 
 
 def resident_tensors(trainer) -> list[torch.Tensor]:

@@ -102,6 +102,25 @@ def test_default_yaml_is_the_workflows(capsys):
     assert code == 2 and "config/sft_29B_720p.yaml" in err
 
 
+def test_lora_keys_pass_through_to_every_command_and_are_validated(tmp_path, data, capsys):
+    """The `lora` keys are train.py overrides like any other: carried into the torchrun and sbatch
+    lines as given, and checked first (LoRA with Muon, an unknown target linear: refused, exit 2)."""
+    lora = ["--lora_rank", "8", "--lora_alpha", "16", "--lora_target_modules", "[video_qkv.qkv,video_out]",
+            "--use_muon", "false"]
+    code, lines, err = printed(capsys, "--workflow", "pretrain", "--nodes", "1", "--gpus-per-node", "2",
+                               "--config", DEMO, *tiny(tmp_path, data), *lora)
+    assert code == 0, err
+    torchrun, sbatch = lines
+    assert shlex.split(torchrun)[-len(lora):] == lora and shlex.split(sbatch)[-len(lora):] == lora
+    code, lines, err = printed(capsys, "--workflow", "pretrain", "--nodes", "1", "--gpus-per-node", "2",
+                               "--config", DEMO, *tiny(tmp_path, data), "--lora_rank", "8")
+    assert code == 2 and lines == [] and "use_muon" in err
+    code, lines, err = printed(capsys, "--workflow", "pretrain", "--nodes", "1", "--gpus-per-node", "2",
+                               "--config", DEMO, *tiny(tmp_path, data), *lora[:4], "--lora_target_modules",
+                               "[video_no_such_linear]", "--use_muon", "false")
+    assert code == 2 and lines == [] and "video_no_such_linear" in err
+
+
 def test_printed_torchrun_command_trains(tmp_path, data, capsys):
     """The printed single-node command, run as printed: 2 gloo processes train 2 steps, exit 0."""
     code, lines, _ = printed(capsys, "--workflow", "pretrain", "--nodes", "1", "--gpus-per-node", "2",

@@ -106,8 +106,46 @@ def test_a_check_that_crashes_is_one_failed_row(tmp_path, data, monkeypatch):
     declared = preflight.recipe_checks("pan")
     monkeypatch.setattr(preflight, "recipe_checks", lambda recipe: [broken, *declared])
     got = rows_of(base_args(tmp_path, data))
-    assert failed(got) == {"broken": "RuntimeError: boom"}
+    # Which check crashed, with what and where; the fix points at its keys, not at "the message".
+    assert failed(got)["broken"].startswith("the `broken` check crashed with RuntimeError: boom (in test_preflight.py:")
+    assert "see the message" not in got["broken"][0].fix and "`broken` row" in got["broken"][0].fix
     assert "resume" in got  # the checks after it still ran
+
+
+def test_a_config_error_in_a_check_is_a_row_per_problem_with_its_key_and_fix(tmp_path, data, monkeypatch):
+    from pan.config.core import ConfigError, ConfigErrors
+
+    def refusing(ctx):
+        raise ConfigErrors([ConfigError("max_frames", "is 5, but the clips have 3 frames. Use 3."),
+                            ConfigError("min_frames", "is 9: it exceeds max_frames.", fix="lower it.")])
+    declared = preflight.recipe_checks("pan")
+    monkeypatch.setattr(preflight, "recipe_checks", lambda recipe: [refusing, *declared])
+    rows = rows_of(base_args(tmp_path, data))["refusing"]
+    assert [(r.status, r.detail, r.fix) for r in rows] == [
+        ("fail", "`max_frames`: is 5, but the clips have 3 frames.", "use 3."),
+        ("fail", "`min_frames`: is 9: it exceeds max_frames.", "lower it.")]
+
+
+def test_a_placeholder_path_is_said_once_as_a_placeholder(tmp_path, data):
+    """`/PATH/` (the original scripts') and `/path/to/` are both placeholders, whatever key holds
+    them; the rules that would read the path say nothing more about it."""
+    args = base_args(tmp_path, data, "--output_dir", "/PATH/output_dir", "--video_csv_paths",
+                     '["/path/to/train.csv"]')
+    assert main_check(args) == preflight.EXIT_CONFIG_ERROR
+    with pytest.raises(ConfigError) as refused:
+        load_job_config(args, warn=lambda msg: None)
+    rows = preflight.config_rows("config", refused.value)
+    assert sorted(r.detail.split("`")[1] for r in rows) == ["output_dir", "video_csv_paths"]
+    assert all("a placeholder you must replace" in r.detail for r in rows)
+
+
+def test_an_output_dir_that_is_a_file_is_refused_by_name(tmp_path, data):
+    out = tmp_path / "file"
+    out.write_text("x")
+    rows = rows_of(base_args(tmp_path, data, "--output_dir", str(out)))["output dir"]
+    assert statuses(rows) == {"fail"}
+    assert rows[0].detail.startswith("`output_dir`:") and "is a file" in rows[0].detail
+    assert rows[0].fix.startswith("choose a folder")
 
 
 # ---- layout and batches -------------------------------------------------------------------------
@@ -234,7 +272,7 @@ def test_output_dir_that_cannot_be_written_fails(tmp_path, data):
     blocker.write_text("not a directory")
     args = base_args(tmp_path, data) + ["--output_dir", str(blocker / "run")]
     got = failed(rows_of(args))
-    assert "cannot be written" in got["output dir"]
+    assert "`output_dir`" in got["output dir"] and "which is a file" in got["output dir"]
 
 
 def test_output_dir_without_room_for_two_checkpoints_fails(tmp_path, data, monkeypatch):

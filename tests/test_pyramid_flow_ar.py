@@ -431,7 +431,7 @@ def test_the_fixture_checkpoint_trains_through_the_fixture_vae_and_exports_the_r
     """The original's miniFLUX folder and causal VAE as a release, with interp_condition_pos switched
     off (the fixture's config.json has it on): 9-frame clips (2 latent frames, 2 units) train in a
     sync group of 2 slots on 1 rank x 2 micro-batches, and the export says what was trained."""
-    from pan.checkpoint.export import main_export
+    from pan.export import main_export
     from pan.trainer import build_trainer
 
     run = tmp_path / "run"
@@ -536,7 +536,7 @@ def test_pan_sample_generates_from_text_an_image_or_a_clip(tmp_path, two_ranks, 
         if name == "image":  # the given first frame comes back (up to the video codec)
             assert abs(frames[0].astype(float).mean() - 200) < 8
     # The trained DiT exports to the released layout, as a full-sequence run's does.
-    from pan.checkpoint.export import main_export
+    from pan.export import main_export
     out = tmp_path / "export" / VARIANT
     assert main_export([str(checkpoint), "--format", "pyramid_flow", "--out", str(out)]) == 0
     exported = read_weights(out)

@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from launch_utils import assert_continues_the_run, consumed, kill_after_step, launch, run_to_end
-from pan.checkpoint.export import main_export
+from pan.export import main_export
 from pan.config import ConfigError
 from pan.data.synth import synth_dataset
 from pan.models.pyramid_flux import PyramidFluxTransformer

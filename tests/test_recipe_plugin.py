@@ -18,7 +18,8 @@ import pytest
 import yaml
 
 from pan.checkpoint import dcp as layout
-from pan.checkpoint.export import consolidated_weights, main_export
+from pan.checkpoint.export import consolidated_weights
+from pan.export import main_export
 from pan.config import load_job_config
 from pan.preflight import main_check
 from pan.recipe import get_recipe, recipe_names

@@ -58,6 +58,7 @@ CONFIG_ERRORS = {
     "ac-dedicated": TINY + ["--use_dedicated_gradient_checkpointing", "true"],
     "ac-vae-context": VAE + ["--context_size", "2", "--enable_gradient_checkpointing", "true"],
     "bucket": TINY + ["--resolution_buckets", '["32by32"]'],
+    "patch": TINY + ["--resolution_buckets", '["30x30"]'],
     "frames-remainder": TINY + ["--frames_mod", "4", "--frames_remainder", "4"],
     "frames-min-max": TINY + ["--min_frames", "9"],
     "frames-no-count": TINY + ["--frames_mod", "4", "--frames_remainder", "1", "--min_frames", "6",
@@ -69,7 +70,6 @@ CONFIG_ERRORS = {
 PREFLIGHT_ROWS = {
     "ranks-vs-samples": CHECK + ["--gpus-per-node", "16"],
     "cp-node": CHECK + ["--gpus-per-node", "2", "--cp_size", "4"],
-    "patch": CHECK + ["--resolution_buckets", '["30x30"]'],
     "over-budget": CHECK + ["--max_tokens_per_batch", "32"],
     "too-short": CHECK + ["--min_frames", "9", "--max_frames", "9"],
     "resume-arch": JSONL_RUN + ["--output_dir", "runs/x", "--transformer_config_overrides.num_layers", "3"],

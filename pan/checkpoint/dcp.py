@@ -594,3 +594,33 @@ def describe(path: Path) -> CheckpointInfo:
         parts = None
     return CheckpointInfo(path, step, has_marker(path) and _NAME.match(path.name) is not None,
                           folder_size(path), problem, parts)
+
+
+# A LoRA run's checkpoint (pan/lora.py): meta.json records each LoRA part's reference.
+
+def checkpoint_folder(path: Path) -> tuple[Path, str | None, bool | None]:
+    """(checkpoint-N/, part, ema) of a checkpoint-N/ folder or one of its DCP folders (then the part
+    and whether it is the EMA are those of the folder; None: not said by the path)."""
+    path = Path(path)
+    if (path / DCP_METADATA).is_file() and (path.parent / META).is_file():
+        for part in saved_parts(path.parent):
+            model_dir, _, ema_dir = part_dirs(part)
+            if path.name in (model_dir, ema_dir):
+                return path.parent, part, path.name == ema_dir
+    return path, None, None
+
+
+def lora_reference(ckpt_dir: Path, part: str | None = None) -> tuple[str, dict | None]:
+    """(part, its LoRA reference from meta.json, or None for a fully trained part) of a
+    checkpoint-N/ folder (or one of its DCP folders); `part` None: the main (first) part."""
+    ckpt_dir, own_part, _ = checkpoint_folder(ckpt_dir)
+    meta_path = ckpt_dir / META
+    if not meta_path.is_file():
+        return part or own_part or TRANSFORMER, None
+    meta = read_json(meta_path)
+    part = part or own_part or meta.get("parts", [TRANSFORMER])[0]
+    return part, meta.get("lora", {}).get(part)
+
+
+def is_lora_checkpoint(path: Path, part: str | None = None) -> bool:
+    return lora_reference(path, part)[1] is not None

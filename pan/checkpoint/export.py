@@ -1,4 +1,5 @@
-"""`pan export` (consolidated .safetensors weights of a checkpoint) and `pan inspect` (a run's list).
+"""A checkpoint's consolidated .safetensors weights (`pan export`, pan/export.py) and `pan inspect`
+(a run's list).
 
 Both run on one process, without a process group: DCP reads every shard of the folder into full
 tensors, whatever world size wrote it.
@@ -7,14 +8,15 @@ tensors, whatever world size wrote it.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import warnings
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from pan.checkpoint import dcp as layout
-from pan.recipe import get_recipe, recipe_names, resolve
 
 
 def consolidated_weights(dcp_dir: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -24,7 +26,9 @@ def consolidated_weights(dcp_dir: Path, dtype: torch.dtype | None = None) -> dic
     import torch.distributed.checkpoint as dcp
 
     state = {key: torch.empty(size, dtype=stored) for key, (size, stored) in layout.dcp_tensor_shapes(dcp_dir).items()}
-    dcp.load(state, storage_reader=layout.DirectReader(str(dcp_dir)), no_dist=True)
+    with warnings.catch_warnings():  # "torch.distributed is disabled ...": reading alone is the point here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(state, storage_reader=layout.DirectReader(str(dcp_dir)), no_dist=True)
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     return state
@@ -53,7 +57,9 @@ def export_checkpoint(ckpt_dir: str | Path, out_path: str | Path, *, ema: bool =
     .safetensors file that `safetensors.torch.load_file` and the warm start read.
 
     `part` names the part (default: the main one, e.g. the transformer); `ema=True` exports its EMA
-    weights instead (the checkpoint must hold them). Returns the tensors.
+    weights instead (the checkpoint must hold them). A LoRA part's checkpoint holds its adapters
+    only and is refused (`pan export --merge`, pan/export.py, writes its merged model). Returns the
+    tensors.
     """
     ckpt_dir, out_path = Path(ckpt_dir), Path(out_path)
     if (ckpt_dir / layout.DCP_METADATA).is_file():
@@ -63,13 +69,36 @@ def export_checkpoint(ckpt_dir: str | Path, out_path: str | Path, *, ema: bool =
         part, source = ckpt_dir.name, ckpt_dir
     else:
         part, source = part_source(ckpt_dir, part, ema)
+    if layout.is_lora_checkpoint(ckpt_dir, part):
+        raise ValueError(f"{ckpt_dir} is a LoRA checkpoint: its {part} weights are the adapters only, "
+                         "not a model. Export the base with the adapters merged in (--merge), or the "
+                         "adapters as peft loads them (--format peft --out FOLDER).")
     weights = consolidated_weights(source, dtype)
+    write_weights(weights, out_path, {"source": str(source), "part": part})
+    return weights
+
+
+def write_weights(weights: dict[str, torch.Tensor], out_path: Path, metadata: dict[str, str]) -> None:
+    """One .safetensors file of whole tensors, atomically, with the mode of any new file."""
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(out_path.name + ".tmp")
     save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp),
-              metadata={"source": str(source), "part": part, "format": "pan-weights"})
+              metadata={**metadata, "format": "pan-weights"})
+    tmp.chmod(0o666 & ~current_umask())  # safetensors writes 0600: honour the umask like any file
     tmp.replace(out_path)  # a killed export never leaves a half-written file under the real name
-    return weights
+
+
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def honour_umask(path: Path) -> None:
+    """Give the safetensors files written at `path` (a file, or every file of a folder) the mode of
+    any new file (0666 less the umask): safetensors creates them 0600."""
+    for f in [path] if path.is_file() else path.rglob("*.safetensors"):
+        f.chmod(0o666 & ~current_umask())
 
 
 def inspect_run(output_dir: str | Path, verify: bool = False) -> list[layout.CheckpointInfo]:
@@ -100,73 +129,6 @@ def format_inspection(infos: list[layout.CheckpointInfo]) -> str:
     readable = [i for i in infos if i.complete and i.problem is None]
     lines.append(f"resume would start from: {readable[-1].path.name if readable else 'nothing (fresh run)'}")
     return "\n".join(lines)
-
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def main_export(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="pan export", description="Write one trained part's weights of a checkpoint (the main "
-                                       "part by default: the transformer) as one .safetensors file "
-                                       "(usable as pretrained_transformer_path).")
-    parser.add_argument("checkpoint", help="a checkpoint-N/ folder, or its transformer/ folder")
-    parser.add_argument("--out", help="the .safetensors file to write (may also follow the checkpoint "
-                                      "without --out)")
-    parser.add_argument("out_file", nargs="?", help=argparse.SUPPRESS)
-    parser.add_argument("--part", help="which trained part to export (default: the main one, e.g. "
-                                       "transformer; `pan inspect` lists a checkpoint's parts)")
-    parser.add_argument("--ema", action="store_true", help="export the EMA weights instead")
-    parser.add_argument("--dtype", choices=list(DTYPES), help="cast floating tensors (default: as saved)")
-    formats = export_formats()
-    parser.add_argument("--format", choices=["safetensors", *formats], default="safetensors",
-                        help="safetensors: one file; or a format a recipe writes (" + "; ".join(
-                            f"{name}: {describe(spec)}" for name, spec in formats.items()) + ")")
-    args = parser.parse_args(argv)
-    if (args.out is None) == (args.out_file is None):
-        parser.error("name the .safetensors file to write once: --out model.safetensors")
-    args.out = args.out or args.out_file
-    if args.format != "safetensors":
-        return export_format(args, args.format, formats[args.format])
-    try:
-        weights = export_checkpoint(args.checkpoint, args.out, ema=args.ema, part=args.part,
-                                    dtype=DTYPES[args.dtype] if args.dtype else None)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"pan export: {e}", file=sys.stderr)
-        return 2
-    count = sum(v.numel() for v in weights.values())
-    source = Path(args.checkpoint)
-    part = args.part or (source.name if (source / layout.DCP_METADATA).is_file()
-                         else layout.saved_parts(source)[0])
-    print(f"wrote {args.out}: part {part}{' (EMA)' if args.ema else ''}, {len(weights)} tensors, "
-          f"{count:,} parameters")
-    return 0
-
-
-def export_formats() -> dict[str, str]:
-    """`pan export --format` name -> the recipe hook writing it (`Recipe.exports`), of every recipe."""
-    return {name: spec for recipe in recipe_names() for name, spec in get_recipe(recipe).exports.items()}
-
-
-def describe(spec: str) -> str:
-    """The first sentence of an export hook's docstring (for --help)."""
-    text = " ".join((resolve(spec).__doc__ or spec).split())
-    return text.split(". ")[0].rstrip(".")
-
-
-def export_format(args, name: str, spec: str) -> int:
-    """A recipe's own format: its hook writes the main part as saved (no --part or --dtype)."""
-    if args.part is not None or args.dtype:
-        print(f"pan export: --format {name} writes the main part as saved (no --part or --dtype)",
-              file=sys.stderr)
-        return 2
-    try:
-        written = resolve(spec)(Path(args.checkpoint), Path(args.out), ema=args.ema)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"pan export: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {written} (--format {name}: {describe(spec)})")
-    return 0
 
 
 def main_inspect(argv: list[str]) -> int:

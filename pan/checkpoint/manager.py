@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -27,6 +28,8 @@ from torch.distributed.checkpoint.state_dict import (
 from pan.checkpoint import dcp as layout
 from pan.config.core import ConfigError, knob
 from pan.logging import get_logger
+from pan.lora import LORA_KEY
+from pan.lora import reference_differences as lora_reference_differences
 
 
 @dataclass(kw_only=True)
@@ -127,6 +130,17 @@ def _saved_entries_only(optim_state: dict, saved_keys: set[str]) -> dict:
     return optim_state
 
 
+def _model_state(part) -> dict:
+    """The part's model state as a checkpoint holds it: a LoRA part's trained adapters only (its
+    frozen base, buffers included, is loaded from its source on every launch), every tensor otherwise."""
+    if part.lora is None:
+        return get_model_state_dict(part.model)
+    state = get_model_state_dict(part.model, options=StateDictOptions(ignore_frozen_params=True))
+    # ignore_frozen_params drops the frozen parameters but keeps persistent buffers (SD3's sin-cos
+    # position table): those are the base's too.
+    return {key: value for key, value in state.items() if LORA_KEY.search(key)}
+
+
 def _optimizers(optimizer) -> list[torch.optim.Optimizer]:
     """The real torch optimizers behind the trainer's optimizer (an OptimizerSet or a plain one)."""
     return list(getattr(optimizer, "optimizers", [optimizer]))
@@ -220,7 +234,8 @@ class Checkpointer:
                 "cp_size": self.dims.cp, "dp_size": self.dims.dp,
                 "dp_replicate": self.dims.dp_replicate, "dp_shard": self.dims.dp_shard,
                 "gradient_accumulation_steps": self.accumulation, "data_shards": self.data_shards,
-                "torch": torch.__version__, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+                "torch": torch.__version__, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                "lora": {name: part.lora for name, part in parts.items() if part.lora is not None}}
 
     # -- save -------------------------------------------------------------------------------------
     def save(self, step: int, parts: dict) -> Path:
@@ -237,7 +252,7 @@ class Checkpointer:
         for name, part in parts["parts"].items():
             model_dir, optimizer_dir, ema_dir = layout.part_dirs(name)
             # Optimizer state is keyed by parameter name, so it reloads under any sharding.
-            _dcp_save(get_model_state_dict(part.model), tmp / model_dir, sums)
+            _dcp_save(_model_state(part), tmp / model_dir, sums)
             _dcp_save(get_optimizer_state_dict(part.model, _optimizers(part.optimizer)), tmp / optimizer_dir, sums)
             if part.ema is not None:
                 _dcp_save(part.ema.state_dict(), tmp / ema_dir, sums)
@@ -377,6 +392,25 @@ class Checkpointer:
             + "). A resume restores every part by name. Use another output_dir, or the recipe and "
               "settings that wrote it (to start new parts from its weights, warm-start instead).")
 
+    def _check_lora(self, meta: dict, parts: dict) -> None:
+        """Refuse adapters trained on another base, or of another shape, and a full run resumed as a
+        LoRA run (or the reverse): the adapters only mean something on the base they were trained on."""
+        saved = meta.get("lora", {})
+        for name, part in parts.items():
+            mine = part.lora
+            if mine is None and name not in saved:
+                continue
+            if mine is None or name not in saved:
+                was, now = ("LoRA" if name in saved else "full"), ("LoRA" if mine is not None else "full")
+                raise ConfigError("lora_rank", f"{self.output_dir} holds checkpoint-{meta['step']} of a {was} "
+                                  f"fine-tuning of {name}; this run is {now} fine-tuning. Use the same "
+                                  "lora_rank as the run that wrote it, or another output_dir.")
+            differences = lora_reference_differences(saved[name], mine)
+            if differences:
+                raise ConfigError("lora_rank", f"{self.output_dir} holds checkpoint-{meta['step']} whose {name} "
+                                  f"adapters were trained otherwise: {'; '.join(differences)}. Resume with "
+                                  "the same base and LoRA keys, or use another output_dir.")
+
     def resume(self, parts: dict) -> int | None:
         """Load the newest readable checkpoint of output_dir into `parts`; its step, or None if none.
 
@@ -421,6 +455,7 @@ class Checkpointer:
         meta = _broadcast_from_main(self._read_meta(path))
         self._check_layout(meta)
         self._check_parts(meta, list(parts["parts"]))
+        self._check_lora(meta, parts["parts"])
         same_data = same_shards(meta, self.data_shards)
 
         # Small files first, each rank its own; all ranks agree before any collective load.
@@ -464,7 +499,7 @@ class Checkpointer:
         # The optimizer's state dict is built first: on a fresh optimizer that runs one zero-lr
         # step to create the state, which must not touch the weights loaded next.
         optim_state = _saved_entries_only(get_optimizer_state_dict(part.model, optimizers), optim_keys)
-        model_state = get_model_state_dict(part.model)
+        model_state = _model_state(part)
         layout.load_dcp(model_state, path / model_dir)
         layout.load_dcp(optim_state, path / optimizer_dir)
         ema_state = None
@@ -474,7 +509,8 @@ class Checkpointer:
         return model_state, optim_state, ema_state
 
     def _apply_part(self, path: Path, part, model_state: dict, optim_state: dict, ema_state) -> None:
-        set_model_state_dict(part.model, model_state)
+        # A LoRA part's state holds its adapters only: the frozen base is not in it (nor loaded).
+        set_model_state_dict(part.model, model_state, options=StateDictOptions(strict=part.lora is None))
         set_optimizer_state_dict(part.model, _optimizers(part.optimizer), optim_state)
         if ema_state is not None:
             part.ema.load_state_dict(ema_state)

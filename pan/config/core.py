@@ -20,18 +20,25 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 from contextlib import contextmanager
 from typing import Any, Callable
 
 
 class ConfigError(Exception):
-    """A config the trainer refuses. `key` names the offending key; the message says how to fix it."""
+    """A config the trainer refuses. `key` names the offending key; the message says what is wrong
+    and how to fix it (`fix` may give the fix apart; `split_fix` finds it in the message otherwise)."""
 
-    def __init__(self, key: str | None, message: str):
+    def __init__(self, key: str | None, message: str, fix: str | None = None):
         self.key = key
         self.message = message
+        self.fix = fix
         self.location: str | None = None  # "file.yaml:12", filled in by the loader when known
         super().__init__(message)
+
+    def problems(self) -> list[ConfigError]:
+        """The independent problems it stands for (one, or a ConfigErrors' list)."""
+        return [self]
 
     def __str__(self) -> str:
         where = f" ({self.location})" if self.location else ""
@@ -50,6 +57,9 @@ class ConfigErrors(ConfigError):
 
     def __str__(self) -> str:
         return f"{len(self.errors)} problems:\n" + "\n".join(f"  - {e}" for e in self.errors)
+
+    def problems(self) -> list[ConfigError]:
+        return list(self.errors)
 
 
 class ErrorCollector:
@@ -71,10 +81,12 @@ class ErrorCollector:
             self.errors.append(locate(e))
 
     def raise_any(self) -> None:
-        if len(self.errors) == 1:
-            raise self.errors[0]
-        if self.errors:
-            raise ConfigErrors(list(self.errors))
+        # The same problem reached by two rules (one source of the message, two callers) is said once.
+        errors = list({(e.key, e.message): e for e in reversed(self.errors)}.values())[::-1]
+        if len(errors) == 1:
+            raise errors[0]
+        if errors:
+            raise ConfigErrors(errors)
 
 
 def knob(default: Any, help: str, *, ge=None, gt=None, le=None, lt=None, length: int | None = None,
@@ -126,3 +138,43 @@ def reject_unused(cfg, job, key: str, in_use: bool, when: str, *, name: str | No
     if not in_use and name in job.explicit_keys and getattr(cfg, key) != default:
         raise ConfigError(name, f"is set to {getattr(cfg, key)!r} but {when}, so it would be "
                                 f"ignored. Remove it, or choose the mode it belongs to.")
+
+
+# Where a fix starts in a message: its first sentence that begins with one of these verbs.
+_FIX_VERBS = ("use", "set", "remove", "point", "raise", "lower", "add", "fix", "keep", "pass", "choose",
+              "move", "give", "make", "put", "drop", "install", "run", "pick", "delete", "repair",
+              "free", "increase", "reduce", "replace", "rename", "change", "shrink", "start", "train")
+_SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z(])|(?<=[:;])\s+(?=[a-z])")
+
+
+def split_fix(error: ConfigError) -> tuple[str, str]:
+    """(what is wrong, how to fix it) of a ConfigError, for a table row: its `fix` when given, else
+    the message's sentences from the first one that starts with a fixing verb ("Use ...", "Set ...",
+    "Remove ..."); when the message has none, the key to change."""
+    head = f"`{error.key}`{f' ({error.location})' if error.location else ''}: " if error.key else ""
+    if error.fix:
+        return head + error.message, error.fix
+    sentences = _SENTENCE.split(error.message)
+    for i, sentence in enumerate(sentences[1:], 1):
+        if sentence.split(" ", 1)[0].strip("(").lower() in _FIX_VERBS:
+            fix = " ".join(sentences[i:])
+            said = " ".join(sentences[:i])
+            return head + (said[:-1] if said[-1] in ":;," else said.rstrip(".")) + ".", fix[0].lower() + fix[1:]
+    return head + error.message, (f"change `{error.key}` (the detail says what it must be)." if error.key
+                                  else "change the config as the detail says.")
+
+
+# Template values that must be replaced before a run: `/path/to/...` or a path starting at `/path/`,
+# a `/PATH/` folder anywhere (the original scripts' spelling; in capitals, since a real folder may be
+# called `path`), an `<angle bracket>` blank. One rule for every recipe: pan/config/job.py applies it
+# to every path key when a config loads.
+_PLACEHOLDER_ANY_CASE = re.compile(r"(^|/)path/to(/|$)|^/path(/|$)|<[^<>/]+>", re.IGNORECASE)
+_PLACEHOLDER_CAPITALS = re.compile(r"(^|/)PATH(/|$)")
+
+
+def placeholder_in(value) -> str | None:
+    """The first template placeholder among a path value (a string or a list of them), or None."""
+    for v in value if isinstance(value, list) else [value]:
+        if isinstance(v, str) and (_PLACEHOLDER_ANY_CASE.search(v) or _PLACEHOLDER_CAPITALS.search(v)):
+            return v
+    return None

@@ -12,7 +12,7 @@ from typing import Any, Callable
 import yaml
 
 from pan.config import loader
-from pan.config.core import ConfigError, ErrorCollector
+from pan.config.core import ConfigError, ErrorCollector, placeholder_in
 from pan.config.loader import Entry, build_dataclass, field_types, parse_overrides
 from pan.logging import get_logger
 from pan.recipe import get_recipe, recipe_names
@@ -230,6 +230,8 @@ def run_checks(job, where: dict[str, str] | None = None) -> None:
     failures of different components are reported together."""
     problems = ErrorCollector()
     locate = lambda e: _located(e, where or {})  # noqa: E731
+    placeholders = refuse_placeholders(job, problems, locate)
+    said = list(problems.errors)
     for attr in components(type(job)):
         component = getattr(job, attr)
         for value in vars(component).values():
@@ -239,7 +241,35 @@ def run_checks(job, where: dict[str, str] | None = None) -> None:
         if hasattr(component, "check"):
             with problems.gather(locate):
                 component.check(job)
+    # A placeholder path is the problem of every rule that tried to read it: said once, as a placeholder.
+    problems.errors = said + [e for e in problems.errors[len(said):] if e.key not in placeholders
+                              and not any(value in e.message for value in placeholders.values())]
     problems.raise_any()
+
+
+def path_keys(job) -> dict[str, object]:
+    """Every key naming a path (`*_path`, `*_paths`, `*_dir`, `*_ckpt`, `*_checkpoint`) -> its value."""
+    found = {}
+    for attr in components(type(job)):
+        component = getattr(job, attr)
+        for f in dataclasses.fields(component):
+            if f.name.endswith(("_path", "_paths", "_dir", "_ckpt", "_checkpoint")):
+                found[f.name] = getattr(component, f.name)
+    return found
+
+
+def refuse_placeholders(job, problems: ErrorCollector, locate) -> dict[str, str]:
+    """A template placeholder left in a path key (`/path/to/...`, `/PATH/...`, `<...>`) is refused
+    as such, for every recipe; returns key -> the placeholder found."""
+    found = {}
+    for key, value in path_keys(job).items():
+        left = placeholder_in(value)
+        if left is not None:
+            found[key] = left
+            problems.add(locate(ConfigError(key, f"is still the template's placeholder {left}, a placeholder "
+                                                 "you must replace.",
+                                            fix=f"set {key} to your own path (in the YAML, or --{key} <path>).")))
+    return found
 
 
 def _unknown_message(key: str, owners: dict[str, str], nested: dict[str, type]) -> str:

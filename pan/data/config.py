@@ -57,7 +57,9 @@ class DataConfig:
         None, "resample clips to this frame rate by frame selection; null keeps each clip's own rate; "
               "clips slower than it are skipped (reason low_fps)", gt=0)
     min_frames: int = knob(1, "clips with fewer usable frames are skipped (reason too_short)", ge=1)
-    max_frames: int = knob(121, "at most this many frames are taken from the start of a clip", ge=1)
+    max_frames: int = knob(121, "at most this many frames are taken from the start of a clip; pixel "
+                                "frames, before the VAE: 1 + f k of them are 1 + k latent frames with a "
+                                "VAE of temporal factor f (121 = 16 latent frames at 8x)", ge=1)
     frames_mod: int = knob(4, "frame counts must satisfy count % frames_mod == frames_remainder "
                               "(4 and 1: the 1 + 4k rule of causal VAEs)", ge=1)
     frames_remainder: int = knob(1, "see frames_mod", ge=0)
@@ -147,6 +149,11 @@ class DataConfig:
         for p in videos:
             require(Path(p).suffix.lower() != ".jsonl", "video_csv_paths",
                     f"lists {p}, a JSONL annotation file: list it in annotation_paths.")
+        for p in annotations:
+            header = _csv_header_of(Path(p))
+            require(Path(p).suffix.lower() != ".csv" and header is None, "annotation_paths",
+                    f"lists {p}, a video CSV{f' (header {header})' if header else ''}, not a JSONL "
+                    "annotation file (one JSON object per line): list it in video_csv_paths.")
         names = [Path(p).stem for p in rows + images]
         dupes = sorted({n for n in names if names.count(n) > 1})
         require(not dupes, "video_csv_paths",
@@ -167,3 +174,16 @@ class DataConfig:
                     "is set but the other of video_csv_weights / annotation_weights is null: video CSVs "
                     "and annotation files are mixed on one scale, so give both lists or neither "
                     "(null weighs every file by its number of rows).")
+
+
+def _csv_header_of(path: Path) -> list[str] | None:
+    """The header of a video CSV given where a JSONL file is expected (its first line), else None."""
+    from pan.data.sources import looks_like_csv_header  # lazy: loading a config reads no sources
+
+    try:
+        with open(path, "rb") as f:
+            first = next((line.strip() for line in f if line.strip()), b"")
+    except OSError:
+        return None
+    return looks_like_csv_header(first) if first else None
+

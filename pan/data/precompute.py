@@ -50,7 +50,7 @@ from safetensors.torch import save_file
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from pan.config import load_config_or_exit
+from pan.config import ConfigError, load_config_or_exit
 from pan.data.decode import FrameRules, SkipSample
 from pan.data.plan import Ref
 from pan.data.reader import Loaded, RowSource, SampleReader, stream_name
@@ -479,6 +479,9 @@ def _run(job, args, share: Share) -> int:
         report = precompute(job, args.out, limit=args.limit, device=args.device, share=share)
     except (PrecomputeError, SourceError) as e:
         print(f"pan data precompute: {e}", file=sys.stderr)
+        return 2
+    except ConfigError as e:  # an encoder the config names cannot be loaded (text encoders, VAE)
+        print(f"pan data precompute: refused: {e}", file=sys.stderr)
         return 2
     if share.rank == 0:
         print_report(report, Path(args.out))

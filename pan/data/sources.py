@@ -251,9 +251,83 @@ def frame_indices(value) -> tuple[int, ...] | None:
 
 
 def read_annotations(path: str | Path) -> AnnotationSource:
-    """A JSONL annotation file: one JSON object per line; blank lines are not rows."""
+    """A JSONL annotation file: one JSON object per line; blank lines are not rows. A video CSV given
+    as one (its header row is no JSON object) is refused whole, not skipped row by row."""
     path = Path(path)
     rows = [line.strip() for line in path.read_bytes().splitlines() if line.strip()]
     if not rows:
         raise SourceError(f"{path} has no rows (an annotation file holds one JSON object per line).")
+    header = looks_like_csv_header(rows[0])
+    if header is not None:
+        raise SourceError(f"{path} is a CSV (its first line is the header {header}), not a JSONL "
+                          "annotation file: list it in video_csv_paths, not annotation_paths.")
     return AnnotationSource(name=path.stem, path=path, rows=rows)
+
+
+def looks_like_csv_header(line: bytes) -> list[str] | None:
+    """The columns of a line that is a video CSV's header (names a `path`, `latent_path` or `caption`
+    column and is no JSON), else None."""
+    try:
+        json.loads(line)
+        return None
+    except ValueError:
+        pass
+    try:
+        cells = [c.strip() for c in next(csv.reader([line.decode("utf-8")]))]
+    except (UnicodeDecodeError, StopIteration, csv.Error):
+        return None
+    return cells if len(cells) > 1 and {"path", "latent_path", "caption"} & set(cells) else None
+
+
+SCAN_ROWS = 20000   # rows `scan_annotations` looks at: every row of a file this long, else this many spread
+
+
+@dataclass
+class AnnotationScan:
+    """Rows of an annotation file parsed, and the files each names looked up (no media read)."""
+    rows: int                                     # rows scanned
+    problems: dict[str, list[tuple[int, str]]]   # reason -> (row, detail), in row order
+    total: int = 0                                # rows of the file
+
+    @property
+    def bad(self) -> int:
+        return sum(len(v) for v in self.problems.values())
+
+    def summary(self, shown: int = 3) -> str:
+        """"2 bad_row (#0: ..., #5: ...), 1 missing_file (#3: ...)"."""
+        parts = []
+        for reason, found in self.problems.items():
+            examples = ", ".join(f"#{i}: {detail}" for i, detail in found[:shown])
+            more = f", {len(found) - shown} more" if len(found) > shown else ""
+            parts.append(f"{len(found)} {reason} ({examples}{more})")
+        return "; ".join(parts)
+
+
+def scan_annotations(source: AnnotationSource, use_precomputed: bool = True, limit: int = SCAN_ROWS) -> AnnotationScan:
+    """Parse the rows of `source` (every row, or `limit` spread over a longer file) and check that the
+    files they name exist: what training would skip (`bad_row`, `empty_caption`, `missing_file`),
+    found without decoding anything. With `use_precomputed`, a row naming a `latent` needs that file
+    (and its `text_fea`), not its media."""
+    problems: dict[str, list[tuple[int, str]]] = {}
+    size = len(source)
+    indices = range(size) if size <= limit else sorted({i * (size - 1) // (limit - 1) for i in range(limit)})
+    for i in indices:
+        try:
+            row = source.parse(i)
+        except SkipSample as e:
+            problems.setdefault(e.reason, []).append((i, e.detail[:120]))
+            continue
+        needed = []
+        if use_precomputed and row.latent is not None:
+            needed.append(row.latent)
+        elif row.media is not None:
+            needed.append(row.media)
+        else:
+            problems.setdefault("missing_file", []).append((i, "the row names no video to decode"))
+            continue
+        if use_precomputed and row.text_fea is not None:
+            needed.append(row.text_fea)
+        missing = [str(p) for p in needed if not p.is_file()]
+        if missing:
+            problems.setdefault("missing_file", []).append((i, ", ".join(missing)))
+    return AnnotationScan(len(indices), problems, size)

@@ -211,8 +211,9 @@ def synth_dataset(out_dir: str | Path, *, num_train: int = 480, num_heldout: int
 
 def main(argv: list[str] | None = None) -> int:
     """`pan data synth --out DIR [--num-train N] [--num-heldout N] [--size S] [--num-frames T] ...`"""
-    parser = argparse.ArgumentParser(prog="pan data synth", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, help="folder to write the dataset into")
+    parser = argparse.ArgumentParser(prog="pan data synth", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--out", required=True, default=argparse.SUPPRESS, help="folder to write the dataset into")
     parser.add_argument("--num-train", type=int, default=480, help="training clips")
     parser.add_argument("--num-heldout", type=int, default=60, help="clips of held-out prompts")
     parser.add_argument("--size", type=int, default=32, help="frame height = width, even")

@@ -3,7 +3,8 @@
     estimate = estimate_run(ctx)          # ctx: a pan.preflight.Preflight (job + planned layout)
 
 Memory, per device, by category. The static ones are counted from the parameters and the layout:
-parameters (fp32 master weights), gradients, optimizer states (AdamW 8 B, Muon 4 B per parameter,
+parameters (fp32 master weights of the trained ones; frozen ones, a LoRA part's base, once at their
+dtype), gradients, optimizer states (AdamW 8 B, Muon 4 B per parameter,
 as `pan.estimate.probe.state_bytes` counts them for checkpoints) and the EMA, each divided by the FSDP
 shard degree (dp_shard x cp; hybrid shard: the ranks of one node; ddp: 1); under FSDP also the
 all-gathered working set (the block being computed and the one prefetched, in the compute dtype,

@@ -63,15 +63,17 @@ FP32_BYTES = 4
 def state_bytes(model: torch.nn.Module, optim) -> dict[str, int]:
     """Bytes of a part's training state by kind, whole (unsharded), for its OptimConfig `optim`.
 
-    The weights are fp32 master copies (4 B per parameter whatever the compute dtype). AdamW keeps
-    two fp32 moments (8 B per parameter), Muon one fp32 momentum buffer (4 B); the split is the
-    optimizer's own, over the trainable parameters. An EMA adds another fp32 copy of those.
+    The trained weights are fp32 master copies (4 B per parameter whatever the compute dtype).
+    AdamW keeps two fp32 moments (8 B per parameter), Muon one fp32 momentum buffer (4 B); the
+    split is the optimizer's own, over the trainable parameters. An EMA adds another fp32 copy of
+    those. Frozen parameters (a LoRA part's base) count once, at their own dtype (`frozen`): no
+    master copy, gradient, optimizer state or EMA.
     """
     groups, _, _ = split_parameters(model, optim.use_muon)
     muon = sum(p.numel() for _, p in groups["muon"])
     trained = sum(p.numel() for members in groups.values() for _, p in members)
-    total = sum(p.numel() for p in model.parameters())
-    return {"weights": FP32_BYTES * total, "muon": FP32_BYTES * muon,
+    frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    return {"weights": FP32_BYTES * trained, "frozen": frozen, "muon": FP32_BYTES * muon,
             "adamw": 2 * FP32_BYTES * (trained - muon),
             "ema": FP32_BYTES * trained if optim.ema_decay > 0 else 0}
 

@@ -23,6 +23,7 @@ from pan.estimate.cost import (
 )
 from pan.estimate.probe import FP32_BYTES, probe_of, state_bytes, unit_sizes
 from pan.estimate.trace import Layout, cached_trace_step
+from pan.parallel.fsdp import FULL_INIT_MAX_PARAMS
 
 GIB = 2 ** 30
 
@@ -112,13 +113,16 @@ def estimate_run(ctx, capacity: int | None = None) -> Estimate:
 
 
 def static_bytes(ctx, layout: Layout) -> dict[str, int]:
-    """Parameters, optimizer states, EMA and FSDP's gathered blocks of every part (the gradients
-    come from the trace: how many exist at the peak depends on when it is)."""
+    """Parameters (the trained ones' fp32 master copies; the frozen ones, a LoRA part's base, apart
+    at their dtype: `frozen parameters`), optimizer states, EMA and FSDP's gathered blocks of every
+    part (the gradients come from the trace: how many exist at the peak depends on when it is)."""
     out = {"parameters": 0, "optimizer states": 0, "ema": 0, "fsdp gathered": 0}
     for spec in ctx.part_specs:
         model = ctx.models[spec.name]
         state = state_bytes(model, spec.optim.optim())
         out["parameters"] += state["weights"] // layout.shard
+        if state["frozen"]:   # a LoRA part's base (or a frozen encoder) at its dtype, nothing else
+            out["frozen parameters"] = out.get("frozen parameters", 0) + state["frozen"] // layout.shard
         out["optimizer states"] += (state["muon"] + state["adamw"]) // layout.shard
         out["ema"] += state["ema"] // layout.shard
         if layout.shard > 1:
@@ -216,9 +220,33 @@ def smaller_budget(ctx, estimate: Estimate) -> tuple[dict, object] | None:
     return {"max_tokens_per_batch": budget}, _with(ctx.job, "data", max_tokens_per_batch=budget)
 
 
+LORA_FIX_RANK = 16   # the rank `pan check` suggests when only adapters would fit (docs/lora.md)
+
+
+def lora_instead(ctx) -> tuple[dict, object] | None:
+    """A full fine-tuning of a recipe with a `lora` section as LoRA fine-tuning instead: rank-16
+    adapters on a base frozen at the training dtype (bf16 under `dtype: bf16`), without Muon (the
+    adapters train with AdamW). Only where there is a base to adapt (a warm-start source or released
+    weights: adapters on an init learn nothing through its zero gates) that LoRA can load (whole,
+    before sharding: up to FULL_INIT_MAX_PARAMS)."""
+    lora = getattr(ctx.job, "lora", None)
+    if lora is None or lora.enabled:
+        return None
+    has_base = ctx.task.warm_start_source() is not None or any(s.pretrained is not None for s in ctx.part_specs)
+    if not has_base or sum(p.numel() for p in ctx.model.parameters()) > FULL_INIT_MAX_PARAMS:
+        return None
+    keys: dict[str, object] = {"lora_rank": LORA_FIX_RANK}
+    job = _with(ctx.job, "lora", lora_rank=LORA_FIX_RANK)
+    if job.optim.use_muon:
+        keys["use_muon"] = False
+        job = _with(job, "optim", use_muon=False)
+    return keys, job
+
+
 def fitting_changes(ctx, estimate: Estimate, rebuild: Callable[[object], object]) -> list[Change]:
     """Every single change that makes the run fit, the cheapest first: the highest tokens per second
-    (a smaller token budget, which changes the batch, comes last whatever its speed).
+    (LoRA instead of full fine-tuning, which changes what trains, and a smaller token budget, which
+    changes the batch, come last whatever their speed).
     `rebuild(job)` makes the Preflight of a changed job on the same layout."""
     def fitting(job):
         try:
@@ -230,6 +258,9 @@ def fitting_changes(ctx, estimate: Estimate, rebuild: Callable[[object], object]
 
     found = [Change(keys, est) for keys, job in candidate_jobs(ctx) if (est := fitting(job)) is not None]
     found.sort(key=lambda c: -c.estimate.tokens_per_second)
+    lora = lora_instead(ctx)   # changes what trains: after the layout changes
+    if lora is not None and (est := fitting(lora[1])) is not None:
+        found.append(Change(lora[0], est))
     budget = smaller_budget(ctx, estimate)
     if budget is not None and (est := fitting(budget[1])) is not None:
         found.append(Change(budget[0], est))

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pan.estimate.probe import Probe
+from pan.estimate.probe import Probe, run_device
 from pan.models.attention import InnerAttention
 from pan.optim.builder import build_optimizer
 from pan.parallel.checkpointing import apply_activation_checkpointing
@@ -127,6 +127,16 @@ class StepTrace(TorchDispatchMode):
         self._refs.pop(key, None)
         if kind is not None:
             self.bytes[kind] -= size
+
+    def already_live(self, tensors) -> None:
+        """Tensors that exist before the traced stretch (parameters, gradients, optimizer states):
+        an in-place operation returns them, which is not a new allocation."""
+        for t in tensors:
+            storage = t.untyped_storage()
+            key = id(storage)
+            if key not in self.live:
+                self.live[key] = (0, None)
+                self._refs[key] = weakref.ref(storage, functools.partial(self._release, key))
 
     def as_gradient(self, t: Tensor) -> None:
         """A parameter's .grad: counted at the share of it FSDP keeps."""
@@ -311,6 +321,9 @@ def trace_step(ctx, probe: Probe, layout: Layout) -> tuple[StepTrace, Work]:
         for model in models.values():
             model.train().requires_grad_(False)
         models.update({name: fake_copy(helper) for name, helper in probe.helpers.items()})
+        # The parts' own tensors are counted apart (`static_bytes`, the frozen encoders): a view of a
+        # weight (its transpose in a linear) is not a new activation.
+        trace.already_live([t for model in models.values() for t in (*model.parameters(), *model.buffers())])
         for phase in probe.phases:
             model = models[phase.part]
             for p in trained[phase.part]:
@@ -339,7 +352,8 @@ def optimizer_step_trace(model: nn.Module, optim) -> StepTrace:
     """One optimizer step of a meta-device part (its state made first, as the trainer's builder
     does): the temporaries and work of the step alone. It depends on the parameters' names and
     shapes and the optimizer keys only, so a process traces each such step once."""
-    key = (tuple((name, tuple(p.shape), p.dtype) for name, p in model.named_parameters()), repr(optim))
+    key = (tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in model.named_parameters()),
+           repr(optim))
     if key not in _OPTIMIZER_STEPS:
         _OPTIMIZER_STEPS[key] = _trace_optimizer_step(model, optim)
     return _OPTIMIZER_STEPS[key]
@@ -349,12 +363,25 @@ _OPTIMIZER_STEPS: dict[tuple, StepTrace] = {}
 
 
 def _trace_optimizer_step(model: nn.Module, optim) -> StepTrace:
-    # Meta tensors, not fake ones: the step's thousands of small operations cost less.
-    twin = copy.deepcopy(model).requires_grad_(True)
+    # Meta tensors, not fake ones: the step's thousands of small operations cost less. Frozen
+    # parameters (a LoRA part's base) stay frozen: no gradient, not stepped.
+    twin = copy.deepcopy(model)
     optimizer, _ = build_optimizer(twin, optim)
+    # The implementation torch picks on the run's device: AdamW over every tensor at once (foreach:
+    # temporaries of all of them) on CUDA, tensor by tensor on the CPU (meta tensors get the latter).
+    foreach = run_device().type == "cuda"
+    for opt in optimizer.optimizers:
+        for group in opt.param_groups:
+            if group.get("foreach", False) is None:
+                group["foreach"] = foreach
     for p in twin.parameters():
-        p.grad = torch.empty_like(p)
+        if p.requires_grad:
+            p.grad = torch.empty_like(p)
     step = StepTrace()
+    # What exists before the step is not its temporaries (in-place updates return it).
+    step.already_live([*twin.parameters(), *(p.grad for p in twin.parameters() if p.grad is not None),
+                       *(t for opt in optimizer.optimizers for state in opt.state.values()
+                         for t in state.values() if isinstance(t, Tensor))])
     with step:
         optimizer.step()
     return step

@@ -54,4 +54,5 @@ RECIPE = Recipe(
         name="causal-video-vae", recipe="causal_vae", default_config="config/causal_vae_stage1.yaml",
         script="scripts/train_causal_video_vae.sh",
         description="causal video VAE: stage 1 (images + 17-frame videos), stage 2 (33 frames, context 2, GAN)",
-        stages={"1": "config/causal_vae_stage1.yaml", "2": "config/causal_vae_stage2.yaml"}),))
+        stages={"1": "config/causal_vae_stage1.yaml", "2": "config/causal_vae_stage2.yaml"},
+        check="pan.recipes.causal_vae.checks:check_launch"),))

@@ -143,7 +143,7 @@ def check_clips(ctx) -> list[Row]:
         good = len(picks) - len(problems)
         detail = f"{label}: {size} samples; decoded {good}/{len(picks)} of rows {picks}"
         if problems:
-            detail += ". Skipped: " + "; ".join(problems)
+            detail += ". Skipped:\n" + "\n".join(problems)  # one problem a line
         status = "fail" if good == 0 else ("warn" if problems else "pass")
         rows.append(Row("clips", status, detail + ".", "" if status == "pass" else
                         "fix the media or the frame rules named above (such samples are skipped)."))
@@ -201,3 +201,35 @@ def vae_probe(ctx) -> Probe:
 # The rows of `pan check`, in this order.
 CHECKS = [check_layout, check_output_dir, check_cpu, check_context, check_frames, check_lpips, check_gan, check_warm_start,
           check_clips, check_memory, check_step_time]
+
+
+# ------------------------------------------------------------------------------------------------
+# The launch workflow's rule (`pan launch-command --workflow causal-video-vae`)
+# ------------------------------------------------------------------------------------------------
+
+def final_checkpoint(job) -> Path:
+    """The checkpoint a run writes last: checkpoint-<max_steps> in its output_dir."""
+    return Path(job.checkpoint.output_dir) / layout.checkpoint_name(job.trainer.max_steps)
+
+
+def check_launch(job, dims=None, previous=None) -> None:
+    """The warm start a stage starts from must be there when it starts (the `warm start` row of `pan
+    check`): a readable checkpoint, or, for a stage chained after another (`--stage both`), the
+    checkpoint that stage writes last. A run that resumes its own output_dir uses none."""
+    source = job.model.warm_start_checkpoint
+    if source is None or layout.complete_checkpoints(Path(job.checkpoint.output_dir)):
+        return
+    if previous is not None:
+        expected = final_checkpoint(previous)
+        if Path(source).resolve() == expected.resolve():
+            return
+        if not Path(source).exists():
+            raise ConfigError("warm_start_checkpoint", f"is {source}, which does not exist, and the stage "
+                              f"before this one writes {expected} last (its output_dir and max_steps "
+                              f"{previous.trainer.max_steps}): to start from it, set this stage's "
+                              f"warm_start_checkpoint to it (--stage<STAGE>.warm_start_checkpoint {expected}).")
+    if not Path(source).exists():
+        raise ConfigError("warm_start_checkpoint", f"{source} does not exist: point it at a checkpoint-N/ "
+                          "folder of the stage-1 run (`pan inspect <stage-1 output_dir>`), or print both "
+                          "stages chained with --stage both.")
+    resolve_warm_start(source)   # readable, with a `vae` part (ConfigError naming the key otherwise)

@@ -9,8 +9,8 @@ import torch
 from pan.checkpoint.warm_start import ShapeDiff, resolve_source
 from pan.config.core import ConfigError, require
 from pan.data.plan import IMAGE_STREAM, Ref
-from pan.data.reader import SampleReader, rules_of
-from pan.data.sources import SourceError, read_image_tars, read_video_csv
+from pan.data.reader import SampleReader, rules_of, stream_name
+from pan.data.sources import AnnotationSource, SourceError, read_annotations, read_image_tars, read_video_csv
 from pan.encoders.text import (
     frozen_dtype,
     load_text_config,
@@ -33,6 +33,7 @@ from pan.preflight import (
     latest_checkpoint,
     spread_rows,
     stored_shapes,
+    with_annotation_scan,
 )
 from pan.recipes.pan.task import ModelInputs
 
@@ -41,6 +42,7 @@ def _source_sizes(ctx: Preflight) -> dict[str, int]:
     """Samples per stream; sources that cannot be read are left to check_data."""
     data, sizes = ctx.job.data, {}
     readers = [(Path(p).name, lambda p=p: read_video_csv(p)) for p in data.video_csv_paths]
+    readers += [(Path(p).name, lambda p=p: read_annotations(p)) for p in data.annotation_paths]
     if data.image_tar_paths:
         readers.append(("image tars", lambda: read_image_tars(data.image_tar_paths)))
     for name, read in readers:
@@ -63,6 +65,13 @@ def check_batch(ctx: Preflight) -> list[Row]:
     geometry = vae_geometry(ctx.job.vae)
     pt, ph, pw = arch.patch_size
     frame_counts = data.frame_count_range()
+    unencodable = [n for n in frame_counts if (n - 1) % geometry.temporal_factor]
+    if unencodable:
+        raise ConfigError("frames_mod", f"is {data.frames_mod} with frames_remainder {data.frames_remainder}: "
+                          f"clips of {', '.join(map(str, unencodable[:4]))}{' ...' if len(unencodable) > 4 else ''} "
+                          f"frames are allowed, but the {ctx.job.vae.vae_type} VAE ({geometry.temporal_factor}x in "
+                          f"time) encodes only 1 + {geometry.temporal_factor}k frames. Set frames_mod: "
+                          f"{geometry.temporal_factor} and frames_remainder: 1.")
     too_big = []
     for height, width in data.buckets():
         for label, frames in (("shortest", frame_counts[0]), ("longest", frame_counts[-1])):
@@ -98,14 +107,18 @@ def _clips(found, label: str) -> str:
 
 
 def check_data(ctx: Preflight) -> list[Row]:
-    """Parse every source, and decode a few samples of each with the data pipeline's reader."""
+    """Parse every source (video CSVs, annotation files, image tars), and decode a few samples of
+    each with the data pipeline's reader, as training reads them."""
 
     data = ctx.job.data
     rows, csvs, sources = [], {}, []
-    for path in data.video_csv_paths:
+    readers = [(p, read_video_csv) for p in data.video_csv_paths]
+    readers += [(p, read_annotations) for p in data.annotation_paths]
+    for path, read in readers:
         try:
-            csvs[f"video:{Path(path).stem}"] = src = read_video_csv(path)
-            sources.append((path, f"video:{Path(path).stem}", len(src)))
+            src = read(path)
+            csvs[stream_name(src)] = src
+            sources.append((path, stream_name(src), len(src)))
         except (SourceError, OSError, UnicodeDecodeError) as e:
             rows.append(Row("data", "fail", f"{path}: {e}", "fix or remove the file."))
     tars = None
@@ -118,7 +131,9 @@ def check_data(ctx: Preflight) -> list[Row]:
     reader = SampleReader(csvs, tars, rules_of(data))
     geometry = vae_geometry(ctx.job.vae)
     for label, stream, size in sources:
-        rows.append(_decode_sample(reader, geometry, label, stream, size, ctx.sample_rows))
+        row = _decode_sample(reader, geometry, label, stream, size, ctx.sample_rows)
+        source = csvs.get(stream)
+        rows.append(with_annotation_scan(row, source) if isinstance(source, AnnotationSource) else row)
     return rows
 
 
@@ -140,7 +155,7 @@ def _decode_sample(reader, geometry, label: str, stream: str, size: int, count: 
         good += 1
     detail = f"{label}: {size} samples; decoded {good}/{len(picks)} of rows {picks}"
     if problems:
-        detail += ". Skipped: " + "; ".join(problems)
+        detail += ". Skipped:\n" + "\n".join(problems)  # one problem a line
     if good == 0:
         return Row("data", "fail", detail + ".", "fix the paths, media or frame rules named above.")
     if problems:

@@ -5,16 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
+import torch
+
 from pan.checkpoint.manager import CheckpointConfig
 from pan.checkpoint.warm_start import WarmStartConfig
 from pan.config import JobConfig
 from pan.config.core import ConfigError, knob, require
-from pan.data.config import DataConfig
+from pan.data.config import DataConfig, parse_bucket
 from pan.diffusion.flow import FlowConfig
 from pan.encoders.text import TextEncoderConfig, text_feature_width
-from pan.encoders.vae import VAEConfig
+from pan.encoders.vae import VAEConfig, vae_geometry
+from pan.lora import LoraConfig, candidate_names
 from pan.metrics import MetricsConfig
-from pan.models.pan_dit import PanDiTConfig
+from pan.models.pan_dit import PanDiTConfig, PanVideoDiffusionTransformer
 from pan.optim.config import OptimConfig
 from pan.parallel.dims import ParallelConfig
 from pan.parallel.world import ProcessConfig
@@ -39,6 +42,7 @@ class PanModelConfig:
                 "(blockwise for block-causal packs, varlen on CUDA, sdpa otherwise)")
 
     def check(self, job) -> None:
+        check_bucket_patches(job)
         try:
             width = text_feature_width(job.text_encoder)
         except ConfigError:
@@ -48,6 +52,37 @@ class PanModelConfig:
                 f"is {want}, but the text encoder `{job.text_encoder.text_encoder_path}` gives "
                 f"{width}-wide features. Set text_embed_dim: {width}, or use the encoder the model "
                 "was built for.")
+
+
+def check_bucket_patches(job) -> None:
+    """Every resolution bucket must cut into whole patches: the VAE divides H and W by its spatial
+    factor, then patch_size groups the latent into cells, so a bucket side must be a multiple of the
+    two together. (Raised when the config loads, so `pan check` and train.py refuse it alike.)"""
+    try:
+        factor = vae_geometry(job.vae).spatial_factor
+    except ConfigError:
+        return  # the VAE's own check reports it
+    _, ph, pw = patch = job.model.transformer_config_overrides.patch_size
+    unit_h, unit_w = factor * ph, factor * pw
+    bad = []
+    for text in job.data.resolution_buckets:
+        try:
+            height, width = parse_bucket(text)
+        except ValueError:
+            continue  # the data config's own check reports it
+        if height % unit_h or width % unit_w:
+            near = sorted({(max(unit_w, round_to(width, unit_w, up)), max(unit_h, round_to(height, unit_h, up)))
+                           for up in (False, True)})
+            bad.append(f"{text} (nearest valid: {' or '.join(f'{w}x{h}' for w, h in near)})")
+    require(not bad, "resolution_buckets",
+            f"{', '.join(bad)}: a bucket's width must be a multiple of {unit_w} and its height of "
+            f"{unit_h} pixels (WIDTHxHEIGHT), since the VAE ({job.vae.vae_type}) divides them by "
+            f"{factor} and patch_size {list(patch)} cuts the latent into {ph}x{pw} cells. Use the "
+            "nearest valid buckets, or another patch_size.")
+
+
+def round_to(value: int, unit: int, up: bool) -> int:
+    return -(-value // unit) * unit if up else value // unit * unit
 
 
 @dataclass(kw_only=True)
@@ -104,6 +139,12 @@ class PanJobConfig(JobConfig):
     checkpoint: CheckpointConfig = knob(CheckpointConfig(), "")
     logging: MetricsConfig = knob(MetricsConfig(), "")
     validation: ValidationConfig = knob(ValidationConfig(), "")
+    lora: LoraConfig = knob(LoraConfig(), "")
 
     def attention_heads(self) -> int:
         return self.model.transformer_config_overrides.num_attention_heads
+
+    def lora_candidates(self) -> list[str]:
+        """The linears `lora_target_modules` may name (the transformer built on the meta device)."""
+        with torch.device("meta"):
+            return candidate_names(PanVideoDiffusionTransformer(self.model.transformer_config_overrides))

@@ -98,17 +98,21 @@ def _sample_pan(job, argv: list[str]) -> int:
     parser.add_argument("--image", help="first-frame image (image-to-video)")
     parser.add_argument("--video", help="video whose first --video-frames frames are continued")
     parser.add_argument("--video-frames", type=int, default=5, help="pixel frames taken from --video")
-    parser.add_argument("--num-frames", type=int)
-    parser.add_argument("--height", type=int)
-    parser.add_argument("--width", type=int)
-    parser.add_argument("--steps", type=int)
-    parser.add_argument("--guidance-scale", type=float)
-    parser.add_argument("--shift", type=float)
+    parser.add_argument("--num-frames", type=int, help="pixel frames of each video (default: the run's "
+                                                       "sample_num_frames)")
+    parser.add_argument("--height", type=int, help="height in pixels (default: the run's sample_height)")
+    parser.add_argument("--width", type=int, help="width in pixels (default: the run's sample_width)")
+    parser.add_argument("--steps", type=int, help="sampling steps (default: the run's sample_steps)")
+    parser.add_argument("--guidance-scale", type=float,
+                        help="classifier-free guidance scale, 1 = off (default: the run's sample_guidance_scale)")
+    parser.add_argument("--shift", type=float, help="timestep shift of the sampling schedule (default: the "
+                                                    "run's sample_shift)")
     parser.add_argument("--fresh-noise", type=float,
                         help="share of fresh noise per step: 0 = Euler, 1 = re-noise the predicted "
                              "sample (default: the run's sample_fresh_noise)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--fps", type=float, default=8.0)
+    parser.add_argument("--seed", type=int, default=0, help="noise seed of the first prompt (the next "
+                                                            "ones count up)")
+    parser.add_argument("--fps", type=float, default=8.0, help="frame rate of the videos written")
     parser.add_argument("--ema", action="store_true", help="use the EMA weights of the checkpoint")
     parser.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
                         help="transformer weights and compute: auto = bf16 on a GPU, fp32 on the CPU")
@@ -125,7 +129,7 @@ def _sample_pan(job, argv: list[str]) -> int:
     if args.offload and world.size > 1:
         parser.error("--offload is for one process; under torchrun the weights are sharded instead")
     # Sharded: rank 0 alone reads the weights and sends every rank its shard.
-    weights, run_dir = resolve_weights(args.checkpoint, args.ema) if world.rank == 0 else ({}, None)
+    weights, run_dir = resolve_weights(args.checkpoint, args.ema, args.lora) if world.rank == 0 else ({}, None)
     if job is None:
         config = args.config or (run_dir / "config.yaml" if run_dir else None)
         if config is None:

@@ -60,7 +60,8 @@ class PanTask(PackedTask):
     # -- what gets built -------------------------------------------------------------------------
     def part_specs(self) -> list[PartSpec]:
         """One part, the transformer, trained by the default step with the run's optimizer keys."""
-        return [PartSpec("transformer", self.build_model, self.job.optim, warm_start=True)]
+        lora = self.job.lora if self.job.lora.enabled else None
+        return [PartSpec("transformer", self.build_model, self.job.optim, warm_start=True, lora=lora)]
 
     def build_model(self) -> PanVideoDiffusionTransformer:
         """The transformer on the meta device (the trainer parallelises and initialises it)."""

@@ -25,7 +25,6 @@ import dataclasses
 import functools
 import json
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,20 +32,21 @@ import torch
 
 from pan import preflight
 from pan.checkpoint.warm_start import ShapeDiff
-from pan.config.core import ConfigError, ErrorCollector, require
+from pan.config.core import ConfigError, ErrorCollector, placeholder_in, require
 from pan.config.job import components
 from pan.data.plan import IMAGE_STREAM, Ref
 from pan.data.reader import SampleReader, rules_of, stream_name
-from pan.data.sources import SourceError, read_annotations, read_image_tars, read_video_csv
-from pan.encoders.pyramid_text import check_dit_widths
+from pan.data.sources import AnnotationSource, SourceError, read_annotations, read_image_tars, read_video_csv
+from pan.encoders.pyramid_text import TextFeatureFileError, check_dit_widths, load_features
 from pan.encoders.pyramid_text import check_text_encoders as released_layout
 from pan.encoders.text import frozen_dtype
 from pan.encoders.vae import vae_geometry
 from pan.estimate import Phase, Probe, frozen_vae_bytes, largest_batch, loader_bytes, module_bytes, run_device
 from pan.models.packing import PackInfo
 from pan.models.pyramid_io import WEIGHTS_INDEX_NAME, WEIGHTS_NAME
-from pan.preflight import Preflight, Row, spread_rows
+from pan.preflight import Preflight, Row, spread_rows, with_annotation_scan
 from pan.recipes.pyramid_flow.config import dit_config, variant_folder
+from pan.recipes.pyramid_flow.precompute import EMPTY_TEXT_FEA
 from pan.recipes.pyramid_flow.task import PyramidInputs
 
 # The resolution each released DiT variant was trained at, as the original's --resolution names
@@ -56,9 +56,7 @@ RELEASED_RESOLUTIONS = {"diffusion_transformer_384p": "384p", "diffusion_transfo
                         "diffusion_transformer_image": "768p"}
 RESOLUTION_AREAS = {"384p": 384 * 640, "768p": 768 * 1280}
 
-# Template values a run YAML must not keep: `/path/to/...`, a path starting at `/PATH/` (the
-# original's scripts), or an `<angle bracket>` blank.
-PLACEHOLDER = re.compile(r"(^|/)path/to(/|$)|^/path(/|$)|<[^<>/]+>", re.IGNORECASE)
+# Template values a run YAML must not keep: pan.config.core.placeholder_in, the rule of every recipe.
 
 
 # ------------------------------------------------------------------------------------------------
@@ -130,7 +128,7 @@ def refuse_placeholders(job) -> None:
     problems = ErrorCollector()
     for key, value in path_keys(job).items():
         values = value if isinstance(value, list) else [value]
-        left = [v for v in values if isinstance(v, str) and PLACEHOLDER.search(v)]
+        left = [v for v in values if placeholder_in(v)]
         if left:
             problems.add(ConfigError(key, f"is still the template's placeholder {', '.join(left)}: set it "
                                           f"to your own path (in the YAML, or --{key} <path>)."))
@@ -203,8 +201,21 @@ def check_stage_sizes_rule(job) -> None:
             f"{uw * geometry.spatial_factor} x {uh * geometry.spatial_factor} pixels (W x H).")
 
 
+def check_frame_rule(job) -> None:
+    """Every clip length the frame rules allow (frames_mod, frames_remainder, min/max_frames) must be
+    one the VAE encodes (1 + k x its temporal factor): a clip decoded online is cut to such a length."""
+    geometry = vae_geometry(job.vae)
+    tf, data = geometry.temporal_factor, job.data
+    bad = [n for n in data.frame_count_range() if (n - 1) % tf]
+    require(not bad, "frames_mod",
+            f"is {data.frames_mod} with frames_remainder {data.frames_remainder}: clips of "
+            f"{', '.join(map(str, bad[:4]))}{' ...' if len(bad) > 4 else ''} frames are allowed, but the "
+            f"{job.vae.vae_type} VAE ({tf}x in time) encodes only 1 + {tf}k frames. Set frames_mod: {tf} "
+            f"and frames_remainder: 1 (as the released YAMLs do).")
+
+
 LAUNCH_RULES = (refuse_placeholders, check_stage_batch_rule, check_variant_resolution_rule,
-                check_stage_sizes_rule)
+                check_stage_sizes_rule, check_frame_rule)
 
 
 def check_launch(job, dims=None) -> None:
@@ -293,7 +304,11 @@ def check_variant_resolution(ctx: Preflight) -> list[Row]:
 
 
 def check_stage_sizes(ctx: Preflight) -> list[Row]:
-    check_stage_sizes_rule(ctx.job)
+    problems = ErrorCollector()
+    for rule in (check_stage_sizes_rule, check_frame_rule):
+        with problems.gather():
+            rule(ctx.job)
+    problems.raise_any()
     uh, uw = stage_unit(ctx.job)
     return [Row("stage sizes", "pass", f"every bucket's latent is a multiple of {uw}x{uh} (W x H): "
                 f"{ctx.job.pyramid.stages} stages of {dit_shape(ctx.job).patch} patches.")]
@@ -349,13 +364,35 @@ def _weight_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def saved_empty_caption(job) -> Path | None:
+    """The precomputed empty caption's features a run reads instead of loading the text encoders
+    (`PyramidTask.empty_caption`): `text_fea/empty.pt` beside the first annotation file that has one."""
+    for path in job.data.annotation_paths:
+        saved = Path(path).parent / EMPTY_TEXT_FEA
+        if saved.is_file():
+            return saved
+    return None
+
+
+def _encodes_captions(ctx: Preflight) -> bool:
+    try:
+        return ctx.task.encodes_captions()
+    except (SourceError, OSError, ConfigError):   # an unreadable file, a layout refused: other rows say it
+        return True
+
+
 def check_text_encoders(ctx: Preflight) -> list[Row]:
     """The released text encoders: every file, config and tokenizer length (no weights loaded), and
-    their feature widths against the DiT's."""
+    their feature widths against the DiT's. A run whose rows all carry `text_fea`, with the empty
+    caption's features precomputed beside them, never loads them: then the empty caption's file is
+    checked instead, and missing encoders only matter to `pan sample` and validation prompts."""
     m = ctx.job.model
     name = "pyramid_flux" if m.model_name == "pan" else m.model_name
-    layout = released_layout(ctx.job.text, name, m.model_path or "")
     shape = dit_shape(ctx.job)
+    empty = None if _encodes_captions(ctx) else saved_empty_caption(ctx.job)
+    if empty is not None:
+        return [_precomputed_text_row(ctx, name, empty, shape)]
+    layout = released_layout(ctx.job.text, name, m.model_path or "")
     if shape.pooled_width is None:
         require(layout.caption_width == shape.caption_width, "transformer_config_overrides.text_embed_dim",
                 f"is {shape.caption_width}, but the T5 in {layout.folder} gives {layout.caption_width}-wide "
@@ -365,6 +402,34 @@ def check_text_encoders(ctx: Preflight) -> list[Row]:
     roles = ", ".join(f"{s.role} ({s.model_dir})" for s in layout.slots)
     return [Row("text encoders", "pass", f"{roles} in {layout.folder}: captions {layout.caption_width} wide, "
                 f"pooled {layout.pooled_width}; they fit the DiT.")]
+
+
+def _precomputed_text_row(ctx: Preflight, name: str, empty: Path, shape: DiTShape) -> Row:
+    """The text encoders row of a run that reads every caption's features from `text_fea` files."""
+    pooled = shape.pooled_width
+    try:
+        load_features(empty, caption_width=shape.caption_width, pooled_width=pooled)
+    except TextFeatureFileError as e:
+        return Row("text encoders", "fail", f"every annotation row carries `text_fea`, so training reads "
+                   f"the empty caption's features from {empty} instead of loading the encoders: {e}",
+                   "recompute it with `pan data precompute` (the encoders of this DiT), or delete it to "
+                   "let the encoders make it.")
+    detail = (f"not loaded in training: every annotation row carries `text_fea`, and the empty "
+              f"caption's features (caption dropout) come from {empty}, which fits the DiT")
+    folder, _ = ctx.job.text.folder(ctx.job.model.model_path or "")
+    if not any((folder / slot).exists() for slot in ("text_encoder", "text_encoder_2", "text_encoder_3")):
+        return Row("text encoders", "pass", detail + f"; {folder} holds no text encoders (`pan sample` and "
+                   "validation prompts would need them: text_encoder_dir).")
+    # Encoders that are there are what `pan sample` and validation prompts load: they must fit.
+    layout = released_layout(ctx.job.text, name, ctx.job.model.model_path or "")
+    if shape.pooled_width is None:
+        require(layout.caption_width == shape.caption_width, "transformer_config_overrides.text_embed_dim",
+                f"is {shape.caption_width}, but the T5 in {layout.folder} gives {layout.caption_width}-wide "
+                f"features: set text_embed_dim: {layout.caption_width}.")
+    else:
+        check_dit_widths(layout, joint_attention_dim=shape.caption_width, pooled_projection_dim=shape.pooled_width)
+    return Row("text encoders", "pass", detail + f"; the encoders in {layout.folder} fit it too (`pan "
+               "sample` and validation prompts load them).")
 
 
 def check_vae(ctx: Preflight) -> list[Row]:
@@ -433,14 +498,16 @@ def check_data(ctx: Preflight) -> list[Row]:
     if tars is not None:
         streams.append((", ".join(job.data.image_tar_paths), IMAGE_STREAM, len(tars)))
     for label, stream, size in streams:
-        rows.append(_sample_rows(ctx, reader, label, stream, size))
+        row = _sample_rows(ctx, reader, label, stream, size)
+        source = sources.get(stream, (None, None))[1]
+        rows.append(with_annotation_scan(row, source) if isinstance(source, AnnotationSource) else row)
     return rows
 
 
 def _sample_rows(ctx: Preflight, reader, label: str, stream: str, size: int) -> Row:
     """Read `sample_rows` rows spread over a source (first, last, between) and judge them."""
     picks = spread_rows(ctx.sample_rows, size)
-    good, skipped = 0, []
+    good, skipped, unlike = 0, [], []
     for index in picks:
         got = reader[Ref(seq=0, stream=stream, epoch=0, pos=0, index=index)]
         over = _over_budget(ctx, got.sample) if got.sample is not None else None
@@ -450,14 +517,54 @@ def _sample_rows(ctx: Preflight, reader, label: str, stream: str, size: int) -> 
             skipped.append(f"#{index} over_budget: {over}")
         else:
             good += 1
+            unlike += [f"#{index} {why}" for why in [_unlike_the_variant(ctx.job, got.sample)] if why]
     detail = f"{label}: {size} rows; {good}/{len(picks)} of rows {picks} fit the DiT"
+    if unlike:
+        return _variant_row(ctx.job, detail, unlike)
+    # One problem a line.
     if skipped and not good:
-        return Row("data", "fail", detail + ". Skipped: " + "; ".join(skipped) + ".",
+        return Row("data", "fail", detail + ". Skipped:\n" + "\n".join(skipped),
                    "fix the paths, files or frame rules named above.")
     if skipped:
-        return Row("data", "warn", detail + ". Skipped: " + "; ".join(skipped) + ".",
+        return Row("data", "warn", detail + ". Skipped:\n" + "\n".join(skipped),
                    "such rows are skipped in training; fix or remove them.")
     return Row("data", "pass", detail + ".")
+
+
+def _unlike_the_variant(job, sample) -> str | None:
+    """What of a readable sample the released variant was not trained on: a precomputed latent of
+    another resolution (the bucket rule's, for rows that bypass the buckets), a video on the image
+    DiT. None when it is like its training data (or the DiT is pan's own)."""
+    m = job.model
+    trained = RELEASED_RESOLUTIONS.get(m.model_variant)
+    if m.model_name == "pan" or trained is None:
+        return None
+    latent = _latent_of(sample)
+    if latent is not None:
+        factor = vae_geometry(job.vae).spatial_factor
+        frames, height, width = latent.shape[1], latent.shape[2] * factor, latent.shape[3] * factor
+        found = resolution_class(height, width)
+        if found != trained:
+            return (f"is a {latent.shape[2]}x{latent.shape[3]} latent = {_bucket_text(height, width)} pixels "
+                    f"({found}), not {trained}")
+    else:
+        frames = sample.grid[0]
+    if m.model_variant == "diffusion_transformer_image" and sample.kind == "video" and frames > 1:
+        return f"is a video ({frames} {'latent ' if latent is not None else ''}frames)"
+    return None
+
+
+def _variant_row(job, detail: str, unlike: list[str]) -> Row:
+    """The data row of a source whose samples are not what the variant was trained on."""
+    m = job.model
+    trained = RELEASED_RESOLUTIONS[m.model_variant]
+    text = detail + f", but {m.model_variant} was trained on {trained}" + (
+        " images" if m.model_variant == "diffusion_transformer_image" else "") + ":\n" + "\n".join(unlike)
+    if any("latent =" in u for u in unlike):
+        return Row("data", "fail", text, f"precompute the latents at {trained} (resolution_buckets of "
+                   f"{trained}, `pan data precompute`), or train the variant of their resolution (model_variant).")
+    return Row("data", "warn", text, "train videos on diffusion_transformer_384p or _768p (the original trains "
+               "the image DiT on images only, --task t2i), or keep image rows for this one.")
 
 
 def _latent_of(sample) -> torch.Tensor | None:
@@ -542,6 +649,7 @@ def level_shape(task, t: int, h: int, w: int, level: int) -> tuple[int, int, int
 def largest_batch_clips(ctx: Preflight, task) -> list[tuple[int, int, int]]:
     """Full-resolution latent shapes (t, h, w) of the data budget's fullest micro-batch."""
     data = ctx.job.data
+    check_frame_rule(ctx.job)   # clip lengths the VAE cannot encode: the `stage sizes` row's failure
     clips = largest_batch(data, task.tokens_of, images=bool(data.image_tar_paths))
     if not clips:
         raise ConfigError("max_tokens_per_batch", "no clip of the buckets and frame rules fits the "

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Literal
 
+import torch
 from torch import nn
 
 from pan.checkpoint.manager import CheckpointConfig
@@ -22,9 +23,10 @@ from pan.diffusion.flow import FlowConfig
 from pan.diffusion.pyramid import PyramidConfig
 from pan.encoders.pyramid_text import PyramidTextConfig
 from pan.encoders.vae import VAEConfig
+from pan.lora import LoraConfig, candidate_names
 from pan.metrics import MetricsConfig
 from pan.models.attention import ATTENTION_BACKENDS
-from pan.models.pan_dit import PanDiTConfig
+from pan.models.pan_dit import PanDiTConfig, PanVideoDiffusionTransformer
 from pan.optim.config import OptimConfig
 from pan.parallel.dims import ParallelConfig
 from pan.trainer import TrainerConfig
@@ -79,11 +81,7 @@ class PyramidModelConfig:
         require(self.model_path is not None, "model_path",
                 f"is needed for model_name {self.model_name}: the folder of the released model (with "
                 f"{self.model_variant}/config.json and the text encoders).")
-        folder = Path(self.model_path).expanduser() / self.model_variant
-        require((folder / "config.json").is_file(), "model_variant",
-                f"{folder} holds no config.json: model_variant names the DiT folder inside model_path "
-                f"(diffusion_transformer_384p, ..._768p, ..._image).")
-        dit_config(self)  # every key of the variant's config.json, or ConfigError naming it
+        dit_config(self)  # the variant's config.json and every key of it, or ConfigError naming it
 
 
 @dataclass(kw_only=True)
@@ -131,6 +129,15 @@ class PyramidJobConfig(JobConfig):
     checkpoint: CheckpointConfig = knob(CheckpointConfig(), "")
     logging: MetricsConfig = knob(MetricsConfig(), "")
     validation: PyramidValidationConfig = knob(PyramidValidationConfig(), "")
+    lora: LoraConfig = knob(LoraConfig(), "")
+
+    def lora_candidates(self) -> list[str]:
+        """The linears `lora_target_modules` may name (the DiT built on the meta device)."""
+        with torch.device("meta"):
+            if self.model.model_name == "pan":
+                # (the names inside a block are those of PanForPyramid, which wraps this model)
+                return candidate_names(PanVideoDiffusionTransformer(self.model.transformer_config_overrides))
+            return candidate_names(dit_class(self.model.model_name)(dit_config(self.model)))
 
     def attention_heads(self) -> int:
         if self.model.model_name == "pan":
@@ -161,8 +168,11 @@ def dit_config(cfg: PyramidModelConfig):
     cls = dit_class(cfg.model_name)
     try:
         config = load_config(variant_folder(cfg), cls)
-    except FileNotFoundError as e:
-        raise ConfigError("model_variant", str(e)) from None
+    except FileNotFoundError:
+        # One wording, whichever rule reads the variant first (the same problem is then said once).
+        raise ConfigError("model_variant", f"{variant_folder(cfg)} holds no config.json: model_variant names "
+                          "the DiT folder inside model_path (diffusion_transformer_384p, ..._768p, "
+                          "..._image).") from None
     except ConfigError as e:
         if "_class_name" not in str(e):
             raise

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pan.checkpoint.export import consolidated_weights, part_source
+from pan.lora_runs import part_weights
 from pan.config import load_job_config
 from pan.models.pyramid_io import save_pretrained
 from pan.recipes.pyramid_flow.model import build_dit
@@ -13,7 +13,8 @@ from pan.recipes.pyramid_flow.model import build_dit
 
 def export_released(ckpt_dir: Path, out_dir: Path, *, ema: bool = False) -> Path:
     """Write a checkpoint's DiT as a released Pyramid-Flow folder (config.json + safetensors, the
-    released keys) that the original's loaders and `model_path` read. Returns the folder."""
+    released keys) that the original's loaders and `model_path` read; a LoRA run's DiT with its
+    adapters merged in (`pan export --merge`). Returns the folder."""
 
     config = Path(ckpt_dir).parent / "config.yaml"
     if not config.is_file():
@@ -24,9 +25,9 @@ def export_released(ckpt_dir: Path, out_dir: Path, *, ema: bool = False) -> Path
         raise ValueError(f"{config} is not a run of a released Pyramid-Flow DiT (recipe {job.recipe}"
                          f"{', model ' + job.model.model_name if hasattr(job.model, 'model_name') else ''}): "
                          "export it as safetensors.")
-    _, source = part_source(Path(ckpt_dir), "transformer", ema)
+    weights = part_weights(Path(ckpt_dir), "transformer", ema)
     model = build_dit(job)
     model.to_empty(device="cpu")
-    model.load_state_dict(consolidated_weights(source), strict=True)
+    model.load_state_dict(weights, strict=True)
     save_pretrained(model, out_dir)
     return Path(out_dir)

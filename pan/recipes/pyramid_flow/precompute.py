@@ -149,6 +149,11 @@ def pyramid_encoders(job, device: torch.device | str) -> PyramidEncoders:
     recipe's own code so that a precomputed row trains exactly as the online one: the latent is
     `PyramidFlowTask.raw_latent` of the frames (vae.unnormalize(vae.encode(frames))), the text
     features the recipe's `PyramidTextEncoder`'s."""
+    # Every caption is encoded (and the empty one): the text encoders must be there, which their
+    # files tell before any model loads (ConfigError naming the key: `pan data precompute` refuses).
+    from pan.encoders.pyramid_text import check_text_encoders
+    m = job.model
+    check_text_encoders(job.text, "pyramid_flux" if m.model_name == "pan" else m.model_name, m.model_path or "")
     # The run's recipe's task (pyramid_flow's or pyramid_flow_ar's) in one process, through the registry.
     task = planned_task(job, device=device)
     task.load_encoders()

@@ -59,20 +59,23 @@ def sample_main(job: PyramidJobConfig, argv: list[str]) -> int:
     """`pan sample` for a pyramid_flow run: text-to-video with the stage-by-stage sampler and CFG."""
     v = job.validation
     parser = sample_parser("Generate videos from a pyramid_flow checkpoint (stage by stage, with CFG).")
-    parser.add_argument("--num-frames", type=int, default=v.sample_num_frames)
-    parser.add_argument("--height", type=int, default=v.sample_height)
-    parser.add_argument("--width", type=int, default=v.sample_width)
-    parser.add_argument("--steps", type=int, nargs="+", default=v.sample_steps)
-    parser.add_argument("--guidance-scale", type=float, default=v.sample_guidance_scale)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--fps", type=float, default=v.sample_fps)
-    parser.add_argument("--ema", action="store_true")
+    parser.add_argument("--num-frames", type=int, default=v.sample_num_frames,
+                        help="pixel frames of each video (the run's sample_num_frames)")
+    parser.add_argument("--height", type=int, default=v.sample_height, help="height in pixels")
+    parser.add_argument("--width", type=int, default=v.sample_width, help="width in pixels")
+    parser.add_argument("--steps", type=int, nargs="+", default=v.sample_steps,
+                        help="Euler steps of each pyramid stage (one number: every stage)")
+    parser.add_argument("--guidance-scale", type=float, default=v.sample_guidance_scale,
+                        help="classifier-free guidance scale against the empty caption (1: off)")
+    parser.add_argument("--seed", type=int, default=0, help="noise seed of the first prompt (the next ones count up)")
+    parser.add_argument("--fps", type=float, default=v.sample_fps, help="frame rate of the videos written")
+    parser.add_argument("--ema", action="store_true", help="use the EMA weights of the checkpoint")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     # The recipe's task (PyramidFlowTask) of one process, through the registry: this module is what
     # the task imports for its validation samples, so it does not import the task back.
     task = planned_task(job, device=device)
-    weights, _ = resolve_weights(args.checkpoint, args.ema)
+    weights, _ = resolve_weights(args.checkpoint, args.ema, args.lora)
     model = build_dit(job)
     model.to_empty(device="cpu")
     model.load_state_dict(weights)

@@ -43,7 +43,7 @@ from pan.encoders.vae import build_vae
 from pan.media import to_uint8_frames, write_gif, write_mp4
 from pan.models.packing import PackInfo
 from pan.recipes.packed import PackedInputs, PackedTask
-from pan.recipes.pyramid_flow.config import PyramidJobConfig
+from pan.recipes.pyramid_flow.config import PyramidJobConfig, variant_folder
 from pan.recipes.pyramid_flow.model import build_dit, released_weights
 from pan.recipes.pyramid_flow.precompute import EMPTY_TEXT_FEA
 from pan.recipes.pyramid_flow.sample import sample_videos
@@ -93,7 +93,10 @@ class PyramidTask(PackedTask):
     # -- what gets built ---------------------------------------------------------------------------
     def part_specs(self) -> list[PartSpec]:
         pretrained = None if self.job.model.model_name == "pan" else (lambda: released_weights(self.job))
-        return [PartSpec("transformer", lambda: build_dit(self.job), self.job.optim, pretrained=pretrained)]
+        lora = self.job.lora if self.job.lora.enabled else None
+        source = None if pretrained is None else str(variant_folder(self.job.model))
+        return [PartSpec("transformer", lambda: build_dit(self.job), self.job.optim, pretrained=pretrained,
+                         pretrained_from=source, lora=lora)]
 
     def load_encoders(self) -> None:
         """The VAE and the empty caption's features. The text encoders load where a caption is

@@ -27,6 +27,7 @@ from pan.data.decode import SkipSample
 from pan.data.reader import read_raw_latent
 from pan.data.sources import SourceError, read_annotations
 from pan.diffusion.pyramid import history_spans, stage_unit_counts, unit_frames
+from pan.encoders.vae import vae_geometry
 from pan.preflight import Preflight, Row, spread_rows
 from pan.recipes.pyramid_flow import checks as shared
 from pan.recipes.pyramid_flow_ar.config import latent_window, window_units
@@ -44,7 +45,8 @@ def sync_group_rule(job, dims) -> None:
 def check_launch(job, dims=None) -> None:
     """The workflow's refusals, all reported together (the sync-group rule when the layout is known)."""
     problems = ErrorCollector()
-    rules = [shared.refuse_placeholders, shared.check_variant_resolution_rule, shared.check_stage_sizes_rule]
+    rules = [shared.refuse_placeholders, shared.check_variant_resolution_rule, shared.check_stage_sizes_rule,
+             shared.check_frame_rule]
     if dims is not None:
         rules.append(lambda j: sync_group_rule(j, dims))
     for rule in rules:
@@ -81,7 +83,7 @@ def check_units(ctx: Preflight) -> list[Row]:
     largest = max(job.data.buckets(), key=lambda hw: hw[0] * hw[1])
     _, t, h, w = task.geometry.latent_shape(job.data.frame_count_range()[-1], *largest)
     tokens = task.latent_tokens_of(t, h, w)
-    row = Row("units", "pass", f"max_frames {job.data.max_frames} = {latent_window(job)} latent frames = "
+    row = Row("units", "pass", f"max_frames {job.data.max_frames} pixel frames = {latent_window(job)} latent frames = "
               f"{window_units(job)} units of {job.ar.frame_per_unit} frame(s); a {t}-frame "
               f"{largest[1]}x{largest[0]} clip packs at most {tokens} tokens (its last unit at full "
               f"resolution with its history)")
@@ -99,6 +101,7 @@ def check_annotation_rows(ctx: Preflight) -> list[Row]:
 
     job, rows = ctx.job, []
     window, fpu = latent_window(job), job.ar.frame_per_unit
+    tf = vae_geometry(job.vae).temporal_factor
     for path in job.data.annotation_paths:
         try:
             source = read_annotations(path)
@@ -107,7 +110,7 @@ def check_annotation_rows(ctx: Preflight) -> list[Row]:
             continue
         size = len(source)
         picks = spread_rows(ctx.sample_rows, size)   # first, last, between
-        no_text, no_latent, short, frames = [], [], [], []
+        no_text, no_latent, short, long, frames = [], [], [], [], []
         for index in picks:
             try:
                 row = source.parse(index)
@@ -127,6 +130,8 @@ def check_annotation_rows(ctx: Preflight) -> list[Row]:
             frames.append(t)
             if t < window:
                 short.append(f"#{index} ({t})")
+            elif t > window:
+                long.append(f"#{index} ({t})")
         detail = f"{path}: rows {picks}, latent frames {frames or 'none'} against {window} (max_frames)"
         if no_text:
             rows.append(Row("annotation rows", "fail", detail + f"; rows {', '.join(no_text)} cannot be "
@@ -137,14 +142,23 @@ def check_annotation_rows(ctx: Preflight) -> list[Row]:
             rows.append(Row("annotation rows", "fail", detail + f"; rows {no_latent} have no `latent` and "
                             "vae_type is identity, so they would train on pixels.", "precompute the latents "
                             "(`pan data precompute`) or set vae_type: causal_video_vae."))
-        elif short or no_latent:
-            notes = []
+        elif short or no_latent or long:
+            notes, fixes = [], []
+            if long:
+                notes.append(f"rows {', '.join(long)} are longer: only their first {window} latent frame(s) "
+                             f"train, the rest is never seen (max_frames {job.data.max_frames} counts pixel "
+                             f"frames: {window} latent frame(s) through the {job.vae.vae_type} VAE)")
+                longest = max(frames)
+                fixes.append(f"to train whole latents of {longest} frames set max_frames: "
+                             f"{1 + (longest - 1) * tf} (1 + {tf} x ({longest} - 1) pixel frames)")
             if short:
                 notes.append(f"rows {', '.join(short)} are shorter: slots whose unit they lack skip them")
             if no_latent:
                 notes.append(f"rows {no_latent} have no `latent` and are encoded online by the VAE")
+            if short or no_latent:
+                fixes.append("precompute latents of max_frames for every row to train every unit")
             rows.append(Row("annotation rows", "warn", detail + "; " + "; ".join(notes) + ".",
-                            "precompute latents of max_frames for every row to train every unit."))
+                            "; ".join(fixes) + "."))
         else:
             cut = any((t - 1) % fpu for t in frames)
             rows.append(Row("annotation rows", "pass", detail + ("; frames past the last whole unit are "

@@ -9,13 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from pan.config.core import knob, require
+from pan.config.core import ConfigError, knob, placeholder_in, require
 from pan.encoders.vae import vae_geometry
 from pan.recipes.pyramid_flow.config import PyramidJobConfig, PyramidModelConfig, PyramidValidationConfig
-
-# Template values left in a run YAML (the original's `/PATH/...`, `/path/to/...`, `<...>`).
-PLACEHOLDER_MARKS = ("/PATH/", "/path/to/", "<")
-
 
 # ------------------------------------------------------------------------------------------------
 # Keys
@@ -32,7 +28,7 @@ class PyramidARModelConfig(PyramidModelConfig):
 
     def check(self, job) -> None:
         path = self.model_path or ""
-        require(not any(mark in path for mark in PLACEHOLDER_MARKS), "model_path",
+        require(not placeholder_in(path), "model_path",
                 f"is still the template's placeholder {path}: set it to the folder of your downloaded "
                 "release (e.g. pyramid-flow-miniflux), in the YAML or as --model_path <dir>.")
         require(self.model_variant != "diffusion_transformer_image", "model_variant",
@@ -56,15 +52,36 @@ class AutoregressiveConfig:
         window = latent_window(job)
         units = window_units(job)
         fpu, group = self.frame_per_unit, self.video_sync_group
+        tf, n = temporal_factor(job), job.data.max_frames
+        require(tf == 1 or (n - 1) % tf == 0, "max_frames",
+                f"is {n}, not 1 + a multiple of {tf}: max_frames counts pixel frames, of which the "
+                f"{job.vae.vae_type} VAE ({tf}x in time) makes 1 + {tf}k into 1 + k latent frames, so the "
+                f"window would be {window} latent frame(s). The original's --max_frames (NUM_FRAMES) counts "
+                f"latent frames: for {n} of them set max_frames: {1 + (n - 1) * tf} (1 + {tf} x ({n} - 1)); "
+                f"to keep {window}, max_frames: {1 + (window - 1) * tf}.")
+        if (window - 1) % fpu == 0 and units % group == 0:
+            return self._check_batch(job)
+        latent_typed = frames_read_as_latent(job, fpu, group)
+        if latent_typed is not None:
+            raise ConfigError("max_frames", f"is {job.data.max_frames} pixel frames, {window} latent "
+                              f"frame(s) through the {job.vae.vae_type} VAE ({temporal_factor(job)}x in time): "
+                              f"a window that frame_per_unit {fpu} and video_sync_group {group} do not "
+                              f"cut into whole units and groups ({units} unit(s)). max_frames counts pixel "
+                              f"frames, where the original's --max_frames (NUM_FRAMES) counts latent frames: "
+                              f"for {job.data.max_frames} latent frames set max_frames: {latent_typed}.")
+        hint = pixel_frames_note(job)
         require((window - 1) % fpu == 0, "frame_per_unit",
                 f"is {fpu}, but max_frames {job.data.max_frames} gives {window} latent frames, and "
                 f"(latent frames - 1) % frame_per_unit must be 0 (units of {fpu} frames after the "
-                f"first frame). Use a max_frames of 1 + a multiple of {fpu} latent frames.")
+                f"first frame). Use a max_frames of 1 + a multiple of {fpu} latent frames.{hint}")
         require(units % group == 0, "video_sync_group",
                 f"is {group}, but max_frames {job.data.max_frames} gives {units} units of "
                 f"{fpu} latent frame(s) (the original's max_frames % video_sync_group == 0, in units): "
                 f"the group's rotation must cover every unit. Use a divisor of {units} "
-                f"({', '.join(str(d) for d in range(1, units + 1) if units % d == 0)}).")
+                f"({', '.join(str(d) for d in range(1, units + 1) if units % d == 0)}).{hint}")
+        self._check_batch(job)
+
+    def _check_batch(self, job) -> None:
         ratio_total = sum(job.pyramid.sample_ratios)
         require(job.data.max_samples_per_batch % ratio_total == 0, "max_samples_per_batch",
                 f"is {job.data.max_samples_per_batch}, but samples take the pyramid stages in turn in "
@@ -106,3 +123,28 @@ def latent_window(job) -> int:
 def window_units(job) -> int:
     """M: units in the latent frames of max_frames (the original's max_units_in_training)."""
     return 1 + (latent_window(job) - 1) // job.ar.frame_per_unit
+
+
+def temporal_factor(job) -> int:
+    return vae_geometry(job.vae).temporal_factor
+
+
+def pixel_frames_note(job) -> str:
+    """What max_frames counts, for messages about the window (the original counts latent frames)."""
+    tf = temporal_factor(job)
+    if tf == 1:
+        return ""
+    return (f" (max_frames counts pixel frames: {job.data.max_frames} are {latent_window(job)} latent "
+            f"frame(s) through the {job.vae.vae_type} VAE, {tf}x in time; the original's --max_frames "
+            f"counts latent frames: 1 + {tf} x (N - 1) pixel frames here for its N, 121 for 16.)")
+
+
+def frames_read_as_latent(job, fpu: int, group: int) -> int | None:
+    """The pixel max_frames meaning `max_frames` latent frames, when the window it gives is refused
+    and that one would not be (the original's --max_frames, typed as is); else None."""
+    tf, n = temporal_factor(job), job.data.max_frames
+    if tf == 1 or n == 1:
+        return None
+    units = 1 + (n - 1) // fpu
+    return 1 + (n - 1) * tf if (n - 1) % fpu == 0 and units % group == 0 else None
+

@@ -99,17 +99,19 @@ def sample_main(job: PyramidARJobConfig, argv: list[str]) -> int:
     parser.add_argument("--video-frames", type=int, default=None,
                         help="pixel frames taken from --video (default: 1 + one VAE frame group)")
     parser.add_argument("--num-frames", type=int, default=v.sample_num_frames, help="pixel frames in all")
-    parser.add_argument("--height", type=int, default=v.sample_height)
-    parser.add_argument("--width", type=int, default=v.sample_width)
+    parser.add_argument("--height", type=int, default=v.sample_height, help="height in pixels")
+    parser.add_argument("--width", type=int, default=v.sample_width, help="width in pixels")
     parser.add_argument("--steps", type=int, nargs="+", default=v.sample_steps, help="first unit")
     parser.add_argument("--video-steps", type=int, nargs="+", default=v.sample_video_steps, help="later units")
-    parser.add_argument("--guidance-scale", type=float, default=v.sample_guidance_scale)
-    parser.add_argument("--video-guidance-scale", type=float, default=v.sample_video_guidance_scale)
+    parser.add_argument("--guidance-scale", type=float, default=v.sample_guidance_scale,
+                        help="classifier-free guidance scale of the first unit (1: off)")
+    parser.add_argument("--video-guidance-scale", type=float, default=v.sample_video_guidance_scale,
+                        help="classifier-free guidance scale of every later unit")
     parser.add_argument("--max-history-units", type=int, default=v.sample_max_history_units,
-                        help="condition each unit on at most this many previous units")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--fps", type=float, default=v.sample_fps)
-    parser.add_argument("--ema", action="store_true")
+                        help="condition each unit on at most this many previous units (none: all)")
+    parser.add_argument("--seed", type=int, default=0, help="noise seed of the first prompt (the next ones count up)")
+    parser.add_argument("--fps", type=float, default=v.sample_fps, help="frame rate of the videos written")
+    parser.add_argument("--ema", action="store_true", help="use the EMA weights of the checkpoint")
     args = parser.parse_args(argv)
     if args.image and args.video:
         parser.error("give --image or --video, not both")
@@ -120,7 +122,7 @@ def sample_main(job: PyramidARJobConfig, argv: list[str]) -> int:
     # the task imports for its validation samples, so it does not import the task back.
     task = planned_task(dataclasses.replace(job, ar=dataclasses.replace(job.ar, video_sync_group=1)),
                         device=device)
-    weights, _ = resolve_weights(args.checkpoint, args.ema)
+    weights, _ = resolve_weights(args.checkpoint, args.ema, args.lora)
     model = build_dit(job)
     model.to_empty(device="cpu")
     model.load_state_dict(weights)

@@ -1,0 +1,145 @@
+"""`pan export`: one trained part of a checkpoint as a .safetensors file, a LoRA run's adapters as a
+peft folder (`--format peft`) or merged into its base (`--merge`), or a format a recipe writes.
+
+Runs on one process, without a process group: DCP reads every shard into full tensors, whatever
+world size wrote them (pan/checkpoint/export.py); a LoRA checkpoint's base is rebuilt as the trainer
+built it (pan/lora_runs.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from pan.checkpoint import dcp as layout
+from pan.checkpoint.adapters import write_peft
+from pan.checkpoint.export import export_checkpoint, honour_umask, part_source, write_weights
+from pan.lora_runs import merged_weights
+from pan.recipe import get_recipe, recipe_names, resolve
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PEFT = "peft"
+
+
+def main_export(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="pan export", description="Write one trained part's weights of a checkpoint (the main "
+                                       "part by default: the transformer) as one .safetensors file "
+                                       "(usable as pretrained_transformer_path).")
+    parser.add_argument("checkpoint", help="a checkpoint-N/ folder, or its transformer/ folder")
+    parser.add_argument("--out", help="the .safetensors file to write (may also follow the checkpoint "
+                                      "without --out)")
+    parser.add_argument("out_file", nargs="?", help=argparse.SUPPRESS)
+    parser.add_argument("--part", help="which trained part to export (default: the main one, e.g. "
+                                       "transformer; `pan inspect` lists a checkpoint's parts)")
+    parser.add_argument("--ema", action="store_true", help="export the EMA weights instead")
+    parser.add_argument("--dtype", choices=list(DTYPES), help="cast floating tensors (default: as saved)")
+    parser.add_argument("--merge", action="store_true",
+                        help="a LoRA run's checkpoint: write its base with the adapters merged in "
+                             "(W + scale * B @ A, fp32), in --format safetensors or a recipe's format")
+    formats = export_formats()
+    parser.add_argument("--format", choices=["safetensors", PEFT, *formats], default="safetensors",
+                        help="safetensors: one file; peft: a LoRA run's adapters as a folder that "
+                             "peft's PeftModel.from_pretrained loads; or a format a recipe writes (" + "; ".join(
+                            f"{name}: {describe(spec)}" for name, spec in formats.items()) + ")")
+    args = parser.parse_args(argv)
+    if (args.out is None) == (args.out_file is None):
+        parser.error("name the .safetensors file to write once: --out model.safetensors")
+    args.out = args.out or args.out_file
+    if args.format == PEFT:
+        return export_peft(args)
+    if args.format != "safetensors":
+        return export_format(args, args.format, formats[args.format])
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    try:
+        if args.merge:
+            weights = export_merged(Path(args.checkpoint), Path(args.out), args.part, args.ema, dtype)
+        else:
+            weights = export_checkpoint(args.checkpoint, args.out, ema=args.ema, part=args.part, dtype=dtype)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"pan export: {e}", file=sys.stderr)
+        return 2
+    count = sum(v.numel() for v in weights.values())
+    source = Path(args.checkpoint)
+    part = args.part or (source.name if (source / layout.DCP_METADATA).is_file()
+                         else layout.saved_parts(source)[0])
+    print(f"wrote {args.out}: part {part}{' (EMA)' if args.ema else ''}{' (LoRA merged)' if args.merge else ''}, "
+          f"{len(weights)} tensors, {count:,} parameters")
+    return 0
+
+
+def export_merged(ckpt_dir: Path, out: Path, part: str | None, ema: bool, dtype) -> dict[str, torch.Tensor]:
+    """`--merge`: a LoRA part's base with its adapters (or their EMA) merged in, as one file."""
+    problem = lora_merge_problem(ckpt_dir, True, part)
+    if problem:
+        raise ValueError(problem)
+    weights = merged_weights(ckpt_dir, part, ema)
+    if dtype is not None:
+        weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()}
+    ckpt, part_name, own_ema = layout.checkpoint_folder(ckpt_dir)
+    source = ckpt_dir if part_name else part_source(ckpt, part, ema or bool(own_ema))[1]
+    write_weights(weights, out, {"source": str(source), "part": part_name or part or "", "lora": "merged"})
+    return weights
+
+
+def export_peft(args) -> int:
+    """`--format peft`: a LoRA part's adapters as a peft folder (pan/checkpoint/adapters.py)."""
+    if args.merge or args.dtype:
+        print("pan export: --format peft writes the adapters as saved (fp32; no --merge or --dtype)",
+              file=sys.stderr)
+        return 2
+    try:
+        written = write_peft(Path(args.checkpoint), Path(args.out), part=args.part, ema=args.ema)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"pan export: {e}", file=sys.stderr)
+        return 2
+    honour_umask(Path(written))
+    print(f"wrote {written} (--format peft: adapter_config.json and adapter_model.safetensors; "
+          f"PeftModel.from_pretrained loads it onto the base){' (EMA)' if args.ema else ''}")
+    return 0
+
+
+def export_formats() -> dict[str, str]:
+    """`pan export --format` name -> the recipe hook writing it (`Recipe.exports`), of every recipe."""
+    return {name: spec for recipe in recipe_names() for name, spec in get_recipe(recipe).exports.items()}
+
+
+def describe(spec: str) -> str:
+    """The first sentence of an export hook's docstring (for --help)."""
+    text = " ".join((resolve(spec).__doc__ or spec).split())
+    return text.split(". ")[0].rstrip(".")
+
+
+def export_format(args, name: str, spec: str) -> int:
+    """A recipe's own format: its hook writes the main part as saved (no --part or --dtype)."""
+    if args.part is not None or args.dtype:
+        print(f"pan export: --format {name} writes the main part as saved (no --part or --dtype)",
+              file=sys.stderr)
+        return 2
+    problem = lora_merge_problem(Path(args.checkpoint), args.merge)
+    if problem:
+        print(f"pan export: {problem}", file=sys.stderr)
+        return 2
+    try:
+        written = resolve(spec)(Path(args.checkpoint), Path(args.out), ema=args.ema)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"pan export: {e}", file=sys.stderr)
+        return 2
+    honour_umask(Path(written))
+    print(f"wrote {written} (--format {name}: {describe(spec)})")
+    return 0
+
+
+def lora_merge_problem(ckpt_dir: Path, merge: bool, part: str | None = None) -> str | None:
+    """Why this export of the checkpoint is refused: a LoRA checkpoint needs --merge (a recipe's
+    hook then writes the merged model, `lora_runs.part_weights`), and --merge needs one."""
+    lora = layout.is_lora_checkpoint(ckpt_dir, part)
+    if lora and not merge:
+        return (f"{ckpt_dir} is a LoRA checkpoint (adapters only): add --merge to write its base with "
+                "the adapters merged in, or use --format peft for the adapters alone")
+    if merge and not lora:
+        return f"--merge is for a LoRA run's checkpoint; {ckpt_dir} holds whole weights (export it without --merge)"
+    return None
