@@ -174,3 +174,28 @@ class LiveTensorBytes(TorchDispatchMode):
                 self.total += storage.nbytes()
         self.peak = max(self.peak, self.total)
         return out
+
+
+def frozen_encoders(trainer) -> list[torch.nn.Module]:
+    """Pan's text encoder, the Pyramid-Flow recipes' T5 and CLIPs (where loaded), a frozen VAE, the
+    causal VAE's LPIPS and its discriminator's scoring copy."""
+    task = trainer.task
+    text = getattr(task, "_text_encoder", None) or getattr(task, "text_encoder", None)
+    encoders = [getattr(text, "model", None), *getattr(text, "models", []), getattr(task, "vae", None),
+                getattr(task, "lpips", None), getattr(task, "disc_copy", None)]
+    return [m for m in encoders if isinstance(m, torch.nn.Module)]
+
+
+def resident_tensors(trainer) -> list[torch.Tensor]:
+    """What lives across steps: every part's parameters, gradients and optimizer states, the EMA,
+    and the frozen encoders."""
+    out = []
+    for part in trainer.parts.values():
+        out += [t for p in part.model.parameters() for t in (p, p.grad) if t is not None]
+        out += [t for opt in part.optimizer.optimizers for state in opt.state.values()
+                for t in state.values() if isinstance(t, torch.Tensor)]
+        if part.ema is not None:
+            out += list(part.ema.shadow.values())
+    for module in frozen_encoders(trainer):
+        out += [*module.parameters(), *module.buffers()]
+    return out

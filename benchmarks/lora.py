@@ -45,9 +45,9 @@ from pathlib import Path
 import torch
 
 try:
-    from benchmarks.common import LiveTensorBytes, print_table, write_json
+    from benchmarks.common import LiveTensorBytes, print_table, resident_tensors, write_json
 except ModuleNotFoundError:  # run as `python benchmarks/lora.py`: its folder is on the path
-    from common import LiveTensorBytes, print_table, write_json
+    from common import LiveTensorBytes, print_table, resident_tensors, write_json
 
 VARIANT = "diffusion_transformer_384p"
 SIZE = 32            # pixels a side: 16 x 16 tokens a frame at the top stage (the DiT's 2x2 patch)
@@ -103,23 +103,6 @@ def run_config(root: Path, model: Path, csv: Path, mode: str, args) -> Path:
     path = root / f"{mode}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
-
-
-def resident_tensors(trainer) -> list[torch.Tensor]:
-    """What lives across steps: every part's parameters, gradients and optimizer states, the EMA,
-    and the frozen text encoders (the identity VAE has no weights)."""
-    out = []
-    for part in trainer.parts.values():
-        out += [t for p in part.model.parameters() for t in (p, p.grad) if t is not None]
-        out += [t for opt in part.optimizer.optimizers for state in opt.state.values()
-                for t in state.values() if isinstance(t, torch.Tensor)]
-        if part.ema is not None:
-            out += list(part.ema.shadow.values())
-    text = getattr(trainer.task, "_text_encoder", None) or getattr(trainer.task, "text_encoder", None)
-    for module in [getattr(text, "model", None), *getattr(text, "models", [])]:
-        if isinstance(module, torch.nn.Module):
-            out += [*module.parameters(), *module.buffers()]
-    return out
 
 
 def folder_bytes(path: Path) -> int:

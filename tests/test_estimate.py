@@ -20,7 +20,7 @@ import yaml
 from dist_utils import run_distributed
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks.common import LiveTensorBytes  # the live-tensor count the benchmarks print too
+from benchmarks.common import LiveTensorBytes, frozen_encoders, resident_tensors  # as the benchmarks count
 from pan.config import load_job_config
 from pan.preflight import Preflight, check_memory
 
@@ -73,31 +73,6 @@ def resident_bytes(trainer) -> int:
         if part.ema is not None:
             total += sum(t.untyped_storage().nbytes() for t in part.ema.shadow.values())
     return total
-
-
-def frozen_encoders(trainer) -> list[torch.nn.Module]:
-    """Pan's text encoder, the Pyramid-Flow recipes' T5 and CLIPs (where loaded), a frozen VAE, the
-    causal VAE's LPIPS and its discriminator's scoring copy."""
-    task = trainer.task
-    text = getattr(task, "_text_encoder", None) or getattr(task, "text_encoder", None)
-    encoders = [getattr(text, "model", None), *getattr(text, "models", []), getattr(task, "vae", None),
-                getattr(task, "lpips", None), getattr(task, "disc_copy", None)]
-    return [m for m in encoders if isinstance(m, torch.nn.Module)]
-
-
-def resident_tensors(trainer) -> list[torch.Tensor]:
-    """What lives across steps: every part's parameters, gradients and optimizer states, the EMA,
-    and the frozen encoders."""
-    out = []
-    for part in trainer.parts.values():
-        out += [t for p in part.model.parameters() for t in (p, p.grad) if t is not None]
-        out += [t for opt in part.optimizer.optimizers for state in opt.state.values()
-                for t in state.values() if isinstance(t, torch.Tensor)]
-        if part.ema is not None:
-            out += list(part.ema.shadow.values())
-    for module in frozen_encoders(trainer):
-        out += [*module.parameters(), *module.buffers()]
-    return out
 
 
 def fullest_micro_batches(trainer) -> list:

@@ -392,16 +392,22 @@ def check_text_encoders(ctx: Preflight) -> list[Row]:
     empty = None if _encodes_captions(ctx) else saved_empty_caption(ctx.job)
     if empty is not None:
         return [_precomputed_text_row(ctx, name, empty, shape)]
-    layout = released_layout(ctx.job.text, name, m.model_path or "")
+    layout = fitting_encoders(ctx, name, shape)
+    roles = ", ".join(f"{s.role} ({s.model_dir})" for s in layout.slots)
+    return [Row("text encoders", "pass", f"{roles} in {layout.folder}: captions {layout.caption_width} wide, "
+                f"pooled {layout.pooled_width}; they fit the DiT.")]
+
+
+def fitting_encoders(ctx: Preflight, name: str, shape: DiTShape):
+    """The released text encoders' layout, refused (ConfigError) unless their widths fit the DiT."""
+    layout = released_layout(ctx.job.text, name, ctx.job.model.model_path or "")
     if shape.pooled_width is None:
         require(layout.caption_width == shape.caption_width, "transformer_config_overrides.text_embed_dim",
                 f"is {shape.caption_width}, but the T5 in {layout.folder} gives {layout.caption_width}-wide "
                 f"features: set text_embed_dim: {layout.caption_width}.")
     else:
         check_dit_widths(layout, joint_attention_dim=shape.caption_width, pooled_projection_dim=shape.pooled_width)
-    roles = ", ".join(f"{s.role} ({s.model_dir})" for s in layout.slots)
-    return [Row("text encoders", "pass", f"{roles} in {layout.folder}: captions {layout.caption_width} wide, "
-                f"pooled {layout.pooled_width}; they fit the DiT.")]
+    return layout
 
 
 def _precomputed_text_row(ctx: Preflight, name: str, empty: Path, shape: DiTShape) -> Row:
@@ -421,13 +427,7 @@ def _precomputed_text_row(ctx: Preflight, name: str, empty: Path, shape: DiTShap
         return Row("text encoders", "pass", detail + f"; {folder} holds no text encoders (`pan sample` and "
                    "validation prompts would need them: text_encoder_dir).")
     # Encoders that are there are what `pan sample` and validation prompts load: they must fit.
-    layout = released_layout(ctx.job.text, name, ctx.job.model.model_path or "")
-    if shape.pooled_width is None:
-        require(layout.caption_width == shape.caption_width, "transformer_config_overrides.text_embed_dim",
-                f"is {shape.caption_width}, but the T5 in {layout.folder} gives {layout.caption_width}-wide "
-                f"features: set text_embed_dim: {layout.caption_width}.")
-    else:
-        check_dit_widths(layout, joint_attention_dim=shape.caption_width, pooled_projection_dim=shape.pooled_width)
+    layout = fitting_encoders(ctx, name, shape)
     return Row("text encoders", "pass", detail + f"; the encoders in {layout.folder} fit it too (`pan "
                "sample` and validation prompts load them).")
 
