@@ -11,6 +11,8 @@ depend on the order of files or on another file's state.
 """
 
 import os
+import shutil
+import tempfile
 
 if os.environ.get("PAN_TEST_CUDA") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -18,3 +20,18 @@ if os.environ.get("PAN_TEST_CUDA") != "1":
 # `pan check` wraps its table to the terminal's width; the tests' expectations are written for 100
 # columns, wherever they run (a terminal, a pipe, an xdist worker).
 os.environ["COLUMNS"] = "100"
+
+
+def pytest_configure(config):
+    """Traced steps (`pan.estimate.trace.cached_trace_step`) are kept on disk for this run only, in
+    a folder the xdist workers and every process they start share (they inherit the environment):
+    no test reads a trace an earlier run of the suite left."""
+    if hasattr(config, "workerinput") or "PAN_CACHE_DIR" in os.environ:
+        return
+    config._pan_cache = tempfile.mkdtemp(prefix="pan-test-cache-")
+    os.environ["PAN_CACHE_DIR"] = config._pan_cache
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "_pan_cache", None):
+        shutil.rmtree(config._pan_cache, ignore_errors=True)

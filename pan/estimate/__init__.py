@@ -34,9 +34,10 @@ or ddp's replicas), Muon's exchanges of sharded matrices, Ulysses' all-to-alls (
 trace simulates them, again in a fully checkpointed block's recomputation) and a few scalar sums.
 Each kind costs its calls times a fixed cost per call plus its bytes over a bandwidth: gloo's on
 the CPU, measured on the spot between two threads; NCCL's on GPUs, from datasheet figures
-(`measure_network`). A process keeps the trace of each step it has traced, the rates of each set of
-shapes and the network (`cached_trace_step`, `rates_for`, `network_of_this_machine`): `pan check`
-of many configs traces a step once. Tokens per second, the run's wall time and GPU-hours follow
+(`measure_network`). A process keeps the rates of each set of shapes and the network (`rates_for`,
+`network_of_this_machine`); each traced step is kept in the process and on disk ($PAN_CACHE_DIR,
+else ~/.cache/pan; `cached_trace_step`): `pan check` of many configs traces a step once, and
+train.py's start-up checks reuse the trace of the `pan check` run before it. Tokens per second, the run's wall time and GPU-hours follow
 from max_steps. The recipe's exact FLOP count (its
 `forward_flops`) is reported beside it, with the MFU it implies.
 """

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from pan.estimate.probe import FP32_BYTES, Probe, run_device, unit_sizes
-from pan.estimate.trace import Layout, StepTrace, Work, aten
+from pan.estimate.trace import Layout, StepTrace, TracedStep, Work, aten
 from pan.metrics import peak_flops
 from pan.optim.builder import split_parameters
 
@@ -108,7 +108,7 @@ class Network:
 SCALAR_REDUCTIONS_PER_PHASE = 3
 
 
-def step_traffic(ctx, probe: Probe, layout: Layout, trace: StepTrace, accumulation: int) -> dict[str, Traffic]:
+def step_traffic(ctx, probe: Probe, layout: Layout, trace: TracedStep, accumulation: int) -> dict[str, Traffic]:
     """The collectives one rank issues in an optimizer step, by kind: FSDP's and Muon's for each
     trained part (of the parameters that got a gradient in the trace), Ulysses' all-to-alls
     (counted by the trace) and the scalar sums. None in a single process."""

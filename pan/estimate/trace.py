@@ -1,7 +1,7 @@
 """The trace: live bytes and work of every operation of a step, on fake tensors. A probe's step is
 run on fake copies of the parts (`FakeTensorMode`: shapes only), with the run's activation
 checkpointing and, for cp > 1, simulated Ulysses exchanges; `cached_trace_step` keeps each traced
-step for the process."""
+step, in the process and on disk."""
 
 from __future__ import annotations
 
@@ -9,9 +9,13 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import hashlib
+import json
 import math
+import os
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -394,22 +398,128 @@ def autocast(dtype: str):
 
 
 # Sections of a job the traced step does not read: the micro-batch the data keys lead to is the
-# probe's, and paths, checkpoints, logging and validation do not change a training step.
-UNTRACED_SECTIONS = frozenset({"data", "checkpoint", "logging", "validation", "warm_start"})
+# probe's, and paths, checkpoints, logging and validation do not change a training step; nor do the
+# trainer's run length, seed and watchdog (a step on fake tensors of meta parts draws nothing).
+# `explicit_keys` names the keys set, whose values are in the sections.
+UNTRACED_SECTIONS = frozenset({"data", "checkpoint", "logging", "validation", "warm_start", "explicit_keys"})
+UNTRACED_TRAINER_KEYS = frozenset({"max_steps", "seed", "max_nonfinite_steps", "watchdog", "watchdog_factor",
+                                   "watchdog_min_timeout", "watchdog_first_timeout",
+                                   "watchdog_startup_timeout", "exit_when_launcher_dies"})
 MAX_CACHED_TRACES = 32
-_TRACES: dict[tuple, tuple[StepTrace, Work]] = {}
+_TRACES: dict[str, tuple[TracedStep, Work]] = {}
 
 
-def cached_trace_step(ctx, probe: Probe, layout: Layout) -> tuple[StepTrace, Work]:
-    """`trace_step`, once per process for each step: a `pan check` of many configs (a test suite,
-    the suggested fixes) mostly traces the same step again. The key is every key of the job the step
-    reads, the probe's micro-batch and the layout."""
-    job = ctx.job
-    key = (tuple((f.name, repr(getattr(job, f.name))) for f in dataclasses.fields(job)
-                 if f.name not in UNTRACED_SECTIONS),
-           probe.describe, probe.tokens, probe.samples, ctx.dims.cp, layout.shard, layout.compute_bytes)
+@dataclass
+class TracedStep:
+    """What the estimate reads of a traced step: what was live at its peak, the gradients' share,
+    the work of the micro-batch, and the parameters each part graded."""
+    at_peak: dict[str, float]
+    grad_scale: float
+    work: Work
+    graded: dict[str, set[str]]
+
+    @classmethod
+    def of(cls, trace: StepTrace) -> TracedStep:
+        return cls(dict(trace.at_peak), trace.grad_scale, trace.work, trace.graded)
+
+
+def cached_trace_step(ctx, probe: Probe, layout: Layout) -> tuple[TracedStep, Work]:
+    """`trace_step`, once for each step: a `pan check` of many configs (a test suite, the suggested
+    fixes) mostly traces the same step again, and train.py's start-up checks trace the step `pan
+    check` traced before it (a 2B DiT's trace takes ~20 s on a CPU). Kept in the process and on
+    disk (`trace_cache_dir`), under a digest of all the step depends on (`trace_key`)."""
+    key = trace_key(ctx, probe, layout)
     if key not in _TRACES:
         if len(_TRACES) >= MAX_CACHED_TRACES:
             _TRACES.pop(next(iter(_TRACES)))
-        _TRACES[key] = trace_step(ctx, probe, layout)
+        _TRACES[key] = read_cached_trace(key) or store_trace(key, *trace_step(ctx, probe, layout))
     return _TRACES[key]
+
+
+def trace_key(ctx, probe: Probe, layout: Layout) -> str:
+    """A digest of every key of the job the step reads, the parts and helpers as built (their
+    structure, and each tensor's name, shape, dtype and whether it trains: what a model folder's
+    config.json decides), the probe's micro-batch, the layout, and pan's code, torch and the device."""
+    job, h = ctx.job, hashlib.sha256()
+    for f in dataclasses.fields(job):
+        if f.name in UNTRACED_SECTIONS:
+            continue
+        section = getattr(job, f.name)
+        if f.name == "trainer" and dataclasses.is_dataclass(section):
+            section = {k.name: getattr(section, k.name) for k in dataclasses.fields(section)
+                       if k.name not in UNTRACED_TRAINER_KEYS}
+        h.update(f"{f.name}={section!r}\n".encode())
+    for name, module in sorted({**ctx.models, **probe.helpers}.items()):
+        h.update(f"{name}: {module!r}\n".encode())
+        for tname, t in (*module.named_parameters(), *module.named_buffers()):
+            h.update(f"{tname} {tuple(t.shape)} {t.dtype} {t.requires_grad}\n".encode())
+    device = run_device()
+    h.update(repr((probe.describe, probe.tokens, probe.samples, ctx.dims.cp, layout.shard, layout.compute_bytes,
+                   code_digest(), torch.__version__, device.type,
+                   torch.cuda.get_device_name(device) if device.type == "cuda" else "")).encode())
+    return h.hexdigest()
+
+
+@functools.cache
+def code_digest() -> str:
+    """pan's source: a traced step is what this code does."""
+    h = hashlib.sha256()
+    for path in sorted(PAN_ROOT.rglob("*.py")):
+        h.update(path.relative_to(PAN_ROOT).as_posix().encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
+
+
+PAN_ROOT = Path(__file__).resolve().parents[1]
+
+
+def trace_cache_dir() -> Path | None:
+    """Where traced steps are kept between processes: $PAN_CACHE_DIR/traces (set it empty to keep
+    none), else $XDG_CACHE_HOME/pan/traces, else ~/.cache/pan/traces."""
+    root = os.environ.get("PAN_CACHE_DIR")
+    if root is None:
+        root = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pan")
+    return Path(root) / "traces" if root else None
+
+
+def read_cached_trace(key: str) -> tuple[TracedStep, Work] | None:
+    """The traced step kept under `key`, or None (none kept, or a file that does not read: traced again)."""
+    folder = trace_cache_dir()
+    try:
+        data = json.loads((folder / f"{key}.json").read_text()) if folder else None
+        if data is None:
+            return None
+        step = data["step"]
+        return (TracedStep(step["at_peak"], step["grad_scale"], work_from_json(step["work"]),
+                           {part: set(names) for part, names in step["graded"].items()}),
+                work_from_json(data["optimizer_work"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def store_trace(key: str, trace: StepTrace, optimizer_work: Work) -> tuple[TracedStep, Work]:
+    """Keep a traced step on disk (best effort: an unwritable cache only costs the next trace)."""
+    step = TracedStep.of(trace)
+    folder = trace_cache_dir()
+    if folder is not None:
+        data = {"step": {"at_peak": step.at_peak, "grad_scale": step.grad_scale, "work": work_to_json(step.work),
+                         "graded": {part: sorted(names) for part, names in step.graded.items()}},
+                "optimizer_work": work_to_json(optimizer_work)}
+        with contextlib.suppress(OSError):
+            folder.mkdir(parents=True, exist_ok=True)
+            partial = folder / f"{key}.{os.getpid()}.tmp"
+            partial.write_text(json.dumps(data))
+            os.replace(partial, folder / f"{key}.json")   # whole or absent: a reader never sees half
+    return step, optimizer_work
+
+
+def work_to_json(work: Work) -> dict:
+    out = dataclasses.asdict(work)
+    out["conv_shapes"] = [[list(spec), flops] for spec, flops in work.conv_shapes.items()]
+    return out
+
+
+def work_from_json(data: dict) -> Work:
+    def tuples(x):
+        return tuple(tuples(v) for v in x) if isinstance(x, list) else x
+    shapes = {tuples(spec): flops for spec, flops in data.pop("conv_shapes")}
+    return Work(**{k: tuples(v) for k, v in data.items()}, conv_shapes=shapes)
