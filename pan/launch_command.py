@@ -78,10 +78,11 @@ class LaunchCommands:
 
 
 def validate(workflow: Workflow, config: str, overrides: list[str], nodes: int, gpus_per_node: int,
-             previous=None):
+             previous=None, device_memory: float | None = None):
     """Load the config and check the layout; returns (job, ParallelDims) or raises ConfigError.
     `previous`: the job of the stage before this one when stages are chained (`--stage both`), which
-    the workflow's check is given (a stage may start from what the previous one writes)."""
+    the workflow's check is given (a stage may start from what the previous one writes). Then `pan
+    check`'s rows of the job (`refuse_failed_rows`)."""
     if nodes < 1 or gpus_per_node < 1:
         raise ConfigError(None, f"--nodes ({nodes}) and --gpus-per-node ({gpus_per_node}) must be >= 1.")
     job = load_job_config(["--config", config, *overrides], warn=lambda msg: print(
@@ -97,14 +98,39 @@ def validate(workflow: Workflow, config: str, overrides: list[str], nodes: int, 
     if workflow.check is not None:
         check = resolve(workflow.check)
         check(job, dims) if previous is None else check(job, dims, previous=previous)
+    refuse_failed_rows(job, nodes, gpus_per_node, device_memory, previous)
     return job, dims
+
+
+def refuse_failed_rows(job, nodes: int, gpus_per_node: int, device_memory: float | None, previous) -> None:
+    """`pan check`'s rows of the job for the planned layout (not the environment's: the commands run
+    elsewhere, where train.py checks it): a failed row refuses the launch, a warning is printed.
+    Without a GPU here and without --device-memory, the memory row can only plan for this machine's
+    host memory, so there it warns instead of refusing."""
+    import torch  # lazy: the torchrun wrapper (`python -m pan.launch_command torchrun`) loads no checks
+
+    from pan.preflight import Preflight, format_refusal, job_rows, one_line  # lazy, as torch above
+    ctx = Preflight(job, nodes, gpus_per_node, device_memory=device_memory, previous_stage=previous)
+    rows = job_rows(ctx)
+    unknown_device = ctx.device_memory is None and not torch.cuda.is_available()
+    for row in rows:
+        if row.check == "memory" and row.status == "fail" and unknown_device:
+            row.status = "warn"
+            row.fix += (" Planned against this machine's host memory (no GPU here): pass --device-memory "
+                        "GIB, the memory of one GPU the job runs on, to check it for them.")
+        if row.status == "warn":
+            print(f"pan launch-command: warning: {row.check}: {one_line(row.detail)} (fix: {one_line(row.fix)})",
+                  file=sys.stderr)
+    failed = [r for r in rows if r.status == "fail"]
+    if failed:
+        raise ConfigError(None, format_refusal(failed))
 
 
 def build_commands(workflow: Workflow, config: str, overrides: list[str], nodes: int,
                    gpus_per_node: int, master_port: int = DEFAULT_MASTER_PORT,
-                   previous=None) -> LaunchCommands:
+                   previous=None, device_memory: float | None = None) -> LaunchCommands:
     """Validate, then build the torchrun, srun (nodes > 1) and sbatch commands."""
-    job, dims = validate(workflow, config, overrides, nodes, gpus_per_node, previous)
+    job, dims = validate(workflow, config, overrides, nodes, gpus_per_node, previous, device_memory)
     train_args = [TRAIN_SCRIPT, "--config", config, *overrides]
     rendezvous = [f"--nnodes={nodes}", f"--nproc_per_node={gpus_per_node}",
                   f"--master_port={master_port}"]
@@ -225,7 +251,8 @@ def split_stage_overrides(workflow: Workflow, overrides: list[str]) -> tuple[lis
 
 
 def stage_runs(workflow: Workflow, runs: list[tuple[str | None, str]], overrides: list[str], nodes: int,
-               gpus_per_node: int, master_port: int) -> list[tuple[str | None, LaunchCommands]]:
+               gpus_per_node: int, master_port: int,
+               device_memory: float | None = None) -> list[tuple[str | None, LaunchCommands]]:
     """Each run's validated commands: the shared overrides and the stage's own; a chained stage is
     checked against the one before it, and two stages may not write one output_dir."""
     shared, per_stage = split_stage_overrides(workflow, overrides)
@@ -239,7 +266,8 @@ def stage_runs(workflow: Workflow, runs: list[tuple[str | None, str]], overrides
         previous = done[-1][1].job if done else None
         try:
             commands = build_commands(workflow, config, [*shared, *per_stage.get(stage, [])], nodes,
-                                      gpus_per_node, master_port, previous=previous)
+                                      gpus_per_node, master_port, previous=previous,
+                                      device_memory=device_memory)
         except ConfigError as e:
             if stage is None:
                 raise
@@ -296,11 +324,16 @@ def main_launch_command(argv: list[str]) -> int:
                              "(every stage, chained). Overrides reach every stage printed; "
                              "--stage<NAME>.<key> VALUE (e.g. --stage2.output_dir runs/s2) only that stage")
     parser.add_argument("--master-port", type=int, default=DEFAULT_MASTER_PORT)
+    parser.add_argument("--device-memory", type=float, default=None, metavar="GIB",
+                        help="memory of one device of the planned run in GiB, for the memory check (default: "
+                             "this machine's GPU; without one the memory row only warns)")
     args, overrides = parser.parse_known_args(argv)
+    if args.device_memory is not None and args.device_memory <= 0:
+        parser.error("--device-memory must be > 0 (GiB)")
     workflow = workflows[args.workflow]
     try:
         runs = stage_runs(workflow, stage_configs(workflow, args.stage, args.config), overrides, args.nodes,
-                          args.gpus_per_node, args.master_port)
+                          args.gpus_per_node, args.master_port, args.device_memory)
     except ConfigError as e:
         print(f"pan launch-command: refused: {e}", file=sys.stderr)
         return EXIT_INVALID

@@ -48,6 +48,7 @@ from pan.estimate import FP32_BYTES, estimate_run, fitting_changes, probe_of, st
 from pan.logging import get_logger
 from pan.lora import LORA_KEY, add_adapters, base_names, reference_differences
 from pan.parallel.dims import ParallelDims
+from pan.parallel.fsdp import FULL_INIT_MAX_PARAMS
 from pan.parallel.names import unwrapped_name
 from pan.parallel.world import planned_task
 from pan.recipe import get_recipe
@@ -77,11 +78,12 @@ class Preflight:
     notes: dict = field(default_factory=dict)
     device_memory: float | None = None   # GiB per device to plan for (--device-memory); None: this machine's
     at_start: bool = False      # run by train.py on the world it was launched in (`refuse_at_start`)
+    previous_stage: object = None   # `pan launch-command --stage both`: the job of the stage run before this one
 
     def with_job(self, job) -> Preflight:
         """The same planned layout for another job (a suggested change of keys)."""
         return Preflight(job, self.nodes, self.gpus_per_node, self.sample_rows, device_memory=self.device_memory,
-                         at_start=self.at_start)
+                         at_start=self.at_start, previous_stage=self.previous_stage)
 
     @functools.cached_property
     def estimate(self):
@@ -215,6 +217,13 @@ def run_preflight(ctx: Preflight) -> list[Row]:
     if ctx.job is not None:
         rows += [row for fn in recipe_checks(ctx.job.recipe) for row in run_check(fn, ctx)]
     return said_once(rows)
+
+
+def job_rows(ctx: Preflight) -> list[Row]:
+    """The job's own rows (its recipe's checks), without the environment's: what `pan
+    launch-command` runs for a layout it prints the commands of, on a machine that is not the one
+    they run on."""
+    return said_once([row for fn in recipe_checks(ctx.job.recipe) for row in run_check(fn, ctx)])
 
 
 class StartRefused(ConfigError):
@@ -581,6 +590,10 @@ def not_estimated(check: str, ctx: Preflight) -> Row:
 def check_memory(ctx: Preflight) -> list[Row]:
     """The estimated peak memory of one device against what it offers (pan/estimate/); when it
     does not fit, the single changes of keys that make it fit, cheapest first."""
+    too_large = lora_base_too_large(ctx)
+    if too_large:
+        return [Row("memory", "fail", too_large, "train it fully (lora_rank: 0), or with LoRA in one process "
+                    "(--nodes 1 --gpus-per-node 1).")]
     if probe_of(ctx.job.recipe) is None:
         return [not_estimated("memory", ctx)]
     est = ctx.estimate
@@ -596,6 +609,21 @@ def check_memory(ctx: Preflight) -> list[Row]:
            "no single change of activation checkpointing, cp_size, hybrid_shard, lora_rank (where the "
            "recipe has LoRA) or max_tokens_per_batch fits: use a smaller model or devices with more memory")
     return [Row("memory", "fail", detail + ": it does not fit.", fix + ".")]
+
+
+def lora_base_too_large(ctx: Preflight) -> str | None:
+    """LoRA loads a part's frozen base whole on every rank before sharding (`pan.lora_runs.
+    base_with_adapters`), which pan does for models of up to FULL_INIT_MAX_PARAMS; with several
+    processes a larger one is initialised shard by shard and cannot take adapters."""
+    if ctx.world_size == 1:
+        return None
+    for spec in ctx.part_specs:
+        count = sum(p.numel() for name, p in ctx.models[spec.name].named_parameters() if not LORA_KEY.search(name))
+        if spec.lora is not None and count > FULL_INIT_MAX_PARAMS:
+            return (f"LoRA on {spec.name}: its base has {count / 1e9:.2f}B parameters; LoRA loads the base whole on "
+                    f"every rank before sharding, which pan does for models of up to "
+                    f"{FULL_INIT_MAX_PARAMS / 1e9:g}B parameters over {ctx.world_size} processes.")
+    return None
 
 
 def check_step_time(ctx: Preflight) -> list[Row]:

@@ -369,7 +369,10 @@ def test_pan_check_warns_when_the_gan_never_trains_and_checks_the_stage1_checkpo
     assert main_check(missing) == 1
     assert "not a readable checkpoint" in " ".join(capsys.readouterr().out.split())
     rows = preflight_rows(tiny_args(tmp_path, "d", "--context_size", "2"), gpus_per_node=3)
-    assert rows["context"][0][0] == "fail" and "does not divide the 3 processes per node" in rows["context"][0][1]
+    # One problem, said once in the layout row (the task refuses it), to which the context row points.
+    assert rows["layout"][0][0] == "fail" and "must divide the world size (3) and the processes per node (3)" \
+        in rows["layout"][0][1]
+    assert rows["context"][0] == ("fail", "the same problem as the `layout` row above.")
 
 
 def test_the_trained_vae_is_the_frozen_encoder_of_a_tiny_pan_run(stage1, tmp_path):

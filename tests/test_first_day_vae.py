@@ -21,14 +21,23 @@ REPO = Path(__file__).resolve().parents[1]
 BASE = ["--workflow", "causal-video-vae", "--nodes", "1", "--gpus-per-node", "2"]
 
 
+@pytest.fixture(scope="module")
+def videos(tmp_path_factory) -> Path:
+    """One real clip long enough for stage 2's 33-frame windows (launch-command decodes a sample of
+    the data, as `pan check` does)."""
+    from pan.data.synth import main as synth
+    out = tmp_path_factory.mktemp("videos")
+    assert synth(["--out", str(out), "--num-train", "1", "--num-heldout", "1", "--size", "32",
+                  "--num-frames", "33", "--fps", "24"]) in (0, None)
+    return out / "train.csv"
+
+
 @pytest.fixture
-def shared(tmp_path) -> list[str]:
+def shared(tmp_path, videos) -> list[str]:
     """What both stages take from the command line: the released folder, LPIPS weights and videos."""
     lpips = tmp_path / "vgg_lpips.pth"
     torch.save(LPIPS().state_dict(), lpips)
-    csv = tmp_path / "videos.csv"
-    csv.write_text("path,caption\nclip.mp4,\n")
-    return ["--model_path", str(FIXTURE_VAE), "--lpips_ckpt", str(lpips), "--video_csv_paths", f"[{csv}]",
+    return ["--model_path", str(FIXTURE_VAE), "--lpips_ckpt", str(lpips), "--video_csv_paths", f"[{videos}]",
             "--max_steps", "4000"]
 
 

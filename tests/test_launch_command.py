@@ -121,6 +121,31 @@ def test_lora_keys_pass_through_to_every_command_and_are_validated(tmp_path, dat
     assert code == 2 and lines == [] and "video_no_such_linear" in err
 
 
+def test_what_pan_check_fails_for_the_job_is_refused(tmp_path, data, capsys):
+    """`pan check`'s rows of the job run for the planned layout (issue 29): a data source whose clips
+    do not decode is refused with the `data` row's words, as `pan check` says them; so is a model
+    that does not fit the --device-memory given. Without that flag and without a GPU here, the memory
+    row can only plan for this machine, so it warns."""
+    from pan.preflight import main_check
+    broken = tmp_path / "broken.csv"
+    broken.write_text("path,caption\nno_such_clip.mp4,a red square moving left\n")
+    args = ["--config", DEMO, *tiny(tmp_path, data), "--video_csv_paths", str(broken)]
+    assert main_check([*args, "--gpus-per-node", "2"]) == 1
+    table = capsys.readouterr().out
+    assert "no_such_clip.mp4" in table
+    code, lines, err = printed(capsys, "--workflow", "pretrain", "--nodes", "1", "--gpus-per-node", "2", *args)
+    assert code == 2 and lines == [] and "data: " in err and "no_such_clip.mp4" in err, err
+
+    huge = ["--config", DEMO, *tiny(tmp_path, data), "--transformer_config_overrides.hidden_size", "8192",
+            "--transformer_config_overrides.num_attention_heads", "512"]
+    code, lines, err = printed(capsys, "--workflow", "pretrain", "--nodes", "1", "--gpus-per-node", "2", *huge,
+                               "--device-memory", "1")
+    assert code == 2 and lines == [] and "memory: " in err and "does not fit" in err, err
+    code, lines, err = printed(capsys, "--workflow", "pretrain", "--nodes", "1", "--gpus-per-node", "2", *huge)
+    assert code == 0 and len(lines) == 2, err
+    assert "warning: memory:" in err and "--device-memory" in err, err
+
+
 def test_printed_torchrun_command_trains(tmp_path, data, capsys):
     """The printed single-node command, run as printed: 2 gloo processes train 2 steps, exit 0."""
     code, lines, _ = printed(capsys, "--workflow", "pretrain", "--nodes", "1", "--gpus-per-node", "2",

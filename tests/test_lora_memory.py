@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from pan.config import load_job_config
-from pan.preflight import Preflight, main_check
+from pan.preflight import Preflight, lora_base_too_large, main_check
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE_VAE = REPO.parent / "shared" / "reference" / "pyramid_flow" / "causal_vae" / "causal_video_vae"
@@ -111,3 +111,21 @@ def test_the_estimate_counts_a_lora_part_from_its_meta_parameters(released, tmp_
 def test_the_768p_lora_config_fits_one_80_gb_gpu(released, tmp_path, capsys):
     row = memory_row(argv(released, tmp_path, "768p", "--device-memory", "80"), capsys)
     assert row["status"] == "pass", row["detail"]
+
+
+def test_lora_on_a_base_over_2b_is_refused_for_several_processes_only(tmp_path, capsys):
+    """LoRA loads its frozen base whole on every rank before sharding (pan does that up to 2B
+    parameters; larger models are initialised shard by shard): `pan check` says so in the memory
+    row for a world of several processes, as the trainer would refuse it after building; one
+    process holds the whole model anyway."""
+    csv = tmp_path / "clips.csv"
+    csv.write_text("path,caption\n")
+    args = ["--config", str(REPO / "config/tiny_cpu.yaml"), "--video_csv_paths", str(csv),
+            "--output_dir", str(tmp_path / "run"), "--transformer_config_overrides.hidden_size", "8192",
+            "--transformer_config_overrides.num_attention_heads", "512",
+            "--transformer_config_overrides.num_layers", "3", "--lora_rank", "4", "--use_muon", "false"]
+    row = memory_row([*args, "--gpus-per-node", "2"], capsys)
+    assert row["status"] == "fail" and "LoRA on transformer" in row["detail"] and "2B" in row["detail"], row
+    assert "lora_rank: 0" in row["fix"]
+    one_process = Preflight(load_job_config(args, warn=lambda m: None), 1, 1)
+    assert lora_base_too_large(one_process) is None

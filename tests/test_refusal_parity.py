@@ -1,4 +1,5 @@
-"""What `pan check` fails, train.py refuses (issue 29): exit 2, the same message, nothing built.
+"""What `pan check` fails, train.py and `pan launch-command` refuse (issue 29): exit 2, the same
+message, nothing built.
 
 One source of truth: the cases below are checked against the recipes' own check lists
 (`pan.preflight.ENVIRONMENT_CHECKS` + each recipe's `checks` hook). A check that can fail needs a
@@ -53,10 +54,25 @@ CANNOT_FAIL = {
 
 
 @dataclass
+class PyramidRelease:
+    """A tiny released Pyramid-Flow folder (tests/pyramid_tiny.py: the tiny miniFLUX under the 384p
+    and the 768p variants' names, the tiny T5 / CLIP encoders) and clips it trains on through the
+    identity VAE."""
+    model: Path
+    clips_csv: Path          # 4 synthetic clips, 5 frames of 16x16
+
+
+# The workflow `pan launch-command` prints each recipe's commands with.
+WORKFLOWS = {"pan": "pretrain", "causal_vae": "causal-video-vae", "toy_gan": "toy-gan",
+             "pyramid_flow": "pyramid-flow-no-ar", "pyramid_flow_ar": "pyramid-flow-ar"}
+
+
+@dataclass
 class Work:
     """A case's folder and the shared tiny inputs."""
     dir: Path
     clips_csv: Path          # 4 synthetic clips, 9 frames of 32x32 (pan data synth)
+    pyramid: PyramidRelease | None = None   # the Pyramid-Flow recipes' (only built for their cases)
 
     @property
     def out(self) -> Path:
@@ -83,8 +99,39 @@ def toy_gan_base(w: Work) -> list[str]:
     return ["--config", str(path)]
 
 
+def pyramid_config(w: Work, recipe: str, **sections) -> list[str]:
+    """A tiny run of a released Pyramid-Flow folder on 16x16 clips (identity VAE: 3 latent channels,
+    the tiny DiT's); `sections` add keys to the YAML's sections."""
+    cfg = {"recipe": recipe,
+           "model": {"model_name": "pyramid_flux", "model_path": str(w.pyramid.model), "vae_type": "identity"},
+           "training": {"max_steps": 2, "learning_rate": 2e-3, "dtype": "fp32", "use_muon": False,
+                        **sections.pop("training", {})},
+           "data": {"video_csv_paths": [str(w.pyramid.clips_csv)], "resolution_buckets": ["16x16"],
+                    "min_frames": 1, "frames_mod": 1, "frames_remainder": 0, "max_samples_per_batch": 4,
+                    "packed_dataloader_num_workers": 0, **sections.pop("data", {})},
+           "output": {"output_dir": str(w.out), "save_interval": 2, "log_interval": 1, "progress_bar": False},
+           **sections}
+    path = w.dir / f"{recipe}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return ["--config", str(path)]
+
+
+def pyramid_flow_base(w: Work) -> list[str]:
+    """Whole 5-frame clips: a cycle of the 4 stages' samples is 500 tokens."""
+    return pyramid_config(w, "pyramid_flow", data={"max_frames": 5, "max_tokens_per_batch": 512})
+
+
+def pyramid_flow_ar_base(w: Work) -> list[str]:
+    """Windows of 2 latent frames = 2 units of 1 frame, one sync group of 2 slots on 1 rank x 2
+    micro-batches."""
+    return pyramid_config(w, "pyramid_flow_ar", autoregressive={"frame_per_unit": 1, "video_sync_group": 2},
+                          training={"gradient_accumulation_steps": 2},
+                          data={"max_frames": 2, "max_tokens_per_batch": 1000})
+
+
 BASES: dict[str, Callable[[Work], list[str]]] = {"pan": pan_base, "causal_vae": causal_vae_base,
-                                                  "toy_gan": toy_gan_base}
+                                                  "toy_gan": toy_gan_base, "pyramid_flow": pyramid_flow_base,
+                                                  "pyramid_flow_ar": pyramid_flow_ar_base}
 
 
 # ---- what makes each row fail: extra arguments (and files) on top of the recipe's base ----------
@@ -130,6 +177,50 @@ HUGE_PAN = ["--transformer_config_overrides.hidden_size", "8192",
             "--transformer_config_overrides.num_attention_heads", "512"]
 
 
+def released_dit(w: Work, config_changes: dict | None = None, **changes) -> Path:
+    """A model folder of its own: the tiny DiT with `changes` to its architecture (and its
+    config.json's keys then changed to `config_changes`, the weights kept), beside the shared
+    release's text encoders."""
+    from pyramid_tiny import ENCODER_FOLDERS, VARIANT, save_tiny_flux
+
+    root = w.dir / "model"
+    save_tiny_flux(root / VARIANT, **changes)
+    if config_changes:
+        config = root / VARIANT / "config.json"
+        config.write_text(json.dumps({**json.loads(config.read_text()), **config_changes}))
+    for folder in ENCODER_FOLDERS:
+        (root / folder).symlink_to(w.pyramid.model / folder)
+    return root
+
+
+def dit_weights_of_another_depth(w: Work) -> list[str]:
+    """config.json of 1 double-stream block, the weights of a DiT with 2."""
+    return ["--model_path", str(released_dit(w, {"num_layers": 1}, num_layers=2))]
+
+
+def dit_of_other_caption_width(w: Work) -> list[str]:
+    """A DiT taking 32-wide caption features: the tiny T5 gives 24."""
+    return ["--model_path", str(released_dit(w, joint_attention_dim=32))]
+
+
+def dit_of_other_latent_channels(w: Work) -> list[str]:
+    """A DiT of 4 latent channels (16 = 4 x a 2x2 patch): the identity VAE gives the clips' 3."""
+    return ["--model_path", str(released_dit(w, in_channels=16))]
+
+
+def ar_rows_without_latents(w: Work) -> list[str]:
+    """Annotation rows (the synthetic clips' JSONL: `video` and `text`) with no `latent`, on the
+    identity VAE: they would train on pixels."""
+    return ["--video_csv_paths", "[]", "--annotation_paths", f"[{w.pyramid.clips_csv.with_suffix('.jsonl')}]"]
+
+
+# A micro-batch no test machine holds, on the tiny DiT: 4 clips of the largest 384p-class bucket
+# (896x512, 0.46 MP) through the identity VAE, 114,688 tokens a frame at the top stage, 5 frames
+# (the AR recipe: units of 4 frames); the attention over such a pack is ~3 TiB (traced on fake
+# tensors only).
+HUGE_PYRAMID = ["--resolution_buckets", '["896x512"]', "--max_frames", "5", "--max_tokens_per_batch", "10000000000"]
+
+
 @dataclass
 class Case:
     make: Callable[[Work], list[str]]
@@ -163,6 +254,35 @@ CASES: dict[tuple[str, str], Case] = {
     ("toy_gan", "resume"): Case(unreadable_checkpoint),
     # 2e9 samples a micro-batch: ~430 GiB of activations (the samples are made lazily).
     ("toy_gan", "memory"): Case(args("--toy_samples", "2000000000", "--toy_batch", "2000000000")),
+    ("pyramid_flow", "layout"): Case(args("--cp_size", "2")),
+    ("pyramid_flow", "stage batch"): Case(args("--max_samples_per_batch", "3")),
+    # 16x16 clips are 384p-class (by area, on a log scale): not what the 768p variant was trained at.
+    ("pyramid_flow", "variant resolution"): Case(args("--model_variant", "diffusion_transformer_768p")),
+    # 20x16 (W x H): a 16x20 latent, 4x5 at the lowest stage, which 2x2 patches do not cut. (The
+    # memory and step-time rows point to this row: they do not trace such clips.)
+    ("pyramid_flow", "stage sizes"): Case(args("--resolution_buckets", '["20x16"]')),
+    ("pyramid_flow_ar", "stage sizes"): Case(args("--resolution_buckets", '["20x16"]')),
+    ("pyramid_flow", "model folder"): Case(dit_weights_of_another_depth),
+    ("pyramid_flow", "text encoders"): Case(dit_of_other_caption_width),
+    ("pyramid_flow", "vae"): Case(dit_of_other_latent_channels),
+    ("pyramid_flow", "data"): Case(missing_clip_csv),
+    ("pyramid_flow", "output dir"): Case(output_dir_is_a_file),
+    ("pyramid_flow", "resume"): Case(unreadable_checkpoint),
+    ("pyramid_flow", "memory"): Case(args(*HUGE_PYRAMID)),
+    ("pyramid_flow_ar", "layout"): Case(args("--cp_size", "2")),
+    # The task refuses the same rule when it is built, which the layout row does first: this row
+    # then fails as "the same problem as the `layout` row".
+    ("pyramid_flow_ar", "sync group"): Case(args("--gradient_accumulation_steps", "1")),
+    ("pyramid_flow_ar", "units"): Case(args("--max_tokens_per_batch", "50")),
+    ("pyramid_flow_ar", "variant resolution"): Case(args("--model_variant", "diffusion_transformer_768p")),
+    ("pyramid_flow_ar", "model folder"): Case(dit_weights_of_another_depth),
+    ("pyramid_flow_ar", "text encoders"): Case(dit_of_other_caption_width),
+    ("pyramid_flow_ar", "vae"): Case(dit_of_other_latent_channels),
+    ("pyramid_flow_ar", "data"): Case(missing_clip_csv),
+    ("pyramid_flow_ar", "annotation rows"): Case(ar_rows_without_latents),
+    ("pyramid_flow_ar", "output dir"): Case(output_dir_is_a_file),
+    ("pyramid_flow_ar", "resume"): Case(unreadable_checkpoint),
+    ("pyramid_flow_ar", "memory"): Case(args(*HUGE_PYRAMID, "--frame_per_unit", "4")),
 }
 
 # Checks that can fail but have no case here yet, with the reason. They are still declared (a new
@@ -171,15 +291,6 @@ NO_CASE_YET = {
     ("causal_vae", "memory"): "no tiny config overflows cheaply: the estimate times the VAE's main "
                               "convolutions on real tensors of the run's channels (a wide model "
                               "allocates them), and a pack of thousands of clips takes minutes to trace",
-    **{(recipe, check): "needs a tiny released Pyramid-Flow folder (tests/pyramid_tiny.py) as the base "
-                        "config: not wired into this test yet"
-       for recipe, checks in (
-           ("pyramid_flow", ("layout", "stage batch", "variant resolution", "stage sizes",
-                             "model folder", "text encoders", "vae", "data", "output dir", "resume", "memory")),
-           ("pyramid_flow_ar", ("layout", "sync group", "units", "variant resolution",
-                                "stage sizes", "model folder", "text encoders", "vae", "data",
-                                "annotation rows", "output dir", "resume", "memory")))
-       for check in checks},
 }
 
 
@@ -217,6 +328,17 @@ def clips_csv(tmp_path_factory) -> Path:
     return out / "train.csv"
 
 
+@pytest.fixture(scope="module")
+def pyramid_release(tmp_path_factory) -> PyramidRelease:
+    from pyramid_tiny import VARIANT, write_released
+
+    from pan.data.synth import synth_dataset
+
+    root = tmp_path_factory.mktemp("pyramid")
+    clips = synth_dataset(root / "clips", num_train=4, num_heldout=1, size=16, num_frames=5)["train_csv"]
+    return PyramidRelease(write_released(root / "model", (VARIANT, "diffusion_transformer_768p")), clips)
+
+
 def nothing_built(out: Path) -> None:
     if not out.is_dir():
         return
@@ -252,9 +374,10 @@ def problems_of(report: dict, check: str, expect: str) -> list[str]:
 
 
 @pytest.mark.parametrize("recipe,check", sorted(CASES), ids=[f"{r}-{c}" for r, c in sorted(CASES)])
-def test_train_refuses_what_pan_check_fails(recipe, check, tmp_path, clips_csv, capsys):
+def test_train_refuses_what_pan_check_fails(recipe, check, tmp_path, clips_csv, capsys, request):
     case = CASES[(recipe, check)]
-    work = Work(tmp_path, clips_csv)
+    pyramid = request.getfixturevalue("pyramid_release") if recipe.startswith("pyramid_flow") else None
+    work = Work(tmp_path, clips_csv, pyramid)
     argv = BASES[recipe](work) + case.make(work)
 
     code, out, err = pan_cli(["check", *argv, "--json"], capsys)
@@ -270,6 +393,32 @@ def test_train_refuses_what_pan_check_fails(recipe, check, tmp_path, clips_csv, 
     for problem in problems:  # numbers apart: a measured value (free memory) may differ
         assert numbers_apart(problem)[:60] in numbers_apart(err), f"{problem!r} not said by train:\n{err[-3000:]}"
     nothing_built(work.out)
+
+    # `pan launch-command` for the same layout (one process), planning the memory `pan check` planned for.
+    capacity = report.get("estimate", {}).get("capacity")
+    memory = ["--device-memory", str(capacity / 2**30)] if capacity else []
+    code, out, err = pan_cli(["launch-command", "--workflow", WORKFLOWS[recipe], "--nodes", "1", "--gpus-per-node",
+                              "1", *memory, *argv], capsys)
+    assert code == 2 and not out, out + err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    for problem in said_where(report, problems):
+        said = capacity_apart(numbers_apart(problem))[:60]
+        assert said in capacity_apart(numbers_apart(err)), f"{problem!r} not said by launch-command:\n{err}"
+
+
+def capacity_apart(text: str) -> str:
+    """The memory row names where its capacity comes from (this machine, or --device-memory)."""
+    return re.sub(r"\((available host memory|--device-memory [^)]*)\)", "(capacity)", text)
+
+
+def said_where(report: dict, problems: list[str]) -> list[str]:
+    """The problems, a row's "the same problem as the `X` row above" replaced by X's own: launch-command
+    refuses a layout before running the rows, in the words of the row that owns it."""
+    out = []
+    for problem in problems:
+        owner = re.match(r"the same problem as the `(.+)` row above", problem)
+        out += problems_of(report, owner.group(1), "row") if owner else [problem]
+    return out
 
 
 def test_the_table_says_one_problem_a_line(tmp_path, clips_csv, capsys):

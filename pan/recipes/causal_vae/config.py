@@ -320,7 +320,8 @@ def resolve_warm_start(path: str) -> Path:
     p = Path(path)
     problem = layout.verify_checkpoint(p)
     require(problem is None, "warm_start_checkpoint", f"{p} is not a readable checkpoint ({problem}): "
-            "point it at a checkpoint-N/ folder of the stage-1 run (`pan inspect <output_dir>`).")
+            "point it at a checkpoint-N/ folder of the stage-1 run (`pan inspect <output_dir>`), or print both "
+            "stages chained with `pan launch-command --stage both`.")
     parts = layout.saved_parts(p)
     require(VAE in parts, "warm_start_checkpoint", f"{p} holds the parts {parts}, no `{VAE}`: it was "
             "not written by the causal_vae recipe.")

@@ -54,7 +54,9 @@ class CausalVAETask(Task):
         if world.size % size or world.local_size % size:
             raise ConfigError("context_size", f"({size}) must divide the world size ({world.size}) and the "
                                               f"processes per node ({world.local_size}): a context group is "
-                                              "consecutive ranks of one node.")
+                                              "consecutive ranks of one node (its halos travel in every "
+                                              "causal conv).",
+                              fix=f"use a context_size that divides {world.local_size}, or {size}k processes per node.")
         self.context_size = size
         self.context_rank = world.rank % size
         self.data_rank, self.data_size = world.rank // size, world.size // size
@@ -75,7 +77,10 @@ class CausalVAETask(Task):
         the stage-1 checkpoint (`warm_start_checkpoint`, through the trainer's warm start: a part
         that checkpoint lacks keeps its init), else the VAE from the released weights
         (model_path), else from random init."""
-        released = self.released_weights if self.job.model.model_path and not self.warm_start_source() else None
+        # The key, not the checkpoint: a stage chained after another (`pan launch-command --stage
+        # both`) plans its parts before the checkpoint it starts from is written.
+        warm = self.job.model.warm_start_checkpoint is not None
+        released = self.released_weights if self.job.model.model_path and not warm else None
         specs = [PartSpec(VAE, self.build_vae, self.job.optim, warm_start=True, pretrained=released)]
         if self.job.objective.add_discriminator:
             specs.append(PartSpec(DISCRIMINATOR, self.build_discriminator, self.job.disc_optim, warm_start=True))

@@ -607,8 +607,10 @@ def pyramid_probe(ctx: Preflight, task, samples: list[list[tuple[int, int, int]]
     during training."""
 
     job, cp, model = ctx.job, ctx.dims.cp, task.model
-    channels, text_len = vae_geometry(job.vae).latent_channels, job.text.t5_max_length
-    shape = dit_shape(job)
+    # The DiT's latent channels, which the latents it trains on have (the `vae` row compares the
+    # VAE's with them: they must agree where clips are encoded online).
+    shape, text_len = dit_shape(job), job.text.t5_max_length
+    channels = shape.latent_channels
     layouts = [model.sample_layout([model.patch_grid((0, *clip)) for clip in clips], text_len) for clips in samples]
     whole = PackInfo.from_layouts(layouts)
     pack = whole.shard(0, cp) if cp > 1 else whole
@@ -649,7 +651,9 @@ def level_shape(task, t: int, h: int, w: int, level: int) -> tuple[int, int, int
 def largest_batch_clips(ctx: Preflight, task) -> list[tuple[int, int, int]]:
     """Full-resolution latent shapes (t, h, w) of the data budget's fullest micro-batch."""
     data = ctx.job.data
-    check_frame_rule(ctx.job)   # clip lengths the VAE cannot encode: the `stage sizes` row's failure
+    # Clips the VAE cannot encode, or whose stages do not cut into patches: the `stage sizes` row's failures.
+    check_stage_sizes_rule(ctx.job)
+    check_frame_rule(ctx.job)
     clips = largest_batch(data, task.tokens_of, images=bool(data.image_tar_paths))
     if not clips:
         raise ConfigError("max_tokens_per_batch", "no clip of the buckets and frame rules fits the "

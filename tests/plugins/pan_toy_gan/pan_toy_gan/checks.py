@@ -18,16 +18,14 @@ def enough_samples(job, dp: int) -> int:
 
 
 def check_toy_data(ctx) -> list[Row]:
-    """The data set holds at least one batch per data-parallel rank."""
-    need = enough_samples(ctx.job, ctx.dims.dp)
-    if ctx.job.toy.toy_samples < need:
-        return [Row("toy data", "fail", f"{ctx.job.toy.toy_samples} samples for {ctx.dims.dp} ranks "
-                    f"of {ctx.job.toy.toy_batch}", f"set toy_samples >= {need}")]
+    """The data set holds at least one batch per data-parallel rank (`launch_rule`: one wording for
+    the row, train.py's start and `pan launch-command`)."""
+    launch_rule(ctx.job, ctx.dims)
     return [Row("toy data", "pass", f"{ctx.job.toy.toy_samples} samples")]
 
 
 def launch_rule(job, dims) -> None:
-    """`pan launch-command --workflow toy-gan` refuses what check_toy_data fails."""
+    """`pan launch-command --workflow toy-gan`'s own rule (run before the rows): the toy data one."""
     need = enough_samples(job, dims.dp)
     require(job.toy.toy_samples >= need, "toy_samples", f"is {job.toy.toy_samples}, fewer than "
             f"{job.toy.toy_batch} samples for each of {dims.dp} data-parallel ranks: set toy_samples >= {need}.")
