@@ -106,18 +106,13 @@ def refuse_failed_rows(job, nodes: int, gpus_per_node: int, device_memory: float
     """`pan check`'s rows of the job for the planned layout (not the environment's: the commands run
     elsewhere, where train.py checks it): a failed row refuses the launch, a warning is printed.
     Without a GPU here and without --device-memory, the memory row can only plan for this machine's
-    host memory, so there it warns instead of refusing."""
-    import torch  # lazy: the torchrun wrapper (`python -m pan.launch_command torchrun`) loads no checks
+    host memory, so there it warns instead of refusing (`Preflight.elsewhere`)."""
+    from pan.preflight import Preflight, format_refusal, job_rows, one_line  # lazy: the torchrun wrapper
+    # (`python -m pan.launch_command torchrun`) loads no checks
 
-    from pan.preflight import Preflight, format_refusal, job_rows, one_line  # lazy, as torch above
-    ctx = Preflight(job, nodes, gpus_per_node, device_memory=device_memory, previous_stage=previous)
+    ctx = Preflight(job, nodes, gpus_per_node, device_memory=device_memory, previous_stage=previous, elsewhere=True)
     rows = job_rows(ctx)
-    unknown_device = ctx.device_memory is None and not torch.cuda.is_available()
     for row in rows:
-        if row.check == "memory" and row.status == "fail" and unknown_device:
-            row.status = "warn"
-            row.fix += (" Planned against this machine's host memory (no GPU here): pass --device-memory "
-                        "GIB, the memory of one GPU the job runs on, to check it for them.")
         if row.status == "warn":
             print(f"pan launch-command: warning: {row.check}: {one_line(row.detail)} (fix: {one_line(row.fix)})",
                   file=sys.stderr)

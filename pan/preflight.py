@@ -79,11 +79,12 @@ class Preflight:
     device_memory: float | None = None   # GiB per device to plan for (--device-memory); None: this machine's
     at_start: bool = False      # run by train.py on the world it was launched in (`refuse_at_start`)
     previous_stage: object = None   # `pan launch-command --stage both`: the job of the stage run before this one
+    elsewhere: bool = False     # planned for other machines (`pan launch-command`): see `check_memory`
 
     def with_job(self, job) -> Preflight:
         """The same planned layout for another job (a suggested change of keys)."""
         return Preflight(job, self.nodes, self.gpus_per_node, self.sample_rows, device_memory=self.device_memory,
-                         at_start=self.at_start, previous_stage=self.previous_stage)
+                         at_start=self.at_start, previous_stage=self.previous_stage, elsewhere=self.elsewhere)
 
     @functools.cached_property
     def estimate(self):
@@ -603,6 +604,10 @@ def check_memory(ctx: Preflight) -> list[Row]:
               + " (pan check --explain-memory for all)")
     if est.fits:
         return [Row("memory", "pass", detail + ".")]
+    if ctx.elsewhere and ctx.device_memory is None and not torch.cuda.is_available():
+        # Planned for other machines from one without a GPU: this machine's host memory says nothing of theirs.
+        return [Row("memory", "warn", detail + ": it does not fit this machine, which has no GPU.",
+                    "pass --device-memory GIB, the memory of one GPU the job runs on, to check it for them.")]
     changes = ctx.fitting_changes
     fix = ("; or ".join(f"{c.text} (~{_gib(c.estimate.total)}, {c.estimate.tokens_per_second:,.0f} tok/s)"
                         for c in changes) if changes else

@@ -32,6 +32,7 @@ from pan.parallel.context_parallel import ContextParallel
 from pan.parallel.dims import ParallelDims
 from pan.parallel.fsdp import materialize_and_init, parallelize_model
 from pan.parallel.mesh import build_mesh, cp_group, cp_rank
+from pan.parallel.threads import set_cpu_threads
 from pan.parallel.world import close_world, init_world, is_main_process
 from pan.recipe import get_recipe
 from pan.task import Part, PartSpec, StepContext, global_sums
@@ -383,6 +384,8 @@ def build_trainer(job) -> Trainer:
     log = get_logger()
     quiet_library_progress_bars()
     world = init_world(getattr(job, "process", None))
+    if world.device.type == "cpu":
+        log.info("CPU threads: %s", set_cpu_threads())
     dims = ParallelDims.from_config(job.parallel, world.size, world.local_size)
     cfg = job.trainer
     if cfg.gradient_accumulation_steps > 1:

@@ -609,14 +609,18 @@ def test_launch_command_prints_the_ar_workflow_or_refuses(tmp_path, released, ca
     from pan.launch_command import main_launch_command
     from slurm_cluster import REPO_ROOT
 
+    # Launch-command runs pan check's rows: a latent of the fixture DiT's channels, at the 384p
+    # template's 640x384 (a 80x48 latent) and 121 frames (16 latent frames), one row per rank.
     annotations = tmp_path / "anno.jsonl"
-    annotations.write_text(json.dumps({"video": "v.mp4", "text": "a clip", "latent": "v.pt"}) + "\n")
+    torch.save(torch.randn(3, 16, 48, 80), tmp_path / "v.pt")
+    annotations.write_text(8 * (json.dumps({"video": "v.mp4", "text": "a clip", "latent": "v.pt"}) + "\n"))
     base = ["--workflow", "pyramid-flow-ar", "--nodes", "1", "--gpus-per-node", "8",
             "--config", str(REPO_ROOT / "config" / "pyramid_flow_ar_384p.yaml")]
     paths = ["--model_path", str(released), "--vae_path", str(FIXTURE_VAE),
              "--annotation_paths", f"[{annotations}]", "--output_dir", str(tmp_path / "run")]
-    assert main_launch_command([*base, *paths]) == 0
-    out = capsys.readouterr().out
+    code = main_launch_command([*base, *paths])
+    out, err = capsys.readouterr()
+    assert code == 0, err
     assert "--nproc_per_node=8" in out and "scripts/train_pyramid_flow.sh" in out
     for extra, key in (([], "model_path"),                                           # the template's paths
                        (["--resolution_buckets", '["1280x768"]'], "resolution_buckets"),  # 768p on a 384p DiT

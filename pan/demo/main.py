@@ -26,6 +26,7 @@ from pan.data.synth import synth_dataset
 from pan.demo.report import accuracy_line, draw_loss_curve, write_contact_sheet
 from pan.eval import format_table, score_videos
 from pan.logging import quiet_library_progress_bars
+from pan.parallel.threads import set_cpu_threads
 from pan.recipe import get_recipe, recipe_names
 from pan.trainer import build_trainer
 
@@ -166,6 +167,7 @@ def write_report(path: Path, *, steps: int, seconds: dict[str, float], final_los
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    set_cpu_threads()  # before the data phase too (the trainer logs the choice)
     if args.recipe != "pan":
         return recipe_demo(args)
 
