@@ -58,6 +58,7 @@ from pan.diffusion.pyramid import (
     unit_frames,
 )
 from pan.encoders.pyramid_text import TextFeatures
+from pan.logging import get_logger
 from pan.models.packing import PackInfo
 from pan.recipes.pyramid_flow.task import PyramidInputs, PyramidTask
 from pan.recipes.pyramid_flow_ar.config import PyramidARJobConfig, latent_window, window_units
@@ -276,7 +277,12 @@ class PyramidFlowARTask(PyramidTask):
 
     # -- validation --------------------------------------------------------------------------------
     def sample_clips(self, model: nn.Module, prompts: list[str], seed: int) -> list[Tensor]:
-        v = self.job.validation
-        return [decode(self, sample_ar_latent(self, model, prompt, num_frames=v.sample_num_frames,
-                                              height=v.sample_height, width=v.sample_width, seed=seed + i))
-                for i, prompt in enumerate(prompts)]
+        """One clip a prompt, generated unit by unit; each logged as it is done (sampling every
+        prompt of a demo takes minutes on a CPU)."""
+        v, log, clips = self.job.validation, get_logger(), []
+        for i, prompt in enumerate(prompts):
+            t0 = time.perf_counter()
+            clips.append(decode(self, sample_ar_latent(self, model, prompt, num_frames=v.sample_num_frames,
+                                                       height=v.sample_height, width=v.sample_width, seed=seed + i)))
+            log.info("sampled %d/%d (%.1f s): %s", i + 1, len(prompts), time.perf_counter() - t0, prompt)
+        return clips
