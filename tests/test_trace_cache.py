@@ -25,8 +25,10 @@ def cache(tmp_path, monkeypatch) -> Path:
 
 def estimate(tmp_path: Path, *overrides: str):
     trace_module._TRACES.clear()   # as a new process: only the disk remembers
+    clips = tmp_path / "clips.csv"     # the memory plan reads no clip; the config needs the file
+    clips.write_text("path,caption\n")
     job = load_job_config(["--config", str(REPO / "config/tiny_cpu.yaml"), "--output_dir", str(tmp_path / "run"),
-                           *overrides], warn=lambda msg: None)
+                           "--video_csv_paths", str(clips), *overrides], warn=lambda msg: None)
     return Preflight(job, 1, 1).estimate
 
 
