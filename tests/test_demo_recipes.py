@@ -4,6 +4,8 @@ validation, and its reconstructions are scored against the held-out clips' capti
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 
 import pytest
@@ -24,7 +26,10 @@ def vae_demo(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ar_demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo_pyramid_flow_ar")
-    assert main(["--recipe", "pyramid_flow_ar", "--out", str(out), "--quick"]) == 0
+    log = io.StringIO()
+    with contextlib.redirect_stderr(log):   # pan's log goes to the current sys.stderr
+        assert main(["--recipe", "pyramid_flow_ar", "--out", str(out), "--quick"]) == 0
+    (out / "demo.log").write_text(log.getvalue())
     return out
 
 
@@ -72,6 +77,10 @@ def test_pyramid_flow_ar_quick_demo_writes_its_outputs(ar_demo):
         assert (samples / f"{i:02d}.mp4").is_file() and (samples / f"{i:02d}.gif").is_file()
     assert (samples / "contact_sheet.gif").stat().st_size > 0 and (ar_demo / "loss.png").is_file()
     assert "held-out prompts: colour" in (ar_demo / "report.md").read_text()
+    # Sampling, minutes on a CPU for a real demo, says each prompt as it is done; the run its threads.
+    log = (ar_demo / "demo.log").read_text()
+    assert all(f"sampled {i + 1}/2 (" in log and prompts[i]["prompt"] in log for i in range(2)), log[-3000:]
+    assert "CPU threads: " in log, log[-3000:]
 
 
 def test_tiny_pyramid_tokenizers_split_the_demo_captions_into_known_words(tmp_path):
