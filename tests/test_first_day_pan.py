@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from preflight_table import parse_table
 
 from pan.data.synth import synth_dataset
 from pan.preflight import main_check
@@ -30,18 +31,7 @@ def check(capsys, *args: str) -> tuple[int, dict[str, list[tuple[str, str]]], st
     code = main_check(["--config", TINY, "--video_csv_paths", "[]", *args])
     captured = capsys.readouterr()
     assert "Traceback" not in captured.out + captured.err
-    rows: dict[str, list[list[str]]] = {}
-    last = None
-    for line in captured.out.splitlines():
-        parts = [p.strip() for p in line.split("|", 2)]
-        if len(parts) != 3 or parts[0] == "check":
-            continue
-        if parts[0]:
-            last = [parts[1], parts[2]]
-            rows.setdefault(parts[0], []).append(last)
-        elif last is not None:
-            last[1] += " " + parts[2]
-    return code, {k: [tuple(r) for r in v] for k, v in rows.items()}, captured.err
+    return code, parse_table(captured.out), captured.err
 
 
 def test_pan_check_reads_every_annotation_row(tmp_path, clips, capsys):

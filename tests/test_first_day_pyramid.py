@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from preflight_table import parse_table
+from pyramid_reference import needs_reference
+from pyramid_tiny import FIXTURE_VAE, TINY_FLUX, VARIANT, fixture_model_path_fixture, released_fixture, save_tiny_flux  # noqa: F401
 
 from pan.encoders.vae import VAEConfig, vae_geometry
 from pan.launch_command import main_launch_command
 from pan.preflight import main_check
-from pyramid_reference import needs_reference
-from pyramid_tiny import FIXTURE_VAE, TINY_FLUX, VARIANT, save_tiny_flux
-from pyramid_tiny import fixture_model_path_fixture, released_fixture  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -35,18 +35,7 @@ def no_traceback(*texts: str) -> None:
 
 def table(capsys) -> dict[str, list[tuple[str, str]]]:
     """`pan check`'s printed table: check -> [(status, detail with its continuation lines)]."""
-    rows: dict[str, list[list[str]]] = {}
-    last = None
-    for line in capsys.readouterr().out.splitlines():
-        parts = [p.strip() for p in line.split("|", 2)]
-        if len(parts) != 3 or parts[0] == "check":
-            continue
-        if parts[0]:
-            last = [parts[1], parts[2]]
-            rows.setdefault(parts[0], []).append(last)
-        elif last is not None:
-            last[1] += " " + parts[2]
-    return {k: [tuple(r) for r in v] for k, v in rows.items()}
+    return parse_table(capsys.readouterr().out)
 
 
 def text_features(length: int = 6) -> dict[str, torch.Tensor]:
