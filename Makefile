@@ -26,10 +26,20 @@ $(VENV)/.test-plugins: $(VENV)/.installed tests/plugins/pan_toy_gan/pyproject.to
 	$(PY) -m pip install -q --no-deps -e tests/plugins/pan_toy_gan
 	touch $@
 
+# The original Pyramid-Flow's own dependencies, for the tests that load pan's exports with its code
+# (tests/test_lora_export.py runs tests/original_pyramid_dit.py): a folder of their own in the venv,
+# never on pan's path (timm's torchvision does not import beside this torch; the original's stubs
+# stand in for it).
+ORIGINAL_DEPS := einops==0.8.2 timm==1.0.31 accelerate==1.15.0
+$(VENV)/.original-deps: $(VENV)/.installed Makefile
+	rm -rf $(VENV)/original-deps
+	$(PY) -m pip install -q --no-deps --target $(VENV)/original-deps $(ORIGINAL_DEPS)
+	touch $@
+
 demo: setup
 	$(PY) -m pan.cli demo
 
-test: setup $(VENV)/.test-plugins
+test: setup $(VENV)/.test-plugins $(VENV)/.original-deps
 	@command -v slurmctld >/dev/null || bash .ci/install_slurm.sh || \
 		echo "Slurm could not be installed: the launch-script tests will be skipped"
 	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile tests

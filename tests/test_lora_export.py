@@ -2,7 +2,10 @@
 with W + scale * B @ A exactly (fp32), also as a released Pyramid-Flow folder that pan's loader
 reads; `pan export --format peft` loads with `peft.PeftModel.from_pretrained` onto the same model
 class and gives pan's LoRA model's outputs; `pan sample` of a LoRA checkpoint (or `--lora` over its
-base) samples what the merged export samples; a plain export of adapters alone is refused.
+base) samples what the merged export samples; a plain export of adapters alone is refused. The merged
+Pyramid-Flow folder also loads with the ORIGINAL implementation's released-folder loader (in a
+subprocess, tests/original_pyramid_dit.py, with the dependencies `make test` installs into the venv's
+`original-deps`) to the same tensors, and the original's forward of it is pan's forward of the export.
 
 Runs: a tiny Pan run (config/tiny_cpu.yaml, 2 steps) and a LoRA run warm-started from it (3 steps,
 with an EMA of the adapters); a LoRA run of the reference fixture miniFLUX through the fixture
@@ -11,12 +14,15 @@ causal VAE (2 steps)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from pyramid_reference import needs_reference, read_json
+from pyramid_reference import REFERENCE, load_fixture, needs_reference, read_json
 from pyramid_tiny import (  # noqa: F401
     FIXTURE_DIT,
     VAE_CLIP_DATA,
@@ -29,15 +35,17 @@ from pyramid_tiny import (  # noqa: F401
     vae_videos_fixture,
 )
 from safetensors.torch import load_file
+from test_pyramid_dit import CASES, TOL, Batch
 
 from pan.checkpoint.export import consolidated_weights
-from pan.export import main_export
 from pan.data.synth import synth_dataset
+from pan.export import main_export
 from pan.models.packing import PackInfo
 from pan.sampling import resolve_weights
 from pan.trainer import build_trainer
 
 REPO = Path(__file__).resolve().parents[1]
+ORIGINAL = REFERENCE / "original"
 LORA_KEYS = ("--lora_rank", "4", "--use_muon", "false")
 
 
@@ -168,31 +176,46 @@ def test_pan_sample_of_a_lora_checkpoint_samples_the_merged_export(pan_runs, tmp
     assert not np.array_equal(videos["base"], videos["checkpoint"])
 
 
-@needs_reference
-def test_a_pyramid_flow_lora_run_merges_into_the_released_layout(tmp_path, fixture_model_path, vae_videos):
+def pyramid_flow_config(path: Path, model_path: Path, videos: Path, output_dir: Path, **sections) -> Path:
+    """A 2-step fp32 Pyramid-Flow run's config of the release `model_path` through its causal VAE."""
     import yaml
 
+    path.write_text(yaml.safe_dump({
+        "recipe": "pyramid_flow",
+        "model": {"model_name": "pyramid_flux", "model_path": str(model_path), **causal_vae_keys(model_path)},
+        "training": {"learning_rate": 1e-2, "max_steps": 2, "dtype": "fp32", "use_muon": False},
+        "data": {"video_csv_paths": [str(videos)], "max_tokens_per_batch": 400,
+                 "max_samples_per_batch": 2, "packed_dataloader_num_workers": 0, **VAE_CLIP_DATA},
+        "output": {"output_dir": str(output_dir), "save_interval": 2, "log_interval": 1, "progress_bar": False},
+        **sections}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def pyramid_lora_run(tmp_path_factory, fixture_model_path, vae_videos) -> Path:
+    """checkpoint-2 of a LoRA run (rank 4, alpha 8) of the fixture miniFLUX through the fixture VAE."""
+    root = tmp_path_factory.mktemp("pyramid_lora")
+    train(pyramid_flow_config(root / "lora.yaml", fixture_model_path, vae_videos, root / "run",
+                              lora={"lora_rank": 4, "lora_alpha": 8}))
+    return root / "run" / "checkpoint-2"
+
+
+def pyramid_expected_merge(ckpt: Path) -> dict:
+    """The fixture miniFLUX plus the run's scaled adapters, in fp32 (computed here from the tensors)."""
+    from pan.models.pyramid_io import read_weights
+
+    reference = reference_of(ckpt)
+    return expected_merge(read_weights(FIXTURE_DIT), consolidated_weights(ckpt / "transformer"),
+                          reference["alpha"] / reference["rank"])
+
+
+@needs_reference
+def test_a_pyramid_flow_lora_run_merges_into_the_released_layout(tmp_path, pyramid_lora_run, fixture_model_path,
+                                                                  vae_videos):
     from pan.models.pyramid_flux import PyramidFluxTransformer
     from pan.models.pyramid_io import load_pretrained, read_weights
 
-    run = tmp_path / "run"
-
-    def write(name: str, **sections) -> Path:
-        path = tmp_path / name
-        path.write_text(yaml.safe_dump({
-            "recipe": "pyramid_flow",
-            "model": {"model_name": "pyramid_flux", "model_path": str(fixture_model_path),
-                      **causal_vae_keys(fixture_model_path)},
-            "training": {"learning_rate": 1e-2, "max_steps": 2, "dtype": "fp32", "use_muon": False},
-            "data": {"video_csv_paths": [str(vae_videos)], "max_tokens_per_batch": 400,
-                     "max_samples_per_batch": 2, "packed_dataloader_num_workers": 0, **VAE_CLIP_DATA},
-            "output": {"output_dir": str(run), "save_interval": 2, "log_interval": 1, "progress_bar": False},
-            **sections}))
-        return path
-
-    config = write("lora.yaml", lora={"lora_rank": 4, "lora_alpha": 8})
-    train(config)
-    ckpt = run / "checkpoint-2"
+    ckpt = pyramid_lora_run
     reference = reference_of(ckpt)
     assert reference["base_source"] == str(fixture_model_path / VARIANT)
 
@@ -204,7 +227,7 @@ def test_a_pyramid_flow_lora_run_merges_into_the_released_layout(tmp_path, fixtu
     exported = load_pretrained(out, PyramidFluxTransformer)
     assert exported.config.in_channels == read_json("flux_dit/model_info.json")["init_config"]["in_channels"]
     state, base = exported.state_dict(), read_weights(FIXTURE_DIT)
-    want = expected_merge(base, consolidated_weights(ckpt / "transformer"), reference["alpha"] / reference["rank"])
+    want = pyramid_expected_merge(ckpt)
     assert state.keys() == base.keys()
     for key, value in want.items():
         assert torch.equal(state[key], value.float()), key
@@ -218,8 +241,56 @@ def test_a_pyramid_flow_lora_run_merges_into_the_released_layout(tmp_path, fixtu
     for link in fixture_model_path.iterdir():
         if link.name != VARIANT:
             (out.parent / link.name).symlink_to(link.resolve())
-    again = build_trainer(load(write("full.yaml"), "--model_path", out.parent, "--output_dir", tmp_path / "r2"))
+    config = pyramid_flow_config(tmp_path / "full.yaml", fixture_model_path, vae_videos, tmp_path / "r1")
+    again = build_trainer(load(config, "--model_path", out.parent, "--output_dir", tmp_path / "r2"))
     assert all(torch.equal(p.detach(), state[n]) for n, p in again.model.named_parameters())
+
+
+def original_deps() -> Path:
+    """The folder of the original's own dependencies: the venv's `original-deps` (`make test`)."""
+    return Path(os.environ.get("PAN_ORIGINAL_DEPS") or Path(sys.prefix) / "original-deps")
+
+
+@needs_reference
+def test_the_merged_pyramid_flow_export_loads_with_the_original_s_released_folder_loader(tmp_path,
+                                                                                       pyramid_lora_run):
+    from pan.models.pyramid_flux import PyramidFluxTransformer
+    from pan.models.pyramid_io import load_pretrained
+
+    deps = original_deps()
+    missing = [name for name in ("einops", "timm", "accelerate") if not (deps / name).is_dir()]
+    if missing:
+        pytest.fail(f"{', '.join(missing)} not in {deps}: the original Pyramid-Flow's own dependencies, which "
+                    "`make test` installs there (pip install --target <venv>/original-deps einops timm "
+                    "accelerate --no-deps; PAN_ORIGINAL_DEPS names another folder)")
+    out = tmp_path / "export" / VARIANT
+    assert main_export([str(pyramid_lora_run), "--merge", "--format", "pyramid_flow", "--out", str(out)]) == 0
+    result = tmp_path / "original.safetensors"
+    cases = [str(REFERENCE / "flux_dit" / f"{case}.safetensors") for case in CASES]
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("original_pyramid_dit.py")),
+                           str(ORIGINAL), str(deps), str(out.parent), VARIANT, str(result), *cases],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    theirs = load_file(str(result))
+
+    # The original's runner loads exactly the merged weights, every tensor, in fp32.
+    state = {k.removeprefix("state."): v for k, v in theirs.items() if k.startswith("state.")}
+    want = pyramid_expected_merge(pyramid_lora_run)
+    assert state.keys() == want.keys()
+    for key, value in want.items():
+        assert value.dtype == torch.float32 and state[key].dtype == torch.float32, key
+        assert torch.equal(state[key], value), key
+
+    # Its forward of the folder is pan's forward of the export on both fixture calls, up to the fp32
+    # rounding of another order of operations.
+    model = load_pretrained(out, PyramidFluxTransformer).train()
+    for case in CASES:
+        t, _ = load_fixture(f"flux_dit/{case}")
+        batch = Batch(model, t)
+        with torch.no_grad():
+            preds = batch.predictions(model, model(*batch.inputs()))
+        for (c, i), pred in zip(batch.where, preds):
+            torch.testing.assert_close(pred, theirs[f"{case}.out.col{c}"][i], **TOL, msg=f"{case} column {c} row {i}")
 
 
 def test_pan_sample_of_a_pyramid_flow_ar_lora_run_samples_its_merged_export(tmp_path, released):
