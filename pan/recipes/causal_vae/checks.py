@@ -7,6 +7,7 @@ clips) and its probe of the largest micro-batch (memory and step time, pan/estim
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -153,6 +154,19 @@ def check_clips(ctx) -> list[Row]:
 
 # ---- pan check: memory and step time (pan/estimate/) ------------------------------------------
 
+_FLOPS: dict[tuple, float] = {}
+
+
+def training_flops(cfg, frames: int, height: int, width: int) -> float:
+    """Training FLOPs (3 x the forward's) of one clip, counted once a process for each VAE and clip
+    shape: each count runs the VAE's forward on the meta device (~0.1 s), and a probe's pack of many
+    clips has a few shapes, probed again for each change `pan check` tries."""
+    key = (repr(cfg), frames, height, width)
+    if key not in _FLOPS:
+        _FLOPS[key] = 3 * vae_forward_flops(cfg, frames, height, width)
+    return _FLOPS[key]
+
+
 def vae_probe(ctx) -> Probe:
     """The recipe's largest micro-batch: the data budget's fullest pack of its longest, largest clips,
     this rank's frames of them (context rank 0 holds the most); the VAE's phase (reconstruction,
@@ -193,7 +207,7 @@ def vae_probe(ctx) -> Probe:
     frozen = {name: sum(t.numel() * 4 for t in (*m.parameters(), *m.buffers())) for name, m in helpers.items()}
     shapes = ", ".join(f"{t}x{h}x{w}" for t, h, w in sorted(set(own), reverse=True))
     return Probe(phases, tokens=sum(math.prod(c) for c in own), samples=len(clips),
-                 flops=sum(3 * vae_forward_flops(cfg, *c) for c in own), frozen=frozen,
+                 flops=sum(n * training_flops(cfg, *c) for c, n in Counter(own).items()), frozen=frozen,
                  loader=loader_bytes(job.data, clips), helpers=helpers,
                  describe=f"{len(clips)} clip(s) ({shapes} frames x H x W on this rank) = "
                           f"{sum(math.prod(c) for c in own)} pixels" + (", GAN on" if gan else ""))
