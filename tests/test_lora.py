@@ -7,10 +7,12 @@
   transformer/ holds the adapters alone. A bf16 base (lora_base_dtype) trains fp32 adapters.
 - Layouts on real gloo groups: 2 ranks of FSDP2 with activation checkpointing train as 1 process
   with 2 micro-batches (the tiny Pan transformer and the fixture miniFLUX), Ulysses cp 2 as 1
-  process, PiSSA's init under FSDP2 as in 1 process: the same samples at every step, losses within
+  process (the tiny Pan transformer, the fixture miniFLUX, and the AR recipe's block-causal path
+  on it), PiSSA's init under FSDP2 as in 1 process: the same samples at every step, losses within
   floating-point noise (rel 1e-5, launch_utils.assert_continues_the_run) and adapters within
   test_parallel_exactness's TOL. A resume of the FSDP2 run's sharded adapters, and a 1-process
-  train.py SIGKILLed and launched again, end bit-identical to the uninterrupted runs.
+  train.py SIGKILLed and launched again (the tiny Pan transformer and the fixture miniFLUX), end
+  bit-identical to the uninterrupted runs.
 - Refusals (exit 2): a target name no block has (listing the names it has), lora keys while LoRA is
   off, a bf16 base under fp32 compute, Muon, a resume on another base, of another rank, or full
   fine-tuning of a LoRA run's checkpoint.
@@ -266,13 +268,26 @@ ACCUMULATE = {"gradient_accumulation_steps": 2}           # 1 process: the 2 dat
 PISSA = {"lora_init": "pissa"}
 RESUMED_AT = 4                                            # `fsdp2_resumed` continues checkpoint-4 of `fsdp2`
 FLUX_STEPS = 4
+FLUX_SAVE_INTERVAL = 2                                    # the miniFLUX SIGKILLed after step 3 resumes from 2
+# The AR recipe as test_the_ar_recipe_trains_adapters_only_on_its_block_causal_path runs it: a sync
+# group of 2 slots on 1 data-parallel rank x 2 micro-batches, attention block-causal over the units.
+AR = {"recipe": "pyramid_flow_ar", "autoregressive": {"frame_per_unit": 1, "video_sync_group": 2},
+      "training": ACCUMULATE}
+
+
+def flux_config(root: Path, name: str, model_path: Path, videos: Path, **sections) -> Path:
+    """A FLUX_STEPS-step LoRA run of the fixture miniFLUX (checkpoints every FLUX_SAVE_INTERVAL
+    steps); output_dir root/name."""
+    return pyramid_config(root / f"{name}.yaml", model_path, videos, root / name,
+                          training={"max_steps": FLUX_STEPS, **sections.pop("training", {})},
+                          output={"save_interval": FLUX_SAVE_INTERVAL}, **sections)
 
 
 @pytest.fixture(scope="module")
 def layouts(pan_setup, request) -> dict[str, Path]:
     """Each layout's output_dir: on 2 gloo ranks (one spawn; `fsdp2_resumed` continues checkpoint-4
     of `fsdp2`), and their references in this process; with the fixtures, the fixture miniFLUX on 2
-    FSDP2 ranks and on 1 process too."""
+    FSDP2 ranks, on cp 2 (the plain and the AR recipe) and on 1 process too."""
     root = pan_setup["root"]
     two = {"fsdp2": (pan_config(pan_setup, "fsdp2", distributed=FSDP2), None),
            "fsdp2_resumed": (pan_config(pan_setup, "fsdp2_resumed", distributed=FSDP2),
@@ -286,21 +301,23 @@ def layouts(pan_setup, request) -> dict[str, Path]:
         model_path, videos = (request.getfixturevalue(name) for name in ("fixture_model_path", "vae_videos"))
 
         def flux(name: str, **sections) -> Path:
-            return pyramid_config(root / f"{name}.yaml", model_path, videos, root / name,
-                                  training={"max_steps": FLUX_STEPS, **sections.pop("training", {})},
-                                  output={"save_interval": FLUX_STEPS}, **sections)
+            return flux_config(root, name, model_path, videos, **sections)
         two["flux_fsdp2"] = (flux("flux_fsdp2", distributed=FSDP2), None)
+        two["flux_cp2"] = (flux("flux_cp2", distributed=CP2), None)
+        two["flux_ar_cp2"] = (flux("flux_ar_cp2", distributed=CP2, **AR), None)
         one["flux_one_accumulating"] = flux("flux_one_accumulating", training=ACCUMULATE)
+        one["flux_one"] = flux("flux_one")
+        one["flux_ar_one"] = flux("flux_ar_one", **AR)
     run_distributed(fit_all, world_size=2, args=(list(two.values()),))
     for config in one.values():
         fit(config)
     return {name: root / name for name in {**two, **one}}
 
 
-def assert_bit_identical(run: Path, reference: Path, first_step: int = 1) -> None:
+def assert_bit_identical(run: Path, reference: Path, first_step: int = 1, steps: int = PAN_STEPS) -> None:
     """The same final adapters and optimizer state, bit for bit, and the same samples at every step
     from `first_step` on."""
-    want, got = final_weights(reference, PAN_STEPS), final_weights(run, PAN_STEPS)
+    want, got = final_weights(reference, steps), final_weights(run, steps)
     for folder in want:
         assert want[folder].keys() == got[folder].keys()
         for key, value in want[folder].items():
@@ -347,6 +364,14 @@ def test_cp2_trains_as_cp1(layouts):
     assert_same_training(layouts["cp2"], layouts["one"])
 
 
+@needs_reference
+@pytest.mark.parametrize("run", ["flux", "flux_ar"], ids=["pyramid_flow", "pyramid_flow_ar"])
+def test_the_fixture_miniflux_under_cp2_trains_as_cp1(layouts, run):
+    """Ulysses cp 2 (both ranks hold the step's samples, each a half of every sequence; on the AR
+    recipe's path the attention block-causal across the ranks' shards) as 1 process."""
+    assert_same_training(layouts[f"{run}_cp2"], layouts[f"{run}_one"], steps=FLUX_STEPS)
+
+
 def test_pissa_init_under_fsdp2_is_its_init_in_one_process(layouts):
     assert_same_training(layouts["pissa_fsdp2"], layouts["pissa_one"])
     # PiSSA starts the adapters from the base's singular vectors: not from zero, and not the default's
@@ -382,6 +407,19 @@ def test_sigkill_and_resume_is_bit_identical(pan_setup, layouts, tmp_path):
     run_to_end(config, log, world_size=1)
     assert "resuming from checkpoint-" in log.read_text()
     assert_bit_identical(killed, layouts["one"])
+
+
+@needs_reference
+def test_the_fixture_miniflux_sigkilled_and_resumed_is_bit_identical(layouts, fixture_model_path, vae_videos,
+                                                                     tmp_path):
+    """train.py on the fixture miniFLUX SIGKILLed after step 3 resumes from checkpoint-2 and ends as
+    the uninterrupted run (`flux_one`, the same config)."""
+    config = flux_config(tmp_path, "killed", fixture_model_path, vae_videos)
+    killed, log = tmp_path / "killed", tmp_path / "killed.log"
+    kill_after_step(launch(config, log, world_size=1), killed, 3, log)
+    run_to_end(config, log, world_size=1)
+    assert f"resuming from checkpoint-{FLUX_SAVE_INTERVAL}" in log.read_text(), log.read_text()[-3000:]
+    assert_bit_identical(killed, layouts["flux_one"], steps=FLUX_STEPS)
 
 
 # ---- refusals ------------------------------------------------------------------------------------
