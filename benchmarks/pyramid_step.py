@@ -18,6 +18,8 @@ builds its masks and positions inside its forward). The candidates run round-rob
 - `pan`: pan with its best CPU backend for the rule (`blockwise` for block-causal: masked blocks are
   skipped, not computed then masked; what `attention_backend: auto` runs);
 - `pan_sdpa`: pan with one masked SDPA call per sample (the original's algorithm, pan's code);
+- `pan_compiled`: `pan` with each block compiled as `compile_transformer: true` does (attention stays
+  outside the graphs; the first round, which compiles, is not timed);
 - `pan_full_history` (ar): pan with every history frame at full resolution instead of the temporal
   pyramid, the same trained units: the method's saving, measured.
 
@@ -33,7 +35,10 @@ extract of its source (`--original`, default: the shared reference beside the re
 them the script times pan alone and says so.
 
     OMP_NUM_THREADS=2 python benchmarks/pyramid_step.py --original-deps DIR [--repeats 5] [--modes full,ar]
-        [--out benchmarks/results/pyramid_step.json]
+        [--no-compile] [--device cuda --dtype bf16] [--out benchmarks/results/pyramid_step.json]
+
+On a GPU (`--device cuda --dtype bf16`: both models' steps under bf16 autocast, fp32 weights, as
+both trainers run) the wall clock is the figure; CPU seconds there count the host's launch work only.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ from pan.diffusion.pyramid import (GeneratorDraws, PyramidConfig, PyramidSchedul
 from pan.models.attention import set_attention_backend
 from pan.models.packing import PackInfo
 from pan.models.pyramid_flux import PyramidFluxConfig, PyramidFluxTransformer
+from pan.parallel.fsdp import declared_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 ORIGINAL = ROOT.parent / "shared" / "reference" / "pyramid_flow" / "original"
@@ -108,6 +114,12 @@ class StepInputs:
         return [sum(c.shape[2] * (c.shape[3] // 2) * (c.shape[4] // 2) for c in col) for col in self.clips]
 
 
+def on_device(inputs: StepInputs, device: str) -> StepInputs:
+    return StepInputs(clips=[[c.to(device) for c in col] for col in inputs.clips],
+                      targets=[t.to(device) for t in inputs.targets], timesteps=inputs.timesteps.to(device),
+                      text=inputs.text.to(device), mask=inputs.mask.to(device), pooled=inputs.pooled.to(device))
+
+
 def noised_inputs(mode: str, generator: torch.Generator) -> tuple[StepInputs, list[torch.Tensor]]:
     """(the batch of `mode`, its clean latent pyramid) from a random normalised latent."""
     c, h, w = LATENT
@@ -157,7 +169,13 @@ def best_backend(pack: PackInfo) -> str:
     return "blockwise" if pack.joint.is_causal else "sdpa"
 
 
-def pan_step(model: PyramidFluxTransformer, inputs: StepInputs):
+def autocast(model: torch.nn.Module, dtype: str):
+    """bf16 autocast (fp32 master weights, as both trainers train in bf16), or nothing for fp32."""
+    device = next(model.parameters()).device.type
+    return torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == "bf16")
+
+
+def pan_step(model: PyramidFluxTransformer, inputs: StepInputs, dtype: str = "fp32"):
     """One pan step from the clips: patch tokens, valid caption rows, the pack, forward, loss, backward.
 
     The loss is the recipe's (`PyramidFlowTask.loss_sum`): squared errors of the trained tokens, each
@@ -177,24 +195,26 @@ def pan_step(model: PyramidFluxTransformer, inputs: StepInputs):
             targets.append(torch.cat([trained.new_zeros(history, trained.shape[1]), trained]))
             weights.append(torch.cat([trained.new_zeros(history),
                                       trained.new_full((trained.shape[0],), 1 / target.numel())]))
-        pack = PackInfo.from_layouts(layouts)
-        out = model(torch.cat(xs), inputs.timesteps, torch.cat(texts), inputs.pooled, pack)  # [Nv, 64]
-        loss = ((out - torch.cat(targets)).square().sum(1) * torch.cat(weights)).sum() / len(layouts)
+        pack = PackInfo.from_layouts(layouts).to(inputs.text.device)
+        with autocast(model, dtype):
+            out = model(torch.cat(xs), inputs.timesteps, torch.cat(texts), inputs.pooled, pack)  # [Nv, 64]
+        loss = ((out.float() - torch.cat(targets)).square().sum(1) * torch.cat(weights)).sum() / len(layouts)
         loss.backward()
         return loss
 
     return step
 
 
-def original_step(model, calculate_loss, inputs: StepInputs):
+def original_step(model, calculate_loss, inputs: StepInputs, dtype: str = "fp32"):
     """One step of the original, called as its runner calls it (README section 2.3)."""
     runner = SimpleNamespace(return_log=False)   # all that `calculate_loss` reads of its runner
 
     def step() -> torch.Tensor:
         model.zero_grad(set_to_none=True)
-        out = model(sample=inputs.clips, encoder_hidden_states=inputs.text,
-                    encoder_attention_mask=inputs.mask, pooled_projections=inputs.pooled,
-                    timestep_ratio=inputs.timesteps)
+        with autocast(model, dtype):
+            out = model(sample=inputs.clips, encoder_hidden_states=inputs.text,
+                        encoder_attention_mask=inputs.mask, pooled_projections=inputs.pooled,
+                        timestep_ratio=inputs.timesteps)
         loss, _ = calculate_loss(runner, out, inputs.targets)
         loss.backward()
         return loss
@@ -233,21 +253,29 @@ def pack_of(model: PyramidFluxTransformer, inputs: StepInputs) -> PackInfo:
                                   for col, valid in zip(inputs.clips, inputs.mask)])
 
 
-def pan_model(state: dict, backend: str) -> PyramidFluxTransformer:
+def pan_model(state: dict, backend: str, device: str = "cpu", compiled: bool = False) -> PyramidFluxTransformer:
     model = PyramidFluxTransformer(PyramidFluxConfig(**DIT))
     model.load_state_dict(state)
     set_attention_backend(model, backend)
-    return model.train()
+    if compiled:
+        for block in declared_blocks(model):   # what `compile_transformer: true` does
+            block.compile()
+    return model.to(device).train()
 
 
 def measure_mode(mode: str, state: dict, original, args) -> dict:
     generator = torch.Generator().manual_seed(args.seed)
     inputs, levels = noised_inputs(mode, generator)
-    pan = pan_model(state, "sdpa")
+    pan = pan_model(state, "sdpa", args.device)
     pack = pack_of(pan, inputs)
     backend = best_backend(pack)
     set_attention_backend(pan, backend)
-    candidates = {"pan": pan_step(pan, inputs), "pan_sdpa": pan_step(pan_model(state, "sdpa"), inputs)}
+    inputs = on_device(inputs, args.device)
+    step = lambda model, batch=inputs: pan_step(model, batch, args.dtype)
+    candidates = {"pan": step(pan), "pan_sdpa": step(pan_model(state, "sdpa", args.device))}
+    if args.compile:
+        compiled = pan_model(state, backend, args.device, compiled=True)
+        candidates["pan_compiled"] = step(compiled)
     row = {"mode": mode, "pan_backend": backend, "video_tokens": inputs.video_tokens(),
            "text_tokens": f"{TEXT_LEN} (original) / {TEXT_LEN // 2} (pan: padding dropped)",
            "pan_step_gflop": 3 * pan.forward_flops(pack) / 1e9}
@@ -255,18 +283,23 @@ def measure_mode(mode: str, state: dict, original, args) -> dict:
         cls, calculate_loss = original
         model = cls(**DIT)
         model.load_state_dict(state)     # the checkpoint's keys are pan's: the same tensors
-        candidates["original"] = original_step(model.train(), calculate_loss, inputs)
-        row |= agreement(pan, candidates["pan"](), model, candidates["original"]())
-        if row["loss_rel_diff"] > 1e-4:
+        candidates["original"] = original_step(model.to(args.device).train(), calculate_loss, inputs, args.dtype)
+        original_loss = candidates["original"]()
+        row |= agreement(pan, candidates["pan"](), model, original_loss)
+        if args.compile:   # its first call compiles
+            row |= {f"compiled_{k}": v for k, v in
+                    agreement(compiled, candidates["pan_compiled"](), model, original_loss).items()}
+        if row["loss_rel_diff"] > (1e-4 if args.dtype == "fp32" else 2e-2):
             raise SystemExit(f"{mode}: pan's loss {row['pan_loss']} is not the original's "
                              f"{row['original_loss']}: the two steps do not compute the same thing.")
     if mode == "ar":
-        full_history = with_full_resolution_history(inputs, levels, generator)
-        candidates["pan_full_history"] = pan_step(pan_model(state, backend), full_history)
+        full_history = on_device(with_full_resolution_history(inputs, levels, generator), args.device)
+        candidates["pan_full_history"] = step(pan_model(state, backend, args.device), full_history)
         row["full_history_video_tokens"] = full_history.video_tokens()
     times = interleaved_times(candidates, repeats=args.repeats, warmup=args.warmup)
     row["times"] = times
-    shares = {name: kernel_share(candidates[name]) for name in ("pan", "original") if name in candidates}
+    shares = {name: kernel_share(candidates[name]) for name in ("pan", "original", "pan_compiled")
+              if name in candidates and args.device == "cpu"}   # the profile counts CPU kernels
     row |= {f"{name}_kernel_share": share for name, share in shares.items()}
     for clock in ("wall", "cpu"):
         seconds = {name: median(t[clock]) for name, t in times.items()}
@@ -274,8 +307,11 @@ def measure_mode(mode: str, state: dict, original, args) -> dict:
         if "original" in seconds:
             row[f"speedup_{clock}"] = seconds["original"] / seconds["pan"]
             row[f"sdpa_speedup_{clock}"] = seconds["original"] / seconds["pan_sdpa"]
-            # if pan spent no time outside the dense kernels, this is the ratio it would reach
-            row[f"ceiling_{clock}"] = seconds["original"] / (seconds["pan"] * shares["pan"])
+            if "pan_compiled" in seconds:
+                row[f"compiled_speedup_{clock}"] = seconds["original"] / seconds["pan_compiled"]
+            if "pan" in shares:
+                # if pan spent no time outside the dense kernels, this is the ratio it would reach
+                row[f"ceiling_{clock}"] = seconds["original"] / (seconds["pan"] * shares["pan"])
         if "pan_full_history" in seconds:
             row[f"pyramid_saving_{clock}"] = seconds["pan_full_history"] / seconds["pan"]
     return row
@@ -283,11 +319,13 @@ def measure_mode(mode: str, state: dict, original, args) -> dict:
 
 def report(rows: list[dict], original_note: str | None, repeats: int) -> None:
     print_table(rows, ["mode", "video_tokens", "pan_backend", "pan_step_gflop", "pan_kernel_share",
-                       "original_kernel_share", "loss_rel_diff", "grad_max_rel_diff"])
+                       "pan_compiled_kernel_share", "original_kernel_share", "loss_rel_diff", "grad_max_rel_diff",
+                       "compiled_loss_rel_diff", "compiled_grad_max_rel_diff"])
     for clock in ("wall", "cpu"):
         print(f"\n{clock} clock (median of {repeats} interleaved rounds):")
         print_table(rows, ["mode", f"original_{clock}_s", f"pan_{clock}_s", f"pan_sdpa_{clock}_s",
-                           f"speedup_{clock}", f"sdpa_speedup_{clock}", f"ceiling_{clock}"])
+                           f"pan_compiled_{clock}_s", f"speedup_{clock}", f"sdpa_speedup_{clock}",
+                           f"compiled_speedup_{clock}", f"ceiling_{clock}"])
     for row in rows:
         if "full_history_video_tokens" in row:
             print(f"\ntemporal pyramid vs full-resolution history ({row['mode']}): video tokens "
@@ -310,6 +348,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds")
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-compile", dest="compile", action="store_false",
+                        help="leave out `pan_compiled` (its compilation takes a minute or two on CPU)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
+                        help="bf16: both steps under bf16 autocast (fp32 weights)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results/pyramid_step.json", help="JSON output path")
     args = parser.parse_args()
@@ -323,7 +366,8 @@ def main() -> None:
     load = {"before": load_before, "after": os.getloadavg()}
     report(rows, original_note, args.repeats)
     print(f"load average (1, 5, 15 min) before {load['before']}, after {load['after']}")
-    path = write_json(args.out, {"benchmark": "pyramid_step", "config": DIT, "columns": COLUMNS,
+    path = write_json(args.out, {"benchmark": "pyramid_step", "device": args.device, "dtype": args.dtype,
+                                 "config": DIT, "columns": COLUMNS,
                                  "text_len": TEXT_LEN, "latent": LATENT, "modes": MODES,
                                  "repeats": args.repeats, "warmup": args.warmup, "load_average": load,
                                  "original": original_note or "compared", "rows": rows})

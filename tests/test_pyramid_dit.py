@@ -367,6 +367,48 @@ def test_forward_flops_match_flop_counter(name, backend):
         assert model.forward_flops(batch.pack) > counter.get_total_flops()
 
 
+def random_pack(model, step: int, generator: torch.Generator):
+    """A new packed batch layout for each step: 1-3 samples, each a last clip of 1-2 frames with 0-2
+    history frames at half its resolution (the temporal pyramid's shape) and 1-4 caption rows."""
+    c = model.config
+    xs, texts, layouts = [], [], []
+    n = 1 + step % 3
+    for i in range(n):
+        h, w = 4 * (1 + (step + i) % 2), 4 * (1 + (step * i) % 3)
+        clips = ([(1 + (step + i) % 2, h // 2, w // 2)] if (step + i) % 3 else []) + [(1 + i % 2, h, w)]
+        latents = [torch.randn(model.latent_channels, *clip, generator=generator) for clip in clips]
+        xs += [model.patchify(latent) for latent in latents]
+        texts.append(torch.randn(1 + (step + 2 * i) % 4, c.joint_attention_dim, generator=generator))
+        layouts.append(model.sample_layout([model.patch_grid(latent.shape) for latent in latents],
+                                           texts[-1].shape[0]))
+    return (torch.cat(xs), 1000 * torch.rand(n, generator=generator), torch.cat(texts),
+            torch.randn(n, c.pooled_projection_dim, generator=generator), PackInfo.from_layouts(layouts))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_compiled_blocks_give_eager_outputs_without_recompiling_for_each_new_layout(name):
+    """`compile_transformer` on both released DiTs: every new pack layout (sample count, clip sizes,
+    history, caption lengths) reuses the compiled blocks after the first few (static shapes, then
+    dynamic ones, then a pack of one sample), instead of recompiling each step until torch's limit
+    drops the blocks back to eager; and the compiled blocks (RoPE in real arithmetic there, since
+    inductor has no code for complex operators) give the eager model's outputs."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    eager, compiled = released(name), released(name)
+    counter = CompileCounter()  # dynamo's guards and recompiles, without inductor's codegen time
+    for block in compiled.fsdp_blocks():
+        block.compile(backend=counter)
+    generator, frames = torch.Generator().manual_seed(0), []
+    for step in range(12):
+        inputs = random_pack(eager, step, generator)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(*inputs), eager(*inputs), **TOL)
+        frames.append(counter.frame_count)
+    assert frames[-1] == frames[5], frames  # the last six layouts, all new, compiled nothing
+    torch._dynamo.reset()
+
+
 # ------------------------------------------------------------------------------------------------
 # FSDP2 + Ulysses context parallel (2 gloo processes)
 # ------------------------------------------------------------------------------------------------

@@ -93,6 +93,34 @@ def test_trains_its_loss_falls_and_exports_the_released_layout(tmp_path, release
     assert all(torch.equal(p.detach(), exported.state_dict()[n]) for n, p in again.model.named_parameters())
 
 
+def test_compiled_blocks_train_as_the_eager_ones(tmp_path, released, data, monkeypatch):
+    """`compile_transformer: true` (each block compiled; attention outside the graphs) trains the
+    released miniFLUX with the eager run's losses and weights. The graphs run through AOT autograd
+    without inductor's code generation (which costs a minute and a half here for 3 steps);
+    benchmarks/pyramid_step.py runs the real thing and reports its agreement with the original."""
+    compile_block, compiled = torch.nn.Module.compile, []
+    monkeypatch.setattr(torch.nn.Module, "compile",
+                        lambda self: compiled.append(self) or compile_block(self, backend="aot_eager"))
+    torch._dynamo.reset()
+    losses, weights = {}, {}
+    for mode in ("eager", "compiled"):
+        run = tmp_path / mode
+        config = write_config(tmp_path / f"{mode}.yaml", released, data, run,
+                              training={"max_steps": 3, "compile_transformer": mode == "compiled"},
+                              output={"save_interval": 3})
+        trainer = build_trainer(load(config))
+        assert len(compiled) == (len(trainer.model.fsdp_blocks()) if mode == "compiled" else 0)
+        trainer.fit()
+        trainer.close()
+        losses[mode] = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+        weights[mode] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    assert len(losses["eager"]) == 3
+    torch.testing.assert_close(losses["compiled"], losses["eager"], rtol=1e-5, atol=0)
+    for name, value in weights["eager"].items():
+        torch.testing.assert_close(weights["compiled"][name], value, rtol=1e-4, atol=1e-6)
+    torch._dynamo.reset()
+
+
 @needs_reference
 def test_the_fixture_checkpoint_trains_through_the_fixture_vae_and_exports_as_given(tmp_path, fixture_model_path,
                                                                                      vae_videos):

@@ -32,6 +32,13 @@ def rope_frequencies(positions: Tensor, axes_dim: list[int] | tuple[int, ...], t
 def apply_rope(x: Tensor, freqs: Tensor) -> Tensor:
     """Rotate interleaved pairs of x [N, heads, head_dim] by freqs [N, head_dim / 2] (complex)."""
     real = x.to(torch.promote_types(x.dtype, torch.float32))        # bf16/fp16 rotate in fp32
+    if torch.compiler.is_compiling():
+        # Inductor generates no code for complex operators (it would fall back to eager kernels
+        # between fused ones): the same rotation in real arithmetic, which it fuses.
+        a, b = real.unflatten(-1, (-1, 2)).unbind(-1)                   # [N, H, d/2] each
+        cos_sin = torch.view_as_real(freqs)[:, None].to(real.dtype)    # [N, 1, d/2, 2]
+        cos, sin = cos_sin.unbind(-1)
+        return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2).type_as(x)
     pairs = torch.view_as_complex(real.reshape(*x.shape[:-1], -1, 2))  # [N, H, d/2]
     rotated = pairs * freqs.to(pairs.dtype)[:, None, :]
     return torch.view_as_real(rotated).flatten(-2).type_as(x)
