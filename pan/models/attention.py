@@ -101,6 +101,9 @@ def frame_group_attention(q: Tensor, k: Tensor, v: Tensor, groups: FrameGroups, 
     """One block-causal segment, q/k/v [Ls, H, d], without a mask: each run of same-frame query rows
     attends the prefix of the frame-sorted keys that holds exactly the rows of frames <= its own.
     Cost sum over runs of n_run * visible instead of Ls^2 (about half at many frames)."""
+    # the CPU flash op is what SDPA runs on CPU unless the caller turned it off (sdpa_kernel(MATH))
+    if kernel is sdpa_rows and q.device.type == "cpu" and torch.backends.cuda.flash_sdp_enabled():
+        return _CpuFlashFrameGroups.apply(q, k, v, groups)
     return _FrameGroupAttention.apply(q, k, v, groups, kernel)
 
 
@@ -152,6 +155,51 @@ class _FrameGroupAttention(torch.autograd.Function):
 
 def _as_is(t: Tensor) -> Tensor:
     return t
+
+
+_CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_CPU_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _heads_first(t: Tensor) -> Tensor:
+    return t.transpose(0, 1).unsqueeze(0)                               # [n, H, d] -> [1, H, n, d] view
+
+
+class _CpuFlashFrameGroups(torch.autograd.Function):
+    """`frame_group_attention` with SDPA's CPU flash kernel called directly, forward and backward
+    (the op `sdpa_rows` reaches on CPU: bit-identical results). The generic path builds, and walks
+    in its backward, a small autograd graph per run; at hundreds of short runs a step (the temporal
+    pyramid's history frames) that bookkeeping cost ~10% of the attention's CPU time. Each run's
+    output and log-sum-exp are kept as plain attributes, like the generic path's run graphs (see
+    `_FrameGroupAttention` on activation checkpointing)."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, groups: FrameGroups) -> Tensor:
+        ks, vs = (k, v) if groups.keys_in_order else (t.index_select(0, groups.key_order) for t in (k, v))
+        runs = [tuple(_heads_first(t) for t in (q[start:end], ks[:visible], vs[:visible]))
+                for start, end, visible in groups.runs]
+        results = [_CPU_FLASH(*run) for run in runs]                    # (out [1, H, n, d], lse [1, H, n])
+        if any(ctx.needs_input_grad[:3]):
+            ctx.groups, ctx.runs, ctx.results = groups, runs, results
+            ctx.key_meta = ((k.shape, k.dtype), (v.shape, v.dtype))   # of the gradients to return
+        return torch.cat([out[0].transpose(0, 1) for out, _ in results])  # runs back to back: segment order
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):
+        groups, runs, results = ctx.groups, ctx.runs, ctx.results
+        ctx.runs = ctx.results = None                                   # used once
+        dk, dv = (grad.new_zeros(shape, dtype=dtype) for shape, dtype in ctx.key_meta)  # frame-sorted order
+        dqs = []
+        for (start, end, visible), run, (out, lse) in zip(groups.runs, runs, results):
+            gq, gk, gv = _CPU_FLASH_BACKWARD(_heads_first(grad[start:end]), *run, out, lse, 0.0, False)
+            dqs.append(gq[0].transpose(0, 1))
+            dk[:visible] += gk[0].transpose(0, 1)
+            dv[:visible] += gv[0].transpose(0, 1)
+        dq = torch.cat(dqs)                                             # runs back to back: segment order
+        if not groups.keys_in_order:
+            dk, dv = (t.index_select(0, groups.key_inverse) for t in (dk, dv))
+        return dq, dk, dv, None
 
 
 def _per_segment(q: Tensor, k: Tensor, v: Tensor, segments: AttnSegments, full: Kernel,
