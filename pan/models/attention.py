@@ -204,14 +204,14 @@ class _CpuFlashFrameGroups(torch.autograd.Function):
 
 def _per_segment(q: Tensor, k: Tensor, v: Tensor, segments: AttnSegments, full: Kernel,
                  block_causal: Callable[[Tensor, Tensor, Tensor, FrameGroups], Tensor]) -> Tensor:
-    """Run each segment through `full` or `block_causal` (by its rule) and concatenate the outputs."""
+    """Run each segment through `full` or `block_causal` (by its rule) and concatenate the outputs.
+
+    Segments are cut with `split`, whose backward is one concatenation of their gradients (slicing
+    would give each segment a zero-filled gradient the size of the pack, summed per tensor)."""
     groups = segments.frame_groups or (None,) * len(segments.seqlens)
-    outs, start = [], 0
-    for n, group in zip(segments.seqlens, groups):
-        if n:
-            qs, ks, vs = (t[start:start + n] for t in (q, k, v))
-            outs.append(full(qs, ks, vs) if group is None else block_causal(qs, ks, vs, group))
-        start += n
+    sizes = list(segments.seqlens)
+    outs = [full(qs, ks, vs) if group is None else block_causal(qs, ks, vs, group)
+            for qs, ks, vs, group in zip(q.split(sizes), k.split(sizes), v.split(sizes), groups) if qs.shape[0]]
     return torch.cat(outs) if outs else torch.empty_like(q)   # all segments empty: no rows
 
 
