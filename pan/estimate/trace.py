@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pan.estimate.probe import Probe, run_device
@@ -39,11 +40,32 @@ VIEW_LIKE = {aten.view.default, aten._unsafe_view.default, aten.t.default, aten.
 
 
 def _tensors(tree) -> list[Tensor]:
-    return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, Tensor)]
+    """The tensors among `tree`'s pytree leaves, in their order. An operation's arguments and
+    results are plain tuples, lists and dicts of tensors and scalars: those are walked here (pytree's
+    own walk costs more than the rest of the counting); any other container is pytree's."""
+    out: list[Tensor] = []
+    _collect(tree, out)
+    return out
 
 
-def _nbytes(t: Tensor) -> int:
-    return t.untyped_storage().nbytes()
+_SCALARS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+                      torch.memory_format, torch.Size})
+
+
+def _collect(x, out: list[Tensor]) -> None:
+    kind = type(x)
+    if kind is tuple or kind is list or kind is dict:
+        for y in (x.values() if kind is dict else x):
+            if type(y) in _SCALARS:
+                continue
+            if isinstance(y, Tensor):
+                out.append(y)
+            else:
+                _collect(y, out)
+    elif isinstance(x, Tensor):
+        out.append(x)
+    elif kind not in _SCALARS:
+        out.extend(t for t in torch.utils._pytree.tree_leaves(x) if isinstance(t, Tensor))
 
 
 CONV_SHARE, MAX_TIMED_CONVS = 0.8, 6
@@ -92,6 +114,30 @@ class Work:
 def _is_attention(func) -> bool:
     name = func.name()
     return "attention" in name and "aten::" in name
+
+
+# What the counter does with an operation (`_kind_of`, once per operation): a query of a fake
+# tensor's device (`t.device` in Python or C++: most of a fake step's dispatches), a matmul, a
+# convolution, attention (forward or backward), a view (or an allocation), else memory-bound work.
+DEVICE, MATMUL, CONV, ATTENTION, ATTENTION_BACKWARD, VIEW, MEMORY = range(7)
+_KINDS: dict = {}
+
+
+def _kind_of(func) -> int:
+    kind = _KINDS.get(func)
+    if kind is None:
+        if func is torch.ops.prim.device.default:
+            kind = DEVICE
+        elif func in MATMUL_OPS:
+            kind = MATMUL
+        elif func in CONV_OPS:
+            kind = CONV
+        elif _is_attention(func):
+            kind = ATTENTION_BACKWARD if "backward" in func.name() else ATTENTION
+        else:
+            kind = VIEW if func in VIEW_LIKE else MEMORY
+        _KINDS[func] = kind
+    return kind
 
 
 class StepTrace(TorchDispatchMode):
@@ -152,16 +198,16 @@ class StepTrace(TorchDispatchMode):
             self.live[key] = (size, "gradients")
 
     # -- work ----------------------------------------------------------------------------------
-    def _count(self, func, args, kwargs, out) -> None:
+    def _count(self, func, args, kwargs, out, kind: int) -> None:
         w = self.work
         w.operations += 1
-        if func in MATMUL_OPS:
+        if kind == MATMUL:
             a, b = args[-2], args[-1]
             m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
             batch = a.shape[0] if a.dim() == 3 else 1
             w.matmul_flops += 2.0 * batch * m * k * n
             w.largest_gemm = max(w.largest_gemm, (batch * m, k, n), key=math.prod)
-        elif func in CONV_OPS:
+        elif kind == CONV:
             weight = args[1] if func is aten.convolution.default else args[2]
             result = out if func is aten.convolution.default else args[0]   # the output (or its grad)
             per_output = 2.0 * math.prod(weight.shape[1:])
@@ -173,30 +219,48 @@ class StepTrace(TorchDispatchMode):
                 x, _, _, stride, padding, dilation, _, _, groups = args
                 spec = (tuple(x.shape), tuple(weight.shape), tuple(stride), tuple(padding), tuple(dilation), groups)
                 w.conv_shapes[spec] = w.conv_shapes.get(spec, 0.0) + per_output * result.numel()
-        elif _is_attention(func):
+        elif kind == ATTENTION or kind == ATTENTION_BACKWARD:
             q = args[0]
             if q.dim() == 4:                      # [B, H, L, d]
                 b, h, lq, d = q.shape
                 lk = args[1].shape[-2]
             else:                                 # varlen [L, H, d]
                 (lq, h, d), b, lk = q.shape, 1, args[1].shape[0]
-            passes = 2.5 if "backward" in func.name() else 1.0
+            passes = 2.5 if kind == ATTENTION_BACKWARD else 1.0
             w.attention_flops += passes * 4.0 * b * h * lq * lk * d
             w.longest_attention = max(w.longest_attention, (b * h, lq, d), key=math.prod)
-        elif func not in VIEW_LIKE:
+        elif kind != VIEW:
             w.memory_bytes += sum(t.numel() * t.element_size() for t in _tensors((args, kwargs, out)))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kind = _KINDS.get(func)
+        if kind is None:
+            kind = _kind_of(func)
+        if kind == DEVICE and not kwargs and len(args) == 1 and isinstance(args[0], FakeTensor):
+            # A fake tensor's device, asked on every use of it (C++ included): most of a fake step's
+            # dispatches. Answered as fake mode answers it, without the round trip through the
+            # dispatcher. Counted as before (an operation, its tensor's bytes as memory-bound work):
+            # on a real tensor it is a field read, yet without these counts the step-time model
+            # underestimates steps of many small operations (the VAE with its discriminator: 0.62x
+            # its measured step, tests/test_estimate.py), so they stand in for per-operation costs
+            # the model does not otherwise count.
+            t = args[0]
+            self.work.operations += 1
+            self.work.memory_bytes += t.numel() * t.element_size()
+            return torch.device("meta") if t.fake_mode.in_kernel_invocation else t.fake_device
         kwargs = kwargs or {}
         if func is aten._local_scalar_dense.default:
             # A value read back (a logged loss, the VAE's adaptive GAN weight): fake tensors have
             # none. It reads 1; a step's shapes, all the trace needs, do not depend on it.
             return True if args[0].dtype is torch.bool else 1 if not args[0].is_floating_point() else 1.0
         out = func(*args, **kwargs)
-        self._count(func, args, kwargs, out)
-        kind = "attention" if _is_attention(func) else "activations"
-        for t in _tensors(out):
-            self._track(t, kind)
+        self._count(func, args, kwargs, out, kind)
+        kind = "attention" if kind == ATTENTION or kind == ATTENTION_BACKWARD else "activations"
+        if isinstance(out, Tensor):
+            self._track(out, kind)
+        else:
+            for t in _tensors(out):
+                self._track(t, kind)
         return out
 
 
@@ -303,8 +367,7 @@ class Layout:
         return cls(shard, 2 if job.trainer.dtype == "bf16" else 4)
 
 
-def fake_mode():
-    from torch._subclasses.fake_tensor import FakeTensorMode
+def fake_mode() -> FakeTensorMode:
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
