@@ -221,13 +221,10 @@ def ar_rows_without_latents(w: Work) -> list[str]:
 HUGE_PYRAMID = ["--resolution_buckets", '["896x512"]', "--max_frames", "5", "--max_tokens_per_batch", "10000000000"]
 
 # A micro-batch no test machine holds, on the tiny VAE: 400 of the synthetic clips at 512x512 (9
-# frames each, one stacked batch of 943,718,400 pixels), ~580 GiB of activations even fully
-# checkpointed, traced on fake tensors only. Full checkpointing leaves `pan check` one change to
-# try (a smaller max_tokens_per_batch), not three: each tried change re-times the main convolutions
-# on real tensors (capped at 2**22 elements, pan.estimate.cost.convolution_rate), ~5 s each here.
+# frames each, one stacked batch of 943,718,400 pixels), ~1 TiB of activations (~580 GiB even fully
+# checkpointed), traced on fake tensors only.
 HUGE_VAE = ["--resolution_buckets", '["512x512"]', "--max_samples_per_batch", "400",
-            "--max_tokens_per_batch", str(400 * 9 * 512 * 512),
-            "--enable_gradient_checkpointing", "true", "--use_dedicated_gradient_checkpointing", "false"]
+            "--max_tokens_per_batch", str(400 * 9 * 512 * 512)]
 
 
 @dataclass

@@ -230,14 +230,8 @@ MAX_MEASURED_WIDTH = 4096
 
 
 def rates_for(work: Work, dtype: str) -> Rates:
-    """`measure_rates` for the shapes of `work`, once per process for each."""
-    return _cached_rates(work.largest_gemm, work.longest_attention, work.main_convs(), dtype)
-
-
-@functools.cache
-def _cached_rates(gemm: tuple[int, int, int], attention_shape: tuple[int, int, int], convs: tuple,
-                  dtype: str) -> Rates:
-    return measure_rates(gemm, attention_shape, convs, dtype)
+    """`measure_rates` for the shapes of `work` (each kernel timed once per process and shape)."""
+    return measure_rates(work.largest_gemm, work.longest_attention, work.main_convs(), dtype)
 
 
 def measure_rates(gemm: tuple[int, int, int], attention_shape: tuple[int, int, int], convs: tuple,
@@ -247,22 +241,15 @@ def measure_rates(gemm: tuple[int, int, int], attention_shape: tuple[int, int, i
     device = run_device()
     compute = torch.bfloat16 if dtype == "bf16" else torch.float32
     m, k, n = (min(x, cap) for x, cap in zip(gemm, (MAX_MEASURED_ROWS, MAX_MEASURED_WIDTH, MAX_MEASURED_WIDTH)))
-    a, b = torch.randn(m, k, device=device, dtype=compute), torch.randn(k, n, device=device, dtype=compute)
-    matmul = 2.0 * m * k * n / _timed(lambda: a @ b, device)
+    matmul = matmul_rate(m, k, n, device, compute)
     heads, length, dim = attention_shape
     length = min(length, MAX_MEASURED_ROWS)
     # Heads run one after the other on a CPU: one long one times the rate as well as many.
     most_heads = 1 if device.type == "cpu" else MAX_MEASURED_ROWS * 16 // length
     heads = min(heads, max(1, most_heads))
-    q = torch.randn(1, heads, length, dim, device=device, dtype=compute, requires_grad=True)
-
-    def attend():
-        out = torch.nn.functional.scaled_dot_product_attention(q, q, q)
-        out.backward(torch.ones_like(out))
-    attention = 3.5 * 4.0 * heads * length * length * dim / _timed(attend, device)
+    attention = attention_rate(heads, length, dim, device, compute)
     # Elementwise work runs on activations: a pass over one of the size of the largest GEMM's output.
-    x = torch.randn(min(gemm[0] * gemm[2], 8 * 2 ** 20), device=device, dtype=compute)
-    memory = 3 * x.numel() * x.element_size() / _timed(lambda: torch.add(x, x), device)
+    memory = memory_rate(min(gemm[0] * gemm[2], 8 * 2 ** 20), device, compute)
     operation = operation_seconds(device)
     # The rate of their FLOPs together: each shape's time at its own rate.
     convolution = (sum(f for _, f in convs) / sum(f / convolution_rate(spec, device, compute) for spec, f in convs)
@@ -275,6 +262,31 @@ def measure_rates(gemm: tuple[int, int, int], attention_shape: tuple[int, int, i
                  f"{memory / 1e9:,.1f} GB/s, {operation * 1e6:,.1f} us per operation")
 
 
+# Each kernel rate below is timed once per process for each (capped) shape: `pan check` plans a run
+# again for every change it tries, and the shapes timed rarely change between them.
+
+@functools.cache
+def matmul_rate(m: int, k: int, n: int, device: torch.device, compute: torch.dtype) -> float:
+    a, b = torch.randn(m, k, device=device, dtype=compute), torch.randn(k, n, device=device, dtype=compute)
+    return 2.0 * m * k * n / _timed(lambda: a @ b, device)
+
+
+@functools.cache
+def attention_rate(heads: int, length: int, dim: int, device: torch.device, compute: torch.dtype) -> float:
+    q = torch.randn(1, heads, length, dim, device=device, dtype=compute, requires_grad=True)
+
+    def attend():
+        out = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+        out.backward(torch.ones_like(out))
+    return 3.5 * 4.0 * heads * length * length * dim / _timed(attend, device)
+
+
+@functools.cache
+def memory_rate(numel: int, device: torch.device, compute: torch.dtype) -> float:
+    x = torch.randn(numel, device=device, dtype=compute)
+    return 3 * x.numel() * x.element_size() / _timed(lambda: torch.add(x, x), device)
+
+
 MAX_MEASURED_CONV_INPUT = 2 ** 22     # elements: the batch, then the first spatial axis are cut to this
 
 
@@ -284,7 +296,14 @@ def convolution_rate(spec: tuple, device: torch.device, compute: torch.dtype) ->
     batch = max(1, min(shape[0], MAX_MEASURED_CONV_INPUT // math.prod(shape[1:])))
     per_row = math.prod(shape[1:]) // shape[2]
     rows = max(min(shape[2], MAX_MEASURED_CONV_INPUT // per_row), weight_shape[2])
-    x = torch.randn(batch, shape[1], rows, *shape[3:], device=device, dtype=compute)
+    return _convolution_rate((batch, shape[1], rows, *shape[3:]), tuple(weight_shape), tuple(stride),
+                             tuple(padding), tuple(dilation), groups, device, compute)
+
+
+@functools.cache
+def _convolution_rate(shape: tuple, weight_shape: tuple, stride: tuple, padding: tuple, dilation: tuple,
+                      groups: int, device: torch.device, compute: torch.dtype) -> float:
+    x = torch.randn(shape, device=device, dtype=compute)
     weight = torch.randn(weight_shape, device=device, dtype=compute)
 
     def convolve():
@@ -293,6 +312,7 @@ def convolution_rate(spec: tuple, device: torch.device, compute: torch.dtype) ->
     return 2.0 * math.prod(weight_shape[1:]) * out.numel() / _timed(convolve, device)
 
 
+@functools.cache
 def operation_seconds(device: torch.device) -> float:
     """The fixed cost of one operation: a chain of them on a few numbers, forward and backward,
     timed, over the operations the trace counts in it."""
