@@ -230,8 +230,14 @@ MAX_MEASURED_WIDTH = 4096
 
 
 def rates_for(work: Work, dtype: str) -> Rates:
-    """`measure_rates` for the shapes of `work` (each kernel timed once per process and shape)."""
-    return measure_rates(work.largest_gemm, work.longest_attention, work.main_convs(), dtype)
+    """`measure_rates` for the shapes of `work`, once per process for each."""
+    return _cached_rates(work.largest_gemm, work.longest_attention, work.main_convs(), dtype)
+
+
+@functools.cache
+def _cached_rates(gemm: tuple[int, int, int], attention_shape: tuple[int, int, int], convs: tuple,
+                  dtype: str) -> Rates:
+    return measure_rates(gemm, attention_shape, convs, dtype)
 
 
 def measure_rates(gemm: tuple[int, int, int], attention_shape: tuple[int, int, int], convs: tuple,
@@ -262,16 +268,11 @@ def measure_rates(gemm: tuple[int, int, int], attention_shape: tuple[int, int, i
                  f"{memory / 1e9:,.1f} GB/s, {operation * 1e6:,.1f} us per operation")
 
 
-# Each kernel rate below is timed once per process for each (capped) shape: `pan check` plans a run
-# again for every change it tries, and the shapes timed rarely change between them.
-
-@functools.cache
 def matmul_rate(m: int, k: int, n: int, device: torch.device, compute: torch.dtype) -> float:
     a, b = torch.randn(m, k, device=device, dtype=compute), torch.randn(k, n, device=device, dtype=compute)
     return 2.0 * m * k * n / _timed(lambda: a @ b, device)
 
 
-@functools.cache
 def attention_rate(heads: int, length: int, dim: int, device: torch.device, compute: torch.dtype) -> float:
     q = torch.randn(1, heads, length, dim, device=device, dtype=compute, requires_grad=True)
 
@@ -281,7 +282,6 @@ def attention_rate(heads: int, length: int, dim: int, device: torch.device, comp
     return 3.5 * 4.0 * heads * length * length * dim / _timed(attend, device)
 
 
-@functools.cache
 def memory_rate(numel: int, device: torch.device, compute: torch.dtype) -> float:
     x = torch.randn(numel, device=device, dtype=compute)
     return 3 * x.numel() * x.element_size() / _timed(lambda: torch.add(x, x), device)
@@ -300,6 +300,9 @@ def convolution_rate(spec: tuple, device: torch.device, compute: torch.dtype) ->
                              tuple(padding), tuple(dilation), groups, device, compute)
 
 
+# Timed once per process for each (capped) shape: `pan check` plans a run again for every change it
+# tries, and a VAE's convolutions (several seconds of timing) rarely change shape between them. The
+# cheap rates above are timed again for each new set of shapes, close to the step they estimate.
 @functools.cache
 def _convolution_rate(shape: tuple, weight_shape: tuple, stride: tuple, padding: tuple, dilation: tuple,
                       groups: int, device: torch.device, compute: torch.dtype) -> float:
@@ -312,7 +315,6 @@ def _convolution_rate(shape: tuple, weight_shape: tuple, stride: tuple, padding:
     return 2.0 * math.prod(weight_shape[1:]) * out.numel() / _timed(convolve, device)
 
 
-@functools.cache
 def operation_seconds(device: torch.device) -> float:
     """The fixed cost of one operation: a chain of them on a few numbers, forward and backward,
     timed, over the operations the trace counts in it."""
