@@ -137,20 +137,25 @@ class _FrameGroupAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: Tensor):
-        groups, (outs, runs) = ctx.groups, ctx.graphs
-        ctx.graphs = None                                               # each run's graph is used once
-        dqs = []
-        dk, dv = (grad.new_zeros(shape, dtype=dtype) for shape, dtype in ctx.key_meta)  # frame-sorted order
-        # run by run, so only one run's key/value gradients exist at a time (O(Ls) memory)
-        for (start, end, visible), out, inputs in zip(groups.runs, outs, runs):
-            gq, gk, gv = torch.autograd.grad(out, inputs, grad[start:end])
-            dqs.append(gq)
-            dk[:visible] += gk
-            dv[:visible] += gv
-        dq = torch.cat(dqs)                                             # runs back to back: segment order
-        if not groups.keys_in_order:
-            dk, dv = (t.index_select(0, groups.key_inverse) for t in (dk, dv))
-        return dq, dk, dv, None, None
+        (outs, runs), ctx.graphs = ctx.graphs, None                     # each run's graph is used once
+        run_grads = (torch.autograd.grad(out, inputs, grad[start:end])
+                     for (start, end, _), out, inputs in zip(ctx.groups.runs, outs, runs))
+        return *_gather_run_gradients(ctx.groups, ctx.key_meta, grad, run_grads), None, None
+
+
+def _gather_run_gradients(groups: FrameGroups, key_meta, grad: Tensor, run_grads) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of a segment from its runs' (gq, gk, gv) [n_run or visible, H, d], taken one run
+    at a time (only one run's key/value gradients exist at once: O(Ls) memory): the key/value ones
+    summed into one buffer in frame-sorted order, then put back in the segment's order."""
+    dk, dv = (grad.new_zeros(shape, dtype=dtype) for shape, dtype in key_meta)
+    dqs = []
+    for (_, _, visible), (gq, gk, gv) in zip(groups.runs, run_grads):
+        dqs.append(gq)
+        dk[:visible] += gk
+        dv[:visible] += gv
+    if not groups.keys_in_order:
+        dk, dv = (t.index_select(0, groups.key_inverse) for t in (dk, dv))
+    return torch.cat(dqs), dk, dv                                       # dq: runs back to back, segment order
 
 
 def _as_is(t: Tensor) -> Tensor:
@@ -187,19 +192,11 @@ class _CpuFlashFrameGroups(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: Tensor):
-        groups, runs, results = ctx.groups, ctx.runs, ctx.results
-        ctx.runs = ctx.results = None                                   # used once
-        dk, dv = (grad.new_zeros(shape, dtype=dtype) for shape, dtype in ctx.key_meta)  # frame-sorted order
-        dqs = []
-        for (start, end, visible), run, (out, lse) in zip(groups.runs, runs, results):
-            gq, gk, gv = _CPU_FLASH_BACKWARD(_heads_first(grad[start:end]), *run, out, lse, 0.0, False)
-            dqs.append(gq[0].transpose(0, 1))
-            dk[:visible] += gk[0].transpose(0, 1)
-            dv[:visible] += gv[0].transpose(0, 1)
-        dq = torch.cat(dqs)                                             # runs back to back: segment order
-        if not groups.keys_in_order:
-            dk, dv = (t.index_select(0, groups.key_inverse) for t in (dk, dv))
-        return dq, dk, dv, None
+        (runs, results), ctx.runs, ctx.results = (ctx.runs, ctx.results), None, None   # used once
+        run_grads = ((g[0].transpose(0, 1) for g in
+                      _CPU_FLASH_BACKWARD(_heads_first(grad[start:end]), *run, out, lse, 0.0, False))
+                     for (start, end, _), run, (out, lse) in zip(ctx.groups.runs, runs, results))
+        return *_gather_run_gradients(ctx.groups, ctx.key_meta, grad, run_grads), None
 
 
 def _per_segment(q: Tensor, k: Tensor, v: Tensor, segments: AttnSegments, full: Kernel,
