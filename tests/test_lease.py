@@ -285,17 +285,17 @@ def test_a_warned_slurm_job_saves_requeues_itself_and_resumes(slurm_cluster, tmp
 def test_a_job_warned_by_its_real_time_limit_saves_requeues_itself_and_finishes(slurm_cluster, tmp_path):
     """The same through a real time limit: `--time=2 --signal=B:USR1@30`. slurmctld checks time
     limits every 30 s and sends the warning up to 30 s early, so it comes 60-90 s into the run, which
-    is made slow enough to be still training then (0.2 s a step, in the first run only). The job
-    saves, requeues itself before the limit, and its second run finishes: the weights of an
-    uninterrupted run, every step trained once."""
-    steps = 1000
+    is made slow enough to be still training then (0.5 s a step, in the first run only: at most 180 of
+    its 300 steps by then). The job saves, requeues itself before the limit, and its second run
+    finishes: the weights of an uninterrupted run, every step trained once."""
+    steps = 300
     straight, warned = tmp_path / "straight", tmp_path / "warned"
 
     def config(name: str, output_dir: Path, sleep: float) -> Path:
         path = toy_config(tmp_path / f"{name}.yaml", output_dir, max_steps=steps)
         cfg = yaml.safe_load(path.read_text())
         cfg["model"].update(toy_step_sleep=sleep, toy_sleep_first_run_only=True)
-        cfg["output"].update(save_interval=100, log_interval=10)
+        cfg["output"].update(save_interval=50, log_interval=10)
         path.write_text(yaml.safe_dump(cfg))
         return path
     run_to_end(config("straight", straight, 0.0), tmp_path / "straight.log", world_size=2, **PLUGIN)
@@ -306,7 +306,7 @@ def test_a_job_warned_by_its_real_time_limit_saves_requeues_itself_and_finishes(
            "MASTER_PORT": str(free_port())}
     submitted = subprocess.run(["sbatch", "--parsable", "--time=2", "--signal=B:USR1@30", "--requeue",
                                 "--open-mode=append", f"--output={log}", str(ROOT / "scripts" / "pretrain.sh"),
-                                str(config("warned", warned, 0.2))],
+                                str(config("warned", warned, 0.5))],
                                env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60, check=True)
     job = submitted.stdout.strip().split(";")[0]
 
