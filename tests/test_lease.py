@@ -184,7 +184,7 @@ def test_a_second_launch_is_refused_then_takes_over_once_the_first_is_killed(tmp
     second = start_train(config, second_log)
     assert second.wait(timeout=120) == 2, second_log.read_text()
     refusal = second_log.read_text()
-    assert f"is in use by the run started" in refusal and f"pids [{first.pid}]" in refusal, refusal
+    assert "is in use by the run started" in refusal and f"pids [{first.pid}]" in refusal, refusal
     assert first.poll() is None  # the first run was not disturbed
 
     wait_for(lambda: layout.complete_checkpoints(out), "the first launch saves", log)

@@ -50,8 +50,12 @@ VAE_OVERRIDES = {
     "lr_decay_floor_ratio": 0.1,
     "latent_channels": 8,
     "temporal_down_stages": 1,
+    # A second residual block per decoder stage: +0.9 dB at 1600 steps for ~15% more time a step.
+    "decoder_layers_per_block": 2,
+    # Decoding the MP4s in the training process left the step waiting for it 13-30% of the time.
+    "packed_dataloader_num_workers": 1,
 }
-VAE_STEPS = 800
+VAE_STEPS = 2400
 # --quick: every output of the pipeline from a couple of steps, not a VAE that reconstructs.
 QUICK = {"num_train": 8, "num_heldout": 2, "steps": 2}
 
