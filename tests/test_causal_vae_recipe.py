@@ -343,6 +343,7 @@ def preflight_rows(args: list[str], gpus_per_node: int = 1) -> dict[str, list]:
     return rows
 
 
+@needs_reference
 def test_pan_check_estimates_a_run_with_lpips(lpips_file, tmp_path):
     """The memory and step-time rows trace the LPIPS term too (its VGG is a frozen helper of the
     probe; its meta buffers once made the trace fail on every VAE config with LPIPS)."""
@@ -409,6 +410,7 @@ def test_the_trained_vae_is_the_frozen_encoder_of_a_tiny_pan_run(stage1, tmp_pat
 # Launch workflow
 # ----------------------------------------------------------------------------------------------
 
+@needs_reference
 def test_launch_command_prints_each_stage_or_both_chained(tmp_path, capsys, monkeypatch):
     from pan.launch_command import main_launch_command
 
@@ -439,6 +441,7 @@ def test_launch_command_prints_each_stage_or_both_chained(tmp_path, capsys, monk
 
 
 
+@needs_reference
 def test_a_context_group_that_does_not_fit_the_node_is_refused_by_launch_command_and_the_layout_row(
         tmp_path, capsys, monkeypatch):
     """What the task refuses for a layout (context_size 2 on 3 processes per node), launch-command

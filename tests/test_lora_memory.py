@@ -15,12 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from pyramid_reference import REFERENCE, needs_reference
 
 from pan.config import load_job_config
 from pan.preflight import Preflight, lora_base_too_large, main_check
 
 REPO = Path(__file__).resolve().parents[1]
-REFERENCE_VAE = REPO.parent / "shared" / "reference" / "pyramid_flow" / "causal_vae" / "causal_video_vae"
+REFERENCE_VAE = REFERENCE / "causal_vae" / "causal_video_vae"
 
 # pyramid-flow-miniflux's diffusion_transformer_384p/config.json (the 768p variant's is the same DiT):
 # 30 heads of 64 (width 1920), 8 double- and 16 single-stream blocks, 1.97B parameters.
@@ -65,6 +66,7 @@ def memory_row(args: list[str], capsys) -> dict:
     return {**row, "estimate": out.get("estimate"), "fitting_changes": out.get("fitting_changes", [])}
 
 
+@needs_reference
 def test_the_384p_lora_config_fits_24_gb_and_full_fine_tuning_does_not(released, tmp_path, capsys):
     lora = memory_row(argv(released, tmp_path, "384p", "--device-memory", "24"), capsys)
     assert lora["status"] == "pass", lora["detail"]
@@ -82,6 +84,7 @@ def test_the_384p_lora_config_fits_24_gb_and_full_fine_tuning_does_not(released,
     assert ("lora_rank",) in changes and all(total <= 24 * 2**30 for total in changes.values()), changes
 
 
+@needs_reference
 def test_the_estimate_counts_a_lora_part_from_its_meta_parameters(released, tmp_path):
     job = load_job_config(argv(released, tmp_path), warn=lambda m: None)
     ctx = Preflight(job, 1, 1, device_memory=24)
@@ -108,6 +111,7 @@ def test_the_estimate_counts_a_lora_part_from_its_meta_parameters(released, tmp_
     assert len(ctx.model_shapes) == len(base)
 
 
+@needs_reference
 def test_the_768p_lora_config_fits_one_80_gb_gpu(released, tmp_path, capsys):
     row = memory_row(argv(released, tmp_path, "768p", "--device-memory", "80"), capsys)
     assert row["status"] == "pass", row["detail"]

@@ -605,6 +605,7 @@ def test_pan_check_reports_the_sync_groups_and_the_annotation_rows(tmp_path, rel
     assert full.status == "pass" and "each 2 rank(s) x 2 micro-batch(es)" in full.detail, full
 
 
+@needs_reference
 def test_launch_command_prints_the_ar_workflow_or_refuses(tmp_path, released, capsys):
     from pan.launch_command import main_launch_command
     from slurm_cluster import REPO_ROOT
