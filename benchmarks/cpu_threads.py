@@ -1,8 +1,9 @@
-"""The Pan demo's training step alone and beside one busy process, for each way of choosing CPU
-threads: the evidence for pan's choice (pan/parallel/threads.py).
+"""A demo's training step alone and beside one busy process, for each way of choosing CPU threads:
+the evidence for pan's choice (pan/parallel/threads.py).
 
-Each setting trains the demo's model (`pan demo`'s config, data and precomputed clips) for
-`--steps` steps in a fresh process (OpenMP reads its environment once, at start) and reports the
+Each setting trains the demo's model (`--demo pan`: `pan demo`'s config, data and precomputed clips;
+`--demo causal_vae` / `pyramid_flow_ar`: that recipe demo's config, data and tiny model folder, with
+its data worker process) for `--steps` steps in a fresh process (OpenMP reads its environment once, at start) and reports the
 median wall time of a step after `--skip` warm-up steps, from the run's metrics.jsonl. "beside 1
 busy" starts a process that spins on one core (`while True: pass`) before the run and stops it
 after. The settings:
@@ -11,7 +12,8 @@ after. The settings:
 - `OMP_NUM_THREADS=1`; `OMP_NUM_THREADS=<cores>` (torch's default); the same with
   `OMP_WAIT_POLICY=PASSIVE` (waiting threads sleep instead of spinning).
 
-    python benchmarks/cpu_threads.py [--steps 30] [--out benchmarks/results/cpu_threads.json]
+    python benchmarks/cpu_threads.py [--demo pan] [--steps 30] [--out benchmarks/results/cpu_threads.json]
+    python benchmarks/cpu_threads.py --demo all   # the three demos, one table (--out: cpu_threads_all.json)
     python benchmarks/cpu_threads.py --quick      # 2 settings, 4 steps: the script's smoke test
 
 Columns: `alone_s`, `busy_s` (median step seconds), `busy/alone`, and `vs best alone` (busy_s over
@@ -43,20 +45,66 @@ def settings(cores: int, quick: bool) -> dict[str, dict[str, str]]:
     return dict(list(every.items())[:2]) if quick else every
 
 
-def child(work: Path, steps: int, quick: bool) -> None:
-    """Train the demo's model for `steps` steps in this process (what `pan demo` trains)."""
+DEMOS = ("pan", "causal_vae", "pyramid_flow_ar")
+
+
+def pan_demo_job(work: Path, steps: int, quick: bool):
+    """`pan demo`'s job (its command line), on its data and precomputed clips, for `steps` steps."""
     from pan.config import load_config_or_exit
     from pan.demo.main import job_argv, make_data, parse_args, precompute_clips
-    from pan.parallel.threads import set_cpu_threads
-    from pan.trainer import build_trainer
 
-    set_cpu_threads()
     args = parse_args(["--out", str(work), "--steps", str(steps), *(["--quick"] if quick else [])])
     data = make_data(work / "data", Path(args.config), args.quick)
     source = load_config_or_exit(job_argv(args, data["train_csv"], work / "prep"))
     csv = precompute_clips(source, work / "data" / "latents")
+    return lambda run: job_argv(args, csv, run)
+
+
+def causal_vae_demo_job(work: Path, steps: int, quick: bool):
+    """`pan demo --recipe causal_vae`'s job (no validation: only its training steps are timed)."""
+    from pan.demo import recipes
+
+    args = recipes.parse_args(["--recipe", "causal_vae", "--out", str(work), "--steps", str(steps),
+                               *(["--quick"] if quick else [])])
+    data = recipes.make_data(work / "data-vae", args.quick)
+    config = recipes.CONFIG_DIR / "causal_vae_tiny.yaml"
+    def job(run: Path) -> list[str]:
+        overrides = recipes.vae_job_overrides(args, data, run)
+        for key in ("validation_interval", "validation_csv", "validation_clips"):
+            overrides.pop(key)
+        return recipes.job_argv(config, overrides)
+    return job
+
+
+def pyramid_flow_ar_demo_job(work: Path, steps: int, quick: bool):
+    """`pan demo --recipe pyramid_flow_ar`'s job, on its tiny released-layout model folder."""
+    import yaml
+
+    from pan.demo import recipes
+
+    args = recipes.parse_args(["--recipe", "pyramid_flow_ar", "--out", str(work), "--steps", str(steps),
+                               *(["--quick"] if quick else [])])
+    data = recipes.make_data(work / "data-ar", args.quick, recipes.AR_SIZE, recipes.AR_FRAMES)
+    model = recipes.write_tiny_pyramid_model(work / "model-ar", "diffusion_transformer_384p")
+
+    def job(run: Path):
+        config = run.parent / f"{run.name}.yaml"
+        config.write_text(yaml.safe_dump(recipes.ar_config(args, data, model, run), sort_keys=False))
+        return ["--config", str(config)]
+    return job
+
+
+def child(demo: str, work: Path, steps: int, quick: bool) -> None:
+    """Train `demo`'s model for `steps` steps in this process (what that demo trains)."""
+    from pan.config import load_config_or_exit
+    from pan.parallel.threads import set_cpu_threads
+    from pan.trainer import build_trainer
+
+    set_cpu_threads()
+    argv_for = {"pan": pan_demo_job, "causal_vae": causal_vae_demo_job,
+                "pyramid_flow_ar": pyramid_flow_ar_demo_job}[demo](work, steps, quick)
     run = work / f"run-{os.getpid()}"
-    job = load_config_or_exit([*job_argv(args, csv, run), "--log_interval", "1", "--save_interval", str(10 * steps)])
+    job = load_config_or_exit([*argv_for(run), "--log_interval", "1", "--save_interval", str(10 * steps)])
     trainer = build_trainer(job)
     try:
         trainer.fit()
@@ -67,14 +115,15 @@ def child(work: Path, steps: int, quick: bool) -> None:
     print("STEP_TIMES " + json.dumps(times))
 
 
-def run_setting(env_changes: dict[str, str], work: Path, steps: int, quick: bool, busy: bool) -> list[float]:
+def run_setting(demo: str, env_changes: dict[str, str], work: Path, steps: int, quick: bool,
+                busy: bool) -> list[float]:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
     env.update(env_changes)
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
     try:
         if spinner:
             time.sleep(0.5)   # running before the run measures the idle cores
-        out = subprocess.run([sys.executable, __file__, "--child", str(work), "--steps", str(steps),
+        out = subprocess.run([sys.executable, __file__, "--child", str(work), "--demo", demo, "--steps", str(steps),
                               *(["--quick"] if quick else [])], env=env, cwd=REPO, capture_output=True,
                              text=True, timeout=3600)
     finally:
@@ -92,38 +141,50 @@ def run_setting(env_changes: dict[str, str], work: Path, steps: int, quick: bool
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--demo", choices=[*DEMOS, "all"], default="pan", help="whose training step to time")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the median")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "cpu_threads.json"))
+    parser.add_argument("--out", help="the JSON (default: benchmarks/results/cpu_threads.json for the Pan "
+                                      "demo, cpu_threads_<demo>.json for another)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.skip = 4, 1
     if args.child:
-        child(Path(args.child), args.steps, args.quick)
+        child(args.demo, Path(args.child), args.steps, args.quick)
         return 0
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    demos = DEMOS if args.demo == "all" else (args.demo,)
     rows = []
     with tempfile.TemporaryDirectory(prefix="pan-cpu-threads-") as tmp:
-        work = Path(tmp)
-        for name, env in settings(cores, args.quick).items():
-            medians = {}
-            for busy in (False, True):
-                print(f"{name}, {'beside 1 busy process' if busy else 'alone'} ...", flush=True)
-                times = run_setting(env, work, args.steps, args.quick, busy)
-                medians[busy] = statistics.median(times[args.skip:] or times)
-            rows.append({"setting": name, "alone_s": round(medians[False], 4), "busy_s": round(medians[True], 4),
-                         "busy/alone": round(medians[True] / medians[False], 2)})
+        for demo in demos:
+            rows += demo_rows(demo, cores, Path(tmp) / demo, args)
+    print_table(rows, ["demo", "setting", "alone_s", "busy_s", "busy/alone", "vs best alone"])
+    name = "cpu_threads.json" if args.demo == "pan" else f"cpu_threads_{args.demo}.json"
+    path = write_json(args.out or REPO / "benchmarks" / "results" / name,
+                      {"machine": machine_info(), "steps": args.steps, "skip": args.skip, "quick": args.quick,
+                       "rows": rows})
+    print(f"wrote {path}")
+    return 0
+
+
+def demo_rows(demo: str, cores: int, work: Path, args: argparse.Namespace) -> list[dict]:
+    """One row per thread setting: the median step alone and beside one busy process."""
+    rows = []
+    for name, env in settings(cores, args.quick).items():
+        medians = {}
+        for busy in (False, True):
+            print(f"{demo}: {name}, {'beside 1 busy process' if busy else 'alone'} ...", flush=True)
+            times = run_setting(demo, env, work, args.steps, args.quick, busy)
+            medians[busy] = statistics.median(times[args.skip:] or times)
+        rows.append({"demo": demo, "setting": name, "alone_s": round(medians[False], 4),
+                     "busy_s": round(medians[True], 4), "busy/alone": round(medians[True] / medians[False], 2)})
     best = min(r["alone_s"] for r in rows)
     for r in rows:
         r["vs best alone"] = round(r["busy_s"] / best, 2)
-    print_table(rows, ["setting", "alone_s", "busy_s", "busy/alone", "vs best alone"])
-    path = write_json(args.out, {"machine": machine_info(), "steps": args.steps, "skip": args.skip,
-                                 "quick": args.quick, "rows": rows})
-    print(f"wrote {path}")
-    return 0
+    return rows
 
 
 if __name__ == "__main__":
