@@ -176,7 +176,7 @@ def test_qwen_default_system_message_and_max_length(qwen_dir):
     ids, start = off.tokenize(PROMPTS[0])
     assert start == 0 and off.tokenizer.decode(ids) == PROMPTS[0]
     with pytest.raises(ConfigError, match="only 3 layers"):
-        TextEncoderConfig(text_encoder_path=str(qwen_dir), text_encoder_hidden_state_skip_layer=3).check(None)
+        TextEncoderConfig(text_encoder_path=str(qwen_dir), text_encoder_hidden_state_skip_layer=4).check(None)
 
 
 # ----------------------------------------------------------------------------------------------
