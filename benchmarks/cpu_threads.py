@@ -1,10 +1,10 @@
 """A demo's training step alone and beside one busy process, for each way of choosing CPU threads:
 the evidence for pan's choice (pan/parallel/threads.py).
 
-Each setting trains the demo's model (`--demo pan`: `pan demo`'s config, data and precomputed clips;
-`--demo causal_vae` / `pyramid_flow_ar`: that recipe demo's config, data and tiny model folder, with
-its data worker process) for `--steps` steps in a fresh process (OpenMP reads its environment once, at start) and reports the
-median wall time of a step after `--skip` warm-up steps, from the run's metrics.jsonl. "beside 1
+Each setting trains the demo's model (`--demo pan`: `pan demo`'s config, data and precomputed
+clips; `--demo causal_vae` / `pyramid_flow_ar`: that recipe demo's config, data and tiny model
+folder; each with its data worker process) for `--steps` steps in a fresh process (OpenMP reads its
+environment once, at start) and reports the median wall time of a step after `--skip` warm-up steps, from the run's metrics.jsonl. "beside 1
 busy" starts a process that spins on one core (`while True: pass`) before the run and stops it
 after. The settings:
 
@@ -45,9 +45,6 @@ def settings(cores: int, quick: bool) -> dict[str, dict[str, str]]:
     return dict(list(every.items())[:2]) if quick else every
 
 
-DEMOS = ("pan", "causal_vae", "pyramid_flow_ar")
-
-
 def pan_demo_job(work: Path, steps: int, quick: bool):
     """`pan demo`'s job (its command line), on its data and precomputed clips, for `steps` steps."""
     from pan.config import load_config_or_exit
@@ -68,6 +65,7 @@ def causal_vae_demo_job(work: Path, steps: int, quick: bool):
                                *(["--quick"] if quick else [])])
     data = recipes.make_data(work / "data-vae", args.quick)
     config = recipes.CONFIG_DIR / "causal_vae_tiny.yaml"
+
     def job(run: Path) -> list[str]:
         overrides = recipes.vae_job_overrides(args, data, run)
         for key in ("validation_interval", "validation_csv", "validation_clips"):
@@ -94,6 +92,9 @@ def pyramid_flow_ar_demo_job(work: Path, steps: int, quick: bool):
     return job
 
 
+DEMO_JOBS = {"pan": pan_demo_job, "causal_vae": causal_vae_demo_job, "pyramid_flow_ar": pyramid_flow_ar_demo_job}
+
+
 def child(demo: str, work: Path, steps: int, quick: bool) -> None:
     """Train `demo`'s model for `steps` steps in this process (what that demo trains)."""
     from pan.config import load_config_or_exit
@@ -101,8 +102,7 @@ def child(demo: str, work: Path, steps: int, quick: bool) -> None:
     from pan.trainer import build_trainer
 
     set_cpu_threads()
-    argv_for = {"pan": pan_demo_job, "causal_vae": causal_vae_demo_job,
-                "pyramid_flow_ar": pyramid_flow_ar_demo_job}[demo](work, steps, quick)
+    argv_for = DEMO_JOBS[demo](work, steps, quick)
     run = work / f"run-{os.getpid()}"
     job = load_config_or_exit([*argv_for(run), "--log_interval", "1", "--save_interval", str(10 * steps)])
     trainer = build_trainer(job)
@@ -141,7 +141,7 @@ def run_setting(demo: str, env_changes: dict[str, str], work: Path, steps: int, 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--demo", choices=[*DEMOS, "all"], default="pan", help="whose training step to time")
+    parser.add_argument("--demo", choices=[*DEMO_JOBS, "all"], default="pan", help="whose training step to time")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the median")
     parser.add_argument("--quick", action="store_true")
@@ -155,8 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         child(args.demo, Path(args.child), args.steps, args.quick)
         return 0
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    demos = DEMOS if args.demo == "all" else (args.demo,)
+    from pan.parallel.threads import cores_here
+
+    cores = cores_here()
+    demos = list(DEMO_JOBS) if args.demo == "all" else [args.demo]
     rows = []
     with tempfile.TemporaryDirectory(prefix="pan-cpu-threads-") as tmp:
         for demo in demos:
