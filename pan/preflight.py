@@ -40,7 +40,7 @@ from safetensors import safe_open
 
 from pan.checkpoint import dcp as layout
 from pan.checkpoint.manager import first_problem
-from pan.checkpoint.warm_start import ShapeDiff, part_folder
+from pan.checkpoint.warm_start import ShapeDiff, part_folder, resolve_source
 from pan.config import ConfigError, load_job_config
 from pan.config.core import split_fix
 from pan.data.sources import AnnotationSource, scan_annotations
@@ -488,6 +488,34 @@ def check_output_dir(ctx: Preflight) -> list[Row]:
 def latest_checkpoint(ctx: Preflight) -> Path | None:
     complete = layout.complete_checkpoints(Path(ctx.job.checkpoint.output_dir))
     return complete[-1] if complete else None
+
+
+def check_warm_start(ctx: Preflight) -> list[Row]:
+    """The warm-start weights (`pretrained_transformer_path`) exist and every tensor has the model's
+    shape; for a recipe with these keys (Pan, both Pyramid-Flow recipes)."""
+    cfg = ctx.job.warm_start
+    if not cfg.load_transformer_weights:
+        released = getattr(ctx.job.model, "model_name", "pan") != "pan"
+        return [Row("warm start", "pass", f"none: the model starts from {'its released weights' if released else 'random init'}.")]
+    resume = latest_checkpoint(ctx)
+    if resume is not None:
+        return [Row("warm start", "pass", f"not used: output_dir has {resume.name}, which the run "
+                    "resumes instead.")]
+    kind, path = resolve_source(cfg.pretrained_transformer_path)
+    model = ctx.model_shapes
+    diff = ShapeDiff.of(stored_shapes(kind, path), model)
+    mismatched = [f"{n} {a} vs model {b}" for n, a, b in diff.mismatched]
+    missing, loaded = diff.missing, len(diff.matching)
+    summary = (f"{path} ({kind}): {loaded}/{len(model)} model tensors match, {len(mismatched)} "
+               f"have another shape, {len(missing)} missing")
+    if mismatched or loaded == 0:
+        return [Row("warm start", "fail", summary + ". " + "; ".join(mismatched[:5]),
+                    "point pretrained_transformer_path at weights of this architecture, or set the "
+                    "model keys (transformer_config_overrides, or model_name and model_path) to theirs.")]
+    if missing:
+        return [Row("warm start", "warn", summary + f" (kept at init): {', '.join(missing[:5])}.",
+                    "expected only when the architecture grew on purpose.")]
+    return [Row("warm start", "pass", summary + ".")]
 
 
 def check_resume(ctx: Preflight) -> list[Row]:

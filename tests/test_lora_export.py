@@ -182,7 +182,8 @@ def pyramid_flow_config(path: Path, model_path: Path, videos: Path, output_dir: 
 
     path.write_text(yaml.safe_dump({
         "recipe": "pyramid_flow",
-        "model": {"model_name": "pyramid_flux", "model_path": str(model_path), **causal_vae_keys(model_path)},
+        "model": {"model_name": "pyramid_flux", "model_path": str(model_path), **causal_vae_keys(model_path),
+                  **sections.pop("model_extra", {})},
         "training": {"learning_rate": 1e-2, "max_steps": 2, "dtype": "fp32", "use_muon": False},
         "data": {"video_csv_paths": [str(videos)], "max_tokens_per_batch": 400,
                  "max_samples_per_batch": 2, "packed_dataloader_num_workers": 0, **VAE_CLIP_DATA},
@@ -244,6 +245,42 @@ def test_a_pyramid_flow_lora_run_merges_into_the_released_layout(tmp_path, pyram
     config = pyramid_flow_config(tmp_path / "full.yaml", fixture_model_path, vae_videos, tmp_path / "r1")
     again = build_trainer(load(config, "--model_path", out.parent, "--output_dir", tmp_path / "r2"))
     assert all(torch.equal(p.detach(), state[n]) for n, p in again.model.named_parameters())
+
+
+@needs_reference
+def test_a_pyramid_flow_lora_run_on_a_pan_checkpoint_merges_onto_that_checkpoint(tmp_path, fixture_model_path,
+                                                                                  vae_videos):
+    """A full fine-tuning run's checkpoint, not the release, is the base (`pretrained_transformer_path`):
+    a full run warm-started from it starts from its weights; a LoRA run trains adapters on it, records
+    it as the base, and merges onto it in the released layout."""
+    from pan.models.pyramid_flux import PyramidFluxTransformer
+    from pan.models.pyramid_io import load_pretrained, read_weights
+
+    train(pyramid_flow_config(tmp_path / "full.yaml", fixture_model_path, vae_videos, tmp_path / "full"))
+    base_ckpt = tmp_path / "full" / "checkpoint-2"
+    base, released = consolidated_weights(base_ckpt / "transformer"), read_weights(FIXTURE_DIT)
+    assert base.keys() == released.keys() and any(not torch.equal(base[k], released[k]) for k in base)
+    warm = {"pretrained_transformer_path": str(base_ckpt), "load_transformer_weights": True}
+
+    again = build_trainer(load(pyramid_flow_config(tmp_path / "again.yaml", fixture_model_path, vae_videos,
+                                                   tmp_path / "again", model_extra=warm)))
+    assert all(torch.equal(p.detach(), base[n]) for n, p in again.model.named_parameters())
+    again.close()
+
+    train(pyramid_flow_config(tmp_path / "lora.yaml", fixture_model_path, vae_videos, tmp_path / "lora",
+                              model_extra=warm, lora={"lora_rank": 4, "lora_alpha": 8}))
+    ckpt = tmp_path / "lora" / "checkpoint-2"
+    reference = reference_of(ckpt)
+    assert reference["base_source"] == str(base_ckpt)
+    out = tmp_path / "export" / VARIANT
+    assert main_export([str(ckpt), "--merge", "--format", "pyramid_flow", "--out", str(out)]) == 0
+    state = load_pretrained(out, PyramidFluxTransformer).state_dict()
+    want = expected_merge(base, consolidated_weights(ckpt / "transformer"), reference["alpha"] / reference["rank"])
+    assert state.keys() == want.keys()
+    for key, value in want.items():
+        assert torch.equal(state[key], value.float()), key
+    changed = [k for k in base if not torch.equal(state[k], base[k])]
+    assert changed and all(k.removesuffix(".weight") in reference["targets"] for k in changed)
 
 
 def original_deps() -> Path:

@@ -160,15 +160,17 @@ def missing_clip_csv(w: Work) -> list[str]:
     return ["--video_csv_paths", str(csv)]
 
 
-def misfit_warm_start(w: Work) -> list[str]:
-    """Weights of another architecture: every tensor named like the model's, one size larger."""
-    from pan.config import load_job_config
-    from pan.preflight import Preflight
-    ctx = Preflight(load_job_config(pan_base(w), warn=lambda m: None), 1, 1)
-    weights = {name: torch.zeros(*[n + 1 for n in shape]) for name, shape in ctx.model_shapes.items()}
-    path = w.dir / "other.safetensors"
-    save_file(weights, str(path))
-    return ["--load_transformer_weights", "true", "--pretrained_transformer_path", str(path)]
+def misfit_warm_start(recipe: str) -> Callable[[Work], list[str]]:
+    """Weights of another architecture: every tensor named like the recipe's model's, one size larger."""
+    def make(w: Work) -> list[str]:
+        from pan.config import load_job_config
+        from pan.preflight import Preflight
+        ctx = Preflight(load_job_config(BASES[recipe](w), warn=lambda m: None), 1, 1)
+        weights = {name: torch.zeros(*[n + 1 for n in shape]) for name, shape in ctx.model_shapes.items()}
+        path = w.dir / "other.safetensors"
+        save_file(weights, str(path))
+        return ["--load_transformer_weights", "true", "--pretrained_transformer_path", str(path)]
+    return make
 
 
 # A model no test machine holds: 2 layers of width 8192 (~4B parameters, ~100 GiB with its optimizer
@@ -243,7 +245,7 @@ CASES: dict[tuple[str, str], Case] = {
     ("pan", "text encoder"): Case(args("--text_encoder_chat_template", "true"), expect="config"),
     ("pan", "vae"): Case(args("--transformer_config_overrides.out_channels", "4",
                               "--transformer_config_overrides.in_channels", "4")),
-    ("pan", "warm start"): Case(misfit_warm_start),
+    ("pan", "warm start"): Case(misfit_warm_start("pan")),
     ("pan", "output dir"): Case(output_dir_is_a_file),
     ("pan", "resume"): Case(unreadable_checkpoint),
     ("pan", "memory"): Case(args(*HUGE_PAN)),
@@ -270,6 +272,7 @@ CASES: dict[tuple[str, str], Case] = {
     ("pyramid_flow", "stage sizes"): Case(args("--resolution_buckets", '["20x16"]')),
     ("pyramid_flow_ar", "stage sizes"): Case(args("--resolution_buckets", '["20x16"]')),
     ("pyramid_flow", "model folder"): Case(dit_weights_of_another_depth),
+    ("pyramid_flow", "warm start"): Case(misfit_warm_start("pyramid_flow")),
     ("pyramid_flow", "text encoders"): Case(dit_of_other_caption_width),
     ("pyramid_flow", "vae"): Case(dit_of_other_latent_channels),
     ("pyramid_flow", "data"): Case(missing_clip_csv),
@@ -283,6 +286,7 @@ CASES: dict[tuple[str, str], Case] = {
     ("pyramid_flow_ar", "units"): Case(args("--max_tokens_per_batch", "50")),
     ("pyramid_flow_ar", "variant resolution"): Case(args("--model_variant", "diffusion_transformer_768p")),
     ("pyramid_flow_ar", "model folder"): Case(dit_weights_of_another_depth),
+    ("pyramid_flow_ar", "warm start"): Case(misfit_warm_start("pyramid_flow_ar")),
     ("pyramid_flow_ar", "text encoders"): Case(dit_of_other_caption_width),
     ("pyramid_flow_ar", "vae"): Case(dit_of_other_latent_channels),
     ("pyramid_flow_ar", "data"): Case(missing_clip_csv),

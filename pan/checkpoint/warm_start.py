@@ -45,7 +45,8 @@ class WarmStartConfig:
     pretrained_transformer_path: str | None = knob(
         None, "weights to start from while output_dir has no checkpoint: a .pt/.safetensors state "
               "dict, a directory holding model_state.pt, or a checkpoint-N/ (or its transformer/) "
-              "directory of another run")
+              "directory of another run (a released Pyramid-Flow DiT's weights are then not loaded: "
+              "model_path gives only its config.json)")
     load_transformer_weights: bool = knob(
         False, "load pretrained_transformer_path (true) or start from random init (false)")
 

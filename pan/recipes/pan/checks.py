@@ -6,7 +6,6 @@ from pathlib import Path
 
 import torch
 
-from pan.checkpoint.warm_start import ShapeDiff, resolve_source
 from pan.config.core import ConfigError, require
 from pan.data.plan import IMAGE_STREAM, Ref
 from pan.data.reader import SampleReader, rules_of, stream_name
@@ -30,9 +29,8 @@ from pan.preflight import (
     check_output_dir,
     check_resume,
     check_step_time,
-    latest_checkpoint,
+    check_warm_start,
     spread_rows,
-    stored_shapes,
     with_annotation_scan,
 )
 from pan.recipes.pan.task import ModelInputs
@@ -189,32 +187,6 @@ def check_vae(ctx: Preflight) -> list[Row]:
                           f"{geometry.latent_channels} (and in_channels to match the schema).")
     return [Row("vae", "pass", f"{ctx.job.vae.vae_type}: {geometry.latent_channels} latent channels, "
                 f"{geometry.temporal_factor}x temporal, {geometry.spatial_factor}x spatial.")]
-
-
-def check_warm_start(ctx: Preflight) -> list[Row]:
-    """The warm-start weights exist and every tensor has the model's shape."""
-    cfg = ctx.job.warm_start
-    if not cfg.load_transformer_weights:
-        return [Row("warm start", "pass", "none: the model starts from random init.")]
-    resume = latest_checkpoint(ctx)
-    if resume is not None:
-        return [Row("warm start", "pass", f"not used: output_dir has {resume.name}, which the run "
-                    "resumes instead.")]
-    kind, path = resolve_source(cfg.pretrained_transformer_path)
-    model = ctx.model_shapes
-    diff = ShapeDiff.of(stored_shapes(kind, path), model)
-    mismatched = [f"{n} {a} vs model {b}" for n, a, b in diff.mismatched]
-    missing, loaded = diff.missing, len(diff.matching)
-    summary = (f"{path} ({kind}): {loaded}/{len(model)} model tensors match, {len(mismatched)} "
-               f"have another shape, {len(missing)} missing")
-    if mismatched or loaded == 0:
-        return [Row("warm start", "fail", summary + ". " + "; ".join(mismatched[:5]),
-                    "point pretrained_transformer_path at weights of this architecture, or make "
-                    "transformer_config_overrides match the weights.")]
-    if missing:
-        return [Row("warm start", "warn", summary + f" (kept at init): {', '.join(missing[:5])}.",
-                    "expected only when the architecture grew on purpose.")]
-    return [Row("warm start", "pass", summary + ".")]
 
 
 def pan_pack(job, task, clips, text_len: int, cp: int):

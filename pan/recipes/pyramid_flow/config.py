@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from pan.checkpoint.manager import CheckpointConfig
+from pan.checkpoint.warm_start import WarmStartConfig
 from pan.config import JobConfig
 from pan.config.core import ConfigError, knob, require
 from pan.data.config import DataConfig
@@ -117,6 +118,7 @@ class PyramidValidationConfig:
 class PyramidJobConfig(JobConfig):
     recipe: str = "pyramid_flow"
     model: PyramidModelConfig = knob(PyramidModelConfig(), "")
+    warm_start: WarmStartConfig = knob(WarmStartConfig(), "")
     text: PyramidTextConfig = knob(PyramidTextConfig(), "")
     vae: VAEConfig = knob(VAEConfig(), "")
     trainer: TrainerConfig = knob(TrainerConfig(), "")

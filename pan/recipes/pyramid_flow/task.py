@@ -92,11 +92,14 @@ class PyramidTask(PackedTask):
 
     # -- what gets built ---------------------------------------------------------------------------
     def part_specs(self) -> list[PartSpec]:
-        pretrained = None if self.job.model.model_name == "pan" else (lambda: released_weights(self.job))
+        # A warm start (`pretrained_transformer_path`: another run's checkpoint, an export) replaces
+        # the released weights; model_path still gives the DiT's config.json.
+        released = self.job.model.model_name != "pan" and self.warm_start_source() is None
+        pretrained = (lambda: released_weights(self.job)) if released else None
         lora = self.job.lora if self.job.lora.enabled else None
-        source = None if pretrained is None else str(variant_folder(self.job.model))
-        return [PartSpec("transformer", lambda: build_dit(self.job), self.job.optim, pretrained=pretrained,
-                         pretrained_from=source, lora=lora)]
+        source = str(variant_folder(self.job.model)) if released else None
+        return [PartSpec("transformer", lambda: build_dit(self.job), self.job.optim, warm_start=True,
+                         pretrained=pretrained, pretrained_from=source, lora=lora)]
 
     def load_encoders(self) -> None:
         """The VAE and the empty caption's features. The text encoders load where a caption is
