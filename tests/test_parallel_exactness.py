@@ -1,5 +1,6 @@
 """Every parallel layout trains exactly like one process: loss, gradients, grad norm and the weights
-after two optimizer steps (Muon and AdamW), on a tiny PanVideoDiffusionTransformer.
+after two optimizer steps (Muon and AdamW), on a tiny PanVideoDiffusionTransformer, trained fully
+or with LoRA adapters on its frozen base.
 
 Layouts run on real gloo process groups (2 and 4 processes; the world of 4 is 2 simulated nodes of
 2 for hybrid shard), several per spawn. The reference is a plain single-process model on the whole
@@ -25,6 +26,7 @@ from pan.parallel.fsdp import clip_grad_norm, materialize_and_init, parallelize_
 from pan.parallel.mesh import build_mesh, cp_group, cp_rank
 from pan.parallel.world import init_world
 from pan.diffusion.flow import FlowConfig
+from pan.lora import LoraConfig, add_adapters
 from pan.task import autocast_context
 from pan.recipes.pan.task import loss_sum
 from pan.trainer import TrainerConfig
@@ -54,6 +56,7 @@ class Layout:
                                   # under the trainer's bf16 autocast
     prediction: str = "velocity"  # the model's output (FlowConfig.prediction_type): sample reads each
                                   # row's sigma through the cp share's pack
+    lora: bool = False            # rank-4 adapters on the default targets, the base frozen (pan.lora)
 
 
 def make_samples(step: int) -> list[dict]:
@@ -105,6 +108,8 @@ def train_two_steps(layout: Layout, world_size: int, local_world_size: int) -> d
     world = init_world()
     mesh = build_mesh(dims, world)
     model = materialize_and_init(build_model(), world.device, tcfg.seed, mesh)
+    if layout.lora:
+        add_adapters(model, LoraConfig(lora_rank=4, lora_alpha=8), tcfg.seed, layout.dtype, None)
     model = parallelize_model(model, mesh, dims, pcfg, tcfg)
     optimizer, _ = build_optimizer(model, OptimConfig(learning_rate=1e-2, weight_decay=0.1,
                                                       use_muon=layout.muon, max_grad_norm=MAX_GRAD_NORM))
@@ -133,7 +138,7 @@ def train_two_steps(layout: Layout, world_size: int, local_world_size: int) -> d
             dist.all_reduce(sse)
         out.setdefault("loss", []).append((sse / count).item())
         if step == 0:
-            out["grads"] = {n: full(p.grad).clone() for n, p in model.named_parameters()}
+            out["grads"] = {n: full(p.grad).clone() for n, p in model.named_parameters() if p.requires_grad}
         out.setdefault("grad_norm", []).append(clip_grad_norm(model, MAX_GRAD_NORM))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -141,9 +146,9 @@ def train_two_steps(layout: Layout, world_size: int, local_world_size: int) -> d
     return out
 
 
-def reference(muon: bool, prediction: str) -> dict:
+def reference(muon: bool, prediction: str, lora: bool = False) -> dict:
     """The same two steps on one process, plain model, whole global batch."""
-    return train_two_steps(Layout("reference", muon=muon, prediction=prediction), world_size=1,
+    return train_two_steps(Layout("reference", muon=muon, prediction=prediction, lora=lora), world_size=1,
                            local_world_size=1)
 
 
@@ -159,10 +164,10 @@ def differences(result: dict, ref: dict) -> dict[str, float]:
 
 def _run_layouts(layouts: list[Layout]) -> dict[str, dict[str, float]]:
     world_size, local = dist.get_world_size(), int(__import__("os").environ["LOCAL_WORLD_SIZE"])
-    refs = {key: reference(*key) for key in {(l.muon, l.prediction) for l in layouts}}
+    refs = {key: reference(*key) for key in {(l.muon, l.prediction, l.lora) for l in layouts}}
     # A cp group sits inside one node (ParallelDims refuses otherwise): a cp 4 layout runs as one
     # node of 4; the 2-node simulation matters to the hybrid-shard layouts.
-    return {l.name: differences(train_two_steps(l, world_size, max(local, l.cp)), refs[l.muon, l.prediction])
+    return {l.name: differences(train_two_steps(l, world_size, max(local, l.cp)), refs[l.muon, l.prediction, l.lora])
             for l in layouts}
 
 
@@ -190,6 +195,8 @@ LAYOUTS_4 = [
     Layout("hsdp-2nodes", hybrid=True),
     Layout("hsdp-2nodes-cp2-adamw-full-ac", hybrid=True, cp=2, muon=False, checkpointing="full"),
     Layout("ddp4-cp2", mode="ddp", cp=2),
+    # LoRA (AdamW: the adapters do not train with Muon) on hybrid shard with cp and checkpointing
+    Layout("hsdp-2nodes-cp2-full-ac-lora", hybrid=True, cp=2, muon=False, checkpointing="full", lora=True),
 ]
 
 
