@@ -46,13 +46,14 @@ def test_rerun_reuses_data_and_trains_afresh(tmp_path):
     first_csv = (out / "data" / "train.csv").stat().st_mtime_ns
     latent = out / "data" / "latents" / "train" / "00000000.safetensors"
     first_latent = latent.stat().st_mtime_ns
-    assert main(["--quick", "--out", str(out), "--steps", "2"]) == 0
+    assert main(["--quick", "--out", str(out), "--steps", "2", "--seed", "4"]) == 0
     assert (out / "data" / "train.csv").stat().st_mtime_ns == first_csv
     assert latent.stat().st_mtime_ns == first_latent  # clips are encoded once
     # The run trains from the precomputed clips, not the MP4s.
     run_config = (out / "run" / "config.yaml").read_text()
     assert str(out / "data" / "latents" / "train.csv") in run_config
     assert "training steps: 2" in (out / "report.md").read_text()
+    assert yaml.safe_load(run_config)["training"]["seed"] == 4  # --seed is the run's training seed
 
 
 def test_data_follows_the_config_geometry(tmp_path):

@@ -19,7 +19,7 @@ SCORE_KEYS = {"num_videos", "colour_accuracy", "direction_accuracy", "shape_accu
 @pytest.fixture(scope="module")
 def vae_demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo_causal_vae")
-    assert main(["--recipe", "causal_vae", "--out", str(out), "--quick"]) == 0
+    assert main(["--recipe", "causal_vae", "--out", str(out), "--quick", "--seed", "2"]) == 0
     return out
 
 
@@ -31,6 +31,13 @@ def ar_demo(tmp_path_factory):
         assert main(["--recipe", "pyramid_flow_ar", "--out", str(out), "--quick"]) == 0
     (out / "demo.log").write_text(log.getvalue())
     return out
+
+
+def run_seed(run_dir) -> int:
+    """The training seed the run's config.yaml records."""
+    from pan.config import load_job_config
+
+    return load_job_config(["--config", str(run_dir / "config.yaml")], warn=lambda m: None).trainer.seed
 
 
 def test_causal_vae_quick_demo_writes_its_outputs(vae_demo):
@@ -49,6 +56,7 @@ def test_causal_vae_quick_demo_writes_its_outputs(vae_demo):
     assert (samples / "contact_sheet.gif").stat().st_size > 0
     report = (vae_demo / "report.md").read_text()
     assert f"{scores['trained']['psnr']:.2f} dB trained" in report and "| 01 |" in report
+    assert run_seed(vae_demo / "run") == 2   # --seed is the run's training seed
 
 
 def test_causal_vae_demo_psnr_is_the_recipes_validation(vae_demo):
@@ -106,9 +114,9 @@ def test_pan_demo_dispatches_recipe_demos(monkeypatch, tmp_path):
 
     calls = []
     monkeypatch.setattr(demo_recipes, "main", lambda argv: calls.append(argv) or 0)
-    assert pan.demo.main(["--recipe", "causal_vae", "--quick", "--steps", "3"]) == 0
+    assert pan.demo.main(["--recipe", "causal_vae", "--quick", "--steps", "3", "--seed", "5"]) == 0
     assert pan.demo.main(["--recipe", "pyramid_flow_ar", "--out", str(tmp_path)]) == 0
-    assert calls == [["--recipe", "causal_vae", "--steps", "3", "--quick"],
+    assert calls == [["--recipe", "causal_vae", "--steps", "3", "--seed", "5", "--quick"],
                      ["--recipe", "pyramid_flow_ar", "--out", str(tmp_path)]]
     with pytest.raises(SystemExit, match="--config configures the Pan demo"):
         pan.demo.main(["--recipe", "causal_vae", "--config", str(tmp_path / "x.yaml")])

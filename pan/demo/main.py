@@ -59,6 +59,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                       "or demo_<recipe> for another recipe)")
     parser.add_argument("--steps", type=int, help="training steps (default: the config's max_steps)")
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="the demo's run config")
+    parser.add_argument("--seed", type=int, help="the training seed (default: the config's; docs/demo.md "
+                                                 "and docs/demo_recipes.md score several)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny data, model and schedule: checks the pipeline in about a minute")
     return parser.parse_args(argv)
@@ -71,7 +73,7 @@ def recipe_demo(args: argparse.Namespace) -> int:
         raise SystemExit("pan demo: --config configures the Pan demo; the recipe demos build their own config")
     demo = get_recipe(args.recipe).hook("demo")  # the recipe's `demo` hook (pan/recipe.py)
     return demo([*(["--out", args.out] if args.out else []), *(["--steps", str(args.steps)] if args.steps else []),
-                 *(["--quick"] if args.quick else [])])
+                 *(["--seed", str(args.seed)] if args.seed is not None else []), *(["--quick"] if args.quick else [])])
 
 
 def recipes_with_demos() -> list[str]:
@@ -110,6 +112,8 @@ def job_argv(args: argparse.Namespace, train_csv: Path, run_dir: Path) -> list[s
         overrides |= QUICK_OVERRIDES | {"max_steps": args.steps or 2}
     elif args.steps:
         overrides["max_steps"] = args.steps
+    if args.seed is not None:
+        overrides["seed"] = args.seed
     if "max_steps" in overrides:
         steps = overrides["max_steps"]
         warmup = yaml.safe_load(Path(args.config).read_text()).get("training", {}).get("warmup_steps", 0)

@@ -1,8 +1,8 @@
 """`pan demo --recipe causal_vae | pyramid_flow_ar`: the CPU demo for the other recipes, on the same
 synthetic clips (pan.data.synth) and scored by the same analyser (pan.eval) as the Pan demo.
 
-    python -m pan.demo_recipes --recipe causal_vae [--out demo_causal_vae] [--steps N] [--quick]
-    python -m pan.demo_recipes --recipe pyramid_flow_ar [--out demo_pyramid_flow_ar] [--steps N] [--quick]
+    python -m pan.demo.recipes --recipe causal_vae [--out demo_causal_vae] [--steps N] [--seed N] [--quick]
+    python -m pan.demo.recipes --recipe pyramid_flow_ar [--out demo_pyramid_flow_ar] [--steps N] [--seed N] [--quick]
 
 causal_vae: trains the tiny causal video VAE (config/causal_vae_tiny.yaml at 32 x 32 px, 9 frames),
 then reconstructs the held-out clips before training (random init) and after: PSNR and SSIM per
@@ -65,6 +65,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--recipe", required=True, choices=RECIPES, help="which recipe's demo to run")
     parser.add_argument("--out", help="folder for data, run, samples and report (default: demo_<recipe>)")
     parser.add_argument("--steps", type=int, help="training steps (default: the demo's own)")
+    parser.add_argument("--seed", type=int, default=0, help="the training seed (docs/demo_recipes.md scores several)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny data and schedule: checks the pipeline in about a minute")
     args = parser.parse_args(argv)
@@ -120,7 +121,7 @@ def vae_job_overrides(args: argparse.Namespace, data: dict[str, Path], run_dir: 
             "max_steps": steps, "save_interval": steps, "log_interval": max(1, steps // 40),
             # The recipe's own validation at the last step: its mean PSNR / SSIM land in validation.jsonl.
             "validation_interval": steps, "validation_csv": str(data["heldout_csv"]),
-            "validation_clips": clips}
+            "validation_clips": clips, "seed": args.seed}
 
 
 def trained_weights(trainer):
@@ -335,7 +336,7 @@ def ar_config(args: argparse.Namespace, data: dict[str, Path], model_path: Path,
         "autoregressive": {"frame_per_unit": 1, "video_sync_group": 1},
         "training": {"max_steps": steps, "learning_rate": 2.0e-3, "warmup_steps": min(20, steps // 4),
                      "lr_scheduler_type": "cosine", "lr_decay_floor_ratio": 0.1, "weight_decay": 0.0,
-                     "max_grad_norm": 1.0, "use_muon": False, "dtype": "fp32", "seed": 0},
+                     "max_grad_norm": 1.0, "use_muon": False, "dtype": "fp32", "seed": args.seed},
         "diffusion": {"image_latent_shift": 0.0, "image_latent_scale": 1.0, "video_latent_shift": 0.0,
                       "video_latent_scale": 1.0},
         "data": {"video_csv_paths": [str(data["train_csv"])], "resolution_buckets": [f"{AR_SIZE}x{AR_SIZE}"],
