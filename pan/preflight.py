@@ -495,8 +495,9 @@ def check_warm_start(ctx: Preflight) -> list[Row]:
     shape; for a recipe with these keys (Pan, both Pyramid-Flow recipes)."""
     cfg = ctx.job.warm_start
     if not cfg.load_transformer_weights:
-        released = getattr(ctx.job.model, "model_name", "pan") != "pan"
-        return [Row("warm start", "pass", f"none: the model starts from {'its released weights' if released else 'random init'}.")]
+        released = getattr(ctx.job.model, "model_name", "pan") != "pan"   # a Pyramid-Flow release
+        start = "its released weights" if released else "random init"
+        return [Row("warm start", "pass", f"none: the model starts from {start}.")]
     resume = latest_checkpoint(ctx)
     if resume is not None:
         return [Row("warm start", "pass", f"not used: output_dir has {resume.name}, which the run "
