@@ -40,8 +40,8 @@ demo: setup
 	$(PY) -m pan.cli demo
 
 test: setup $(VENV)/.test-plugins $(VENV)/.original-deps
-	@command -v slurmctld >/dev/null || bash .ci/install_slurm.sh || \
-		echo "Slurm could not be installed: the launch-script tests will be skipped"
+	@(command -v slurmctld && command -v shellcheck) >/dev/null || bash .ci/install_slurm.sh || \
+		echo "Slurm or shellcheck could not be installed: the launch-script tests that need them will be skipped"
 	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile tests
 
 docs: setup

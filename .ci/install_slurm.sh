@@ -1,10 +1,11 @@
 #!/bin/bash
-# Install what scripts/local_slurm.sh needs (Debian 12's Slurm 22.05 and munge). Idempotent: does
-# nothing when the programs are already there. CI runs it as root; elsewhere it uses sudo.
+# Install what the launch-script tests need: what scripts/local_slurm.sh runs (Debian 12's Slurm
+# 22.05 and munge) and shellcheck (the scripts are linted). Idempotent: does nothing when the
+# programs are already there. CI runs it as root; elsewhere it uses sudo.
 # The packages' services are not started here: local_slurm.sh runs private daemons under a temp dir.
 set -euo pipefail
 
-needed=(slurmctld slurmd munged sbatch srun scontrol sinfo)
+needed=(slurmctld slurmd munged sbatch srun scontrol sinfo shellcheck)
 missing=()
 for prog in "${needed[@]}"; do
   command -v "$prog" >/dev/null || [[ -x /usr/sbin/$prog ]] || missing+=("$prog")
@@ -22,5 +23,5 @@ if ((EUID != 0)); then
 fi
 "${sudo_cmd[@]}" apt-get update
 "${sudo_cmd[@]}" env DEBIAN_FRONTEND=noninteractive \
-  apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge
+  apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge shellcheck
 echo "install_slurm: installed (slurmctld $(dpkg-query -W -f='${Version}' slurmctld))"
