@@ -495,8 +495,8 @@ def check_warm_start(ctx: Preflight) -> list[Row]:
     shape; for a recipe with these keys (Pan, both Pyramid-Flow recipes)."""
     cfg = ctx.job.warm_start
     if not cfg.load_transformer_weights:
-        released = getattr(ctx.job.model, "model_name", "pan") != "pan"   # a Pyramid-Flow release
-        start = "its released weights" if released else "random init"
+        spec = ctx.part_specs[0]   # the main part: where it starts without a warm start
+        start = f"its pretrained weights ({spec.pretrained_from})" if spec.pretrained_from else "its init"
         return [Row("warm start", "pass", f"none: the model starts from {start}.")]
     resume = latest_checkpoint(ctx)
     if resume is not None:

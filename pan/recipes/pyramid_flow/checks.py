@@ -679,7 +679,6 @@ def full_sequence_probe(ctx: Preflight) -> Probe:
 # `pan check`'s table, in order: the layout, the launch rules as rows, what the run will read, the
 # machine and the output folder, then memory and step time (with `full_sequence_probe`).
 CHECKS = [preflight.check_layout, check_placeholders, check_stage_batch, check_variant_resolution,
-          check_stage_sizes, check_model_folder, preflight.check_warm_start, check_text_encoders, check_vae,
-          check_data,
-          preflight.check_cpu, preflight.check_output_dir, preflight.check_resume,
+          check_stage_sizes, check_model_folder, preflight.check_warm_start, check_text_encoders,
+          check_vae, check_data, preflight.check_cpu, preflight.check_output_dir, preflight.check_resume,
           preflight.check_memory, preflight.check_step_time]

@@ -216,7 +216,8 @@ def ar_probe(ctx: Preflight):
 # the output folder, then memory and step time (with `ar_probe`).
 CHECKS = [preflight.check_layout, check_sync_group, check_units, shared.check_placeholders,
           shared.check_variant_resolution, shared.check_stage_sizes, shared.check_model_folder,
-          preflight.check_warm_start, shared.check_text_encoders, shared.check_vae, shared.check_data, check_annotation_rows,
+          preflight.check_warm_start, shared.check_text_encoders, shared.check_vae, shared.check_data,
+          check_annotation_rows,
           preflight.check_cpu, preflight.check_output_dir, preflight.check_resume,
           preflight.check_memory, preflight.check_step_time]
 
