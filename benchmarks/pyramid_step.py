@@ -178,8 +178,9 @@ def autocast(model: torch.nn.Module, dtype: str):
 def pan_step(model: PyramidFluxTransformer, inputs: StepInputs, dtype: str = "fp32"):
     """One pan step from the clips: patch tokens, valid caption rows, the pack, forward, loss, backward.
 
-    The loss is the recipe's (`PyramidFlowTask.loss_sum`): squared errors of the trained tokens, each
-    sample's weighted by 1 / its values, summed and divided by the samples: the original's loss.
+    The loss is the recipe's (`PyramidFlowTask.loss_sum`): squared errors of the trained tokens (the
+    model asked for those rows only, `trained_only`), each sample's weighted by 1 / its values,
+    summed and divided by the samples: the original's loss.
     """
     def step() -> torch.Tensor:
         model.zero_grad(set_to_none=True)
@@ -190,14 +191,12 @@ def pan_step(model: PyramidFluxTransformer, inputs: StepInputs, dtype: str = "fp
             texts.append(text[valid == 1])                                          # valid rows only
             layouts.append(model.sample_layout([model.patch_grid(clip.shape) for clip in clips],
                                                texts[-1].shape[0]))
-            history = xs[-1].shape[0] - layouts[-1].clips[-1].tokens
-            trained = model.target_tokens(target[0])
-            targets.append(torch.cat([trained.new_zeros(history, trained.shape[1]), trained]))
-            weights.append(torch.cat([trained.new_zeros(history),
-                                      trained.new_full((trained.shape[0],), 1 / target.numel())]))
+            trained = model.target_tokens(target[0])                               # the last clip's
+            targets.append(trained)
+            weights.append(trained.new_full((trained.shape[0],), 1 / target.numel()))
         pack = PackInfo.from_layouts(layouts).to(inputs.text.device)
-        with autocast(model, dtype):
-            out = model(torch.cat(xs), inputs.timesteps, torch.cat(texts), inputs.pooled, pack)  # [Nv, 64]
+        with autocast(model, dtype):   # the trained rows' predictions [n, 64], as the recipe asks
+            out = model(torch.cat(xs), inputs.timesteps, torch.cat(texts), inputs.pooled, pack, trained_only=True)
         loss = ((out.float() - torch.cat(targets)).square().sum(1) * torch.cat(weights)).sum() / len(layouts)
         loss.backward()
         return loss
@@ -278,7 +277,7 @@ def measure_mode(mode: str, state: dict, original, args) -> dict:
         candidates["pan_compiled"] = step(compiled)
     row = {"mode": mode, "pan_backend": backend, "video_tokens": inputs.video_tokens(),
            "text_tokens": f"{TEXT_LEN} (original) / {TEXT_LEN // 2} (pan: padding dropped)",
-           "pan_step_gflop": 3 * pan.forward_flops(pack) / 1e9}
+           "pan_step_gflop": 3 * pan.forward_flops(pack, trained_only=True) / 1e9}
     if original is not None:
         cls, calculate_loss = original
         model = cls(**DIT)

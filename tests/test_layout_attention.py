@@ -98,6 +98,35 @@ def test_every_backend_equals_the_dense_mask_reference(backend):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-10, msg=f"grad {name}")
 
 
+@pytest.mark.parametrize("rule", ["mixed", "full"])
+@pytest.mark.parametrize("backend", [*CPU_BACKENDS, "varlen (bookkeeping)"])
+def test_every_backend_answers_a_subset_of_the_queries(backend, rule):
+    # What a last layer asks when only some rows' outputs are read (AttnSegments.with_queries): those
+    # rows' outputs, each over every key its rule allows; rows of any frame, partial frames, and a
+    # segment that asks nothing.
+    layouts = LAYOUTS if rule == "mixed" else [dataclasses.replace(s, attention="full") for s in LAYOUTS]
+    pack = PackInfo.from_layouts(layouts)
+    q, k, v, w = random_qkv(pack.joint.total)
+    silent = pack.joint.cu_seqlens[1:3].tolist()                  # segment 1 asks nothing
+    keep = torch.rand(pack.joint.total, generator=torch.Generator().manual_seed(3)) < 0.6
+    keep[silent[0]:silent[1]] = False
+    rows = torch.nonzero(keep).squeeze(1)
+    segments = pack.joint.with_queries(rows)
+    assert segments.query_total == len(rows) and segments.query_lens[1] == 0
+    allowed = reference_mask(layouts)[rows]
+    with torch.no_grad():
+        out = run_backend(backend, q[rows], k, v, segments)
+    torch.testing.assert_close(out, naive_attention(q[rows], k, v, allowed), rtol=1e-10, atol=1e-10)
+    if backend == "flex":
+        return
+    ins = [t.clone().requires_grad_() for t in (q[rows], k, v)]
+    (run_backend(backend, *ins, segments) * w[rows]).sum().backward()
+    ref = [t.clone().requires_grad_() for t in (q[rows], k, v)]
+    (naive_attention(*ref, allowed) * w[rows]).sum().backward()
+    for name, a, b in zip("qkv", ins, ref):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-10, msg=f"grad {name}")
+
+
 def test_the_rule_changes_the_result():
     # The references above would pass for a backend that ignored the rule if the rule changed nothing.
     pack = PackInfo.from_layouts(LAYOUTS)

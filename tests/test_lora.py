@@ -327,14 +327,22 @@ def assert_bit_identical(run: Path, reference: Path, first_step: int = 1, steps:
     assert later(consumed(reference)) == later(consumed(run))
 
 
-def assert_same_training(run: Path, reference: Path, steps: int = PAN_STEPS) -> None:
+def assert_same_training(run: Path, reference: Path, steps: int = PAN_STEPS, tol: float = TOL) -> None:
     """Every step trains the reference's samples with a loss within floating-point noise; the final
-    adapters are the reference's within test_parallel_exactness's TOL."""
+    adapters are the reference's within `tol` (test_parallel_exactness's TOL by default)."""
     assert_continues_the_run(reference, run, first_step=1, last_step=steps)
     got, want = (final_weights(d, steps)["transformer"] for d in (run, reference))
     assert got.keys() == want.keys() and all(is_adapter(n) for n in got)
     for name, t in want.items():
-        assert (got[name] - t).abs().max().item() < TOL, name
+        assert (got[name] - t).abs().max().item() < tol, name
+
+
+# The fixture miniFLUX's adapters after FLUX_STEPS AdamW steps at lr 2e-2: two orders of the same fp32
+# sums leave one adapter (the last double block's caption feed-forward lora_A, whose gradient is a
+# near-cancelling sum that Adam scales up) up to 1.1e-5 apart on one process (its last block computed
+# for every row vs for the predicted rows only) and 2.4e-5 apart between cp 2 and one process; every
+# other adapter within 4e-6 (measured 2026-12-02). Twice the largest.
+FLUX_TOL = 5e-5
 
 
 def test_pan_lora_loss_falls_and_only_the_adapters_train(pan_setup):
@@ -369,7 +377,7 @@ def test_cp2_trains_as_cp1(layouts):
 def test_the_fixture_miniflux_under_cp2_trains_as_cp1(layouts, run):
     """Ulysses cp 2 (both ranks hold the step's samples, each a half of every sequence; on the AR
     recipe's path the attention block-causal across the ranks' shards) as 1 process."""
-    assert_same_training(layouts[f"{run}_cp2"], layouts[f"{run}_one"], steps=FLUX_STEPS)
+    assert_same_training(layouts[f"{run}_cp2"], layouts[f"{run}_one"], steps=FLUX_STEPS, tol=FLUX_TOL)
 
 
 def test_pissa_init_under_fsdp2_is_its_init_in_one_process(layouts):

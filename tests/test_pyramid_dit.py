@@ -213,6 +213,33 @@ def test_forward_loss_and_gradients_match_the_original(name, case, backend):
         torch.testing.assert_close(got, grads[f"grad.{key}"], **TOL, msg=key)
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("name", MODELS)
+def test_predicting_the_trained_rows_only_gives_the_originals_loss_and_gradients(name, case, backend):
+    # What the recipes train with: the model predicts each sample's trained (last) clip only, and
+    # skips the last single-stream block's work for history and caption rows.
+    model = released(name)
+    set_attention_backend(model, backend)
+    t, _ = load_fixture(f"{name}/{case}")
+    grads, _ = load_fixture(f"{name}/{case}_grads")
+    batch = Batch(model, t)
+    with torch.no_grad():
+        every = model(*batch.inputs())
+    out = model(*batch.inputs(), trained_only=True)
+    trained = batch.pack.video_trained
+    assert out.shape == (int(trained.sum()), every.shape[1])
+    # the same rows: a few fp32 roundings apart at most (an attention kernel blocks fewer queries otherwise)
+    torch.testing.assert_close(out, every[trained], rtol=1e-5, atol=1e-6)
+    target, weight = (v[trained] for v in batch.token_targets(model))
+    loss = loss_of(out, target, weight)
+    torch.testing.assert_close(loss, t["out.loss"], **TOL)
+    loss.backward()
+    for key, param in model.named_parameters():
+        got = param.grad if param.grad is not None else torch.zeros_like(param)
+        torch.testing.assert_close(got, grads[f"grad.{key}"], **TOL, msg=key)
+
+
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("name", MODELS)
 def test_pack_positions_and_embedded_tokens_are_the_originals(name, case):
@@ -362,6 +389,10 @@ def test_forward_flops_match_flop_counter(name, backend):
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         model(*batch.inputs())
     assert counter.get_total_flops() == model.forward_flops(batch.pack)
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as trained_only:
+        model(*batch.inputs(), trained_only=True)
+    assert trained_only.get_total_flops() == model.forward_flops(batch.pack, trained_only=True)
+    assert trained_only.get_total_flops() < counter.get_total_flops()
     if backend != "sdpa":
         set_attention_backend(model, "sdpa")
         assert model.forward_flops(batch.pack) > counter.get_total_flops()

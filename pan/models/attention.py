@@ -23,16 +23,23 @@ changes the semantics.
 - `auto`: blockwise if any segment is block-causal; else varlen for fp16/bf16 CUDA tensors, sdpa
   otherwise.
 
+Segments asked by some rows only (`AttnSegments.with_queries`: a last layer whose other outputs
+nobody reads) take q and give outputs for those rows; every backend answers them exactly (sdpa,
+blockwise and varlen compute those queries alone; flex, whose BlockMask covers every row, asks with
+zero queries elsewhere and keeps the subset).
+
 Models call attention only through `InnerAttention` submodules, so context parallel can replace or
 wrap them from outside; `set_attention_backend` switches the backend of every one in a model.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
+from itertools import accumulate
 from typing import Literal, get_args
 
 import torch
@@ -50,7 +57,8 @@ Kernel = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 def attention(q: Tensor, k: Tensor, v: Tensor, segments: AttnSegments,
               backend: AttentionBackend = "auto") -> Tensor:
-    """Attention within each segment. q, k, v: [L, heads, head_dim] holding every row -> [L, heads, head_dim]."""
+    """Attention within each segment. k, v: [L, heads, head_dim] holding every row; q and the output:
+    the same rows, or only the segments' `query_rows` ([Lq, heads, head_dim]) when they have some."""
     if segments.is_sharded:
         raise ValueError("these q/k/v are one context-parallel rank's share of the sequence; attach a "
                          "context-parallel inner attention (pan.parallel) before running a sharded pack.")
@@ -83,9 +91,9 @@ def sdpa_rows(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Te
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, segments: AttnSegments) -> Tensor:
     """Reference backend: one SDPA call per segment, with the segment's block-causal mask if any."""
     def masked(qs, ks, vs, groups: FrameGroups) -> Tensor:
-        frame = groups.frames.to(q.device)
-        # [Ls, Ls], built for this segment only, never for the whole pack
-        return sdpa_rows(qs, ks, vs, frame[:, None] >= frame[None, :])
+        frame, asking = groups.frames.to(q.device), groups.query_frames().to(q.device)
+        # [nq, Ls], built for this segment only, never for the whole pack
+        return sdpa_rows(qs, ks, vs, asking[:, None] >= frame[None, :])
 
     return _per_segment(q, k, v, segments, sdpa_rows, masked)
 
@@ -207,8 +215,9 @@ def _per_segment(q: Tensor, k: Tensor, v: Tensor, segments: AttnSegments, full: 
     would give each segment a zero-filled gradient the size of the pack, summed per tensor)."""
     groups = segments.frame_groups or (None,) * len(segments.seqlens)
     sizes = list(segments.seqlens)
+    asking = list(segments.query_lens or sizes)
     outs = [full(qs, ks, vs) if group is None else block_causal(qs, ks, vs, group)
-            for qs, ks, vs, group in zip(q.split(sizes), k.split(sizes), v.split(sizes), groups) if qs.shape[0]]
+            for qs, ks, vs, group in zip(q.split(asking), k.split(sizes), v.split(sizes), groups) if qs.shape[0]]
     return torch.cat(outs) if outs else torch.empty_like(q)   # all segments empty: no rows
 
 
@@ -271,6 +280,10 @@ def flex_attention(q: Tensor, k: Tensor, v: Tensor, segments: AttnSegments) -> T
                          "for full attention.")
     if segments.total == 0:
         return torch.empty_like(q)
+    if segments.query_rows is not None:   # the BlockMask covers every row: ask with all, keep the subset
+        every = q.new_zeros((segments.total, *q.shape[1:])).index_copy(0, segments.query_rows, q)
+        return flex_attention(every, k, v, dataclasses.replace(segments, query_rows=None, query_lens=None)
+                              ).index_select(0, segments.query_rows)
     block_mask = _FLEX_MASKS.get(segments, q.device)
     qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))              # [1, H, L, d]
     try:
@@ -315,7 +328,10 @@ def varlen_packed(q: Tensor, k: Tensor, v: Tensor, segments: AttnSegments, varle
     block-causal one (over the keys of frames <= theirs), as blockwise does with SDPA."""
     if not segments.is_causal:
         cu = segments.cu_seqlens.to(q.device)
-        return varlen(q, k, v, cu, cu, segments.max_seqlen, segments.max_seqlen)
+        if segments.query_lens is None:
+            return varlen(q, k, v, cu, cu, segments.max_seqlen, segments.max_seqlen)
+        cu_q = torch.tensor([0, *accumulate(segments.query_lens)], dtype=cu.dtype, device=q.device)
+        return varlen(q, k, v, cu_q, cu, max(segments.query_lens), segments.max_seqlen)
 
     def one_sequence(qs: Tensor, ks: Tensor, vs: Tensor) -> Tensor:
         cu_q = torch.tensor([0, qs.shape[0]], dtype=torch.int32, device=q.device)

@@ -20,6 +20,7 @@ modulation by sample index) runs on it unchanged, and only `inner_attention` nee
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Literal
@@ -37,31 +38,42 @@ class FrameGroups:
     frame (a sample's video frame by frame, then its caption, frame 0): run (start, end, visible)
     attends the first `visible` sorted keys, and the runs' outputs back to back are the segment's rows
     in order. Built once per pack from `frames`; O(Ls) memory; host ints, so slicing needs no sync.
+
+    With `queries` (segment rows, increasing) only those rows ask: the runs cut the rows given (q
+    holds just those, in order), each still seeing every key of frames <= its own.
     """
     frames: Tensor                          # [Ls] int64 frame of each row (what this was built from)
     key_order: Tensor                       # [Ls] int64 segment rows sorted by frame (stable)
     key_inverse: Tensor                     # [Ls] int64 place in `key_order` of each segment row
     keys_in_order: bool                     # key_order is the identity (no gather needed)
-    runs: tuple[tuple[int, int, int], ...]  # (start, end, visible keys) of each run of same-frame rows
+    runs: tuple[tuple[int, int, int], ...]  # (start, end, visible keys) of each run of same-frame queries
+    queries: Tensor | None = None           # [nq] int64 segment rows that query (None: every row)
 
     @classmethod
-    def of(cls, frames: Tensor) -> FrameGroups:
+    def of(cls, frames: Tensor, queries: Tensor | None = None) -> FrameGroups:
         """The schedule of one segment from the frame of each of its rows ([Ls] integers)."""
         cpu = frames.cpu()
         order = torch.sort(cpu, stable=True).indices
         values, counts = torch.unique_consecutive(cpu[order], return_counts=True)
         visible_of_value = torch.cumsum(counts, 0)                  # keys of frames <= each value
-        run_values, run_lengths = torch.unique_consecutive(cpu, return_counts=True)
+        asking = cpu if queries is None else cpu[queries.cpu()]
+        run_values, run_lengths = torch.unique_consecutive(asking, return_counts=True)
         run_ends = torch.cumsum(run_lengths, 0)
         visible = visible_of_value[torch.searchsorted(values, run_values)]
         runs = tuple(zip((run_ends - run_lengths).tolist(), run_ends.tolist(), visible.tolist()))
         in_order = bool(torch.equal(order, torch.arange(len(order))))
-        return cls(frames, order.to(frames.device), torch.argsort(order).to(frames.device), in_order, runs)
+        return cls(frames, order.to(frames.device), torch.argsort(order).to(frames.device), in_order, runs,
+                   None if queries is None else queries.to(frames.device))
 
     def moved(self, frames: Tensor) -> FrameGroups:
         """The same schedule beside `frames` (this schedule's frames on another device)."""
-        return dataclasses.replace(self, frames=frames, key_order=self.key_order.to(frames.device),
-                                   key_inverse=self.key_inverse.to(frames.device))
+        move = lambda t: None if t is None else t.to(frames.device)  # noqa: E731
+        return dataclasses.replace(self, frames=frames, key_order=move(self.key_order),
+                                   key_inverse=move(self.key_inverse), queries=move(self.queries))
+
+    def query_frames(self) -> Tensor:
+        """[nq] frame of each querying row."""
+        return self.frames if self.queries is None else self.frames[self.queries]
 
 
 @dataclass(frozen=True)
@@ -84,6 +96,10 @@ class AttnSegments:
     # when the segments are made (once per pack) and carried along by unsharded() and to(), so no
     # attention call rebuilds it. Rebuilt only if `frames` is replaced by other tensors.
     frame_groups: tuple[FrameGroups | None, ...] | None = None
+    # Asked by some rows only (`with_queries`): q holds the rows `query_rows` of the full sequence
+    # ([Lq] int64, increasing), `query_lens` of them per segment; the keys are still every row.
+    query_rows: Tensor | None = None
+    query_lens: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self._groups_match_frames():
@@ -118,6 +134,28 @@ class AttnSegments:
     def is_sharded(self) -> bool:
         return self.local_index is not None
 
+    def with_queries(self, rows: Tensor) -> AttnSegments:
+        """These segments asked by `rows` only (rows of the full sequence, increasing): attention then
+        takes q and returns outputs for those rows, each seeing the keys its rule allows. What a
+        layer whose other outputs nobody reads computes (built once per pack, not per call)."""
+        if self.is_sharded:
+            raise ValueError("a query subset of a context-parallel rank's share is not supported: pass "
+                             "every row's query under context parallel.")
+        cpu = rows.cpu()
+        starts = self.cu_seqlens.cpu().long()
+        segment = torch.bucketize(cpu, starts[1:], right=True)                # segment of each row
+        groups = None
+        if self.frames is not None:
+            groups = tuple(None if f is None else FrameGroups.of(f, cpu[segment == i] - starts[i])
+                           for i, f in enumerate(self.frames))
+        lens = torch.bincount(segment, minlength=len(self.seqlens))
+        return dataclasses.replace(self, query_rows=rows, query_lens=tuple(lens.tolist()), frame_groups=groups)
+
+    @property
+    def query_total(self) -> int:
+        """Rows of q (and of the output) an attention call over these segments takes."""
+        return self.total if self.query_lens is None else sum(self.query_lens)
+
     def unsharded(self) -> AttnSegments:
         """The same segments as seen by a process that holds every row (after a CP all-to-all)."""
         return dataclasses.replace(self, local_index=None)
@@ -128,8 +166,8 @@ class AttnSegments:
         if self.frames is not None:
             frames = tuple(move(f) for f in self.frames)
             groups = tuple(None if g is None else g.moved(f) for g, f in zip(self.frame_groups, frames))
-        return dataclasses.replace(self, cu_seqlens=self.cu_seqlens.to(device),
-                                   local_index=move(self.local_index), frames=frames, frame_groups=groups)
+        return dataclasses.replace(self, cu_seqlens=self.cu_seqlens.to(device), local_index=move(self.local_index),
+                                   frames=frames, frame_groups=groups, query_rows=move(self.query_rows))
 
 
 AttentionRule = Literal["full", "block_causal"]
@@ -238,7 +276,9 @@ class PackInfo:
     video_pos: Tensor         # [nv, 3] (t, h, w) RoPE position of each local video token (int64,
                               # or float64 when a clip is interpolated onto a reference grid)
     video_trained: Tensor     # [nv] bool: the local video tokens whose prediction is trained
+    video_trained_rows: Tensor  # [n] int64 the same as local video rows (increasing)
     video_counts: tuple[int, ...]  # local video rows of each sample (contiguous in stream order)
+    trained_counts: tuple[int, ...]  # local trained video rows of each sample
     text_counts: tuple[int, ...]   # local text rows of each sample
     stream_to_joint: Tensor   # [nv + nt] int64 row in the local joint order of each stream row
     joint_to_stream: Tensor   # [nv + nt] int64 inverse permutation: stream row of each joint row
@@ -308,6 +348,12 @@ class PackInfo:
         """Text rows held by this process."""
         return self.text_index.numel()
 
+    @functools.cached_property
+    def trained_joint(self) -> AttnSegments:
+        """The joint segments asked by the trained video rows only (`AttnSegments.with_queries`): what
+        a last layer computes when only the trained predictions are read. Built once per pack."""
+        return self.joint.with_queries(self.video_joint_rows.index_select(0, self.video_trained_rows))
+
     def shard_inputs(self, x: Tensor, text: Tensor) -> tuple[Tensor, Tensor]:
         """This process's rows of the full video tokens `[Nv, C]` and text features `[Nt, D]`."""
         if self.cp_size == 1:
@@ -346,7 +392,7 @@ def _derive(layouts: tuple[SampleLayout, ...], cp_rank: int, cp_size: int, devic
     if any(p.is_floating_point() for p in positions):
         positions = [p.double() for p in positions]
     positions = torch.cat(positions)
-    trained = torch.cat([s.trained_tokens() for s in layouts])
+    trained = torch.cat([s.trained_tokens() for s in layouts])[video_index]
     joint = AttnSegments.from_lengths((video_lens + txt_lens).tolist())
     if any(s.attention == "block_causal" for s in layouts):
         # joint order of a sample is [video; caption]: caption rows are frame 0
@@ -361,8 +407,9 @@ def _derive(layouts: tuple[SampleLayout, ...], cp_rank: int, cp_size: int, devic
         layouts=layouts, cp_rank=cp_rank, cp_size=cp_size,
         video_index=video_index, text_index=text_index,
         video_sample=video_sample, text_sample=text_sample, video_pos=positions[video_index],
-        video_trained=trained[video_index],
+        video_trained=trained, video_trained_rows=torch.nonzero(trained).squeeze(1),
         video_counts=tuple(torch.bincount(video_sample, minlength=len(samples)).tolist()),
+        trained_counts=tuple(torch.bincount(video_sample[trained], minlength=len(samples)).tolist()),
         text_counts=tuple(torch.bincount(text_sample, minlength=len(samples)).tolist()),
         stream_to_joint=stream_to_joint, joint_to_stream=joint_to_stream, joint=joint, text=text)
     return pack if device is None else pack.to(device)

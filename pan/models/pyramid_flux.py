@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from pan.config.core import ConfigError, knob
 from pan.models.attention import InnerAttention, set_attention_backend
 from pan.models.layers import Samples, adaln_vectors, from_joint, gated_residual, layer_norm, like_v, modulate, to_joint
-from pan.models.packing import PackInfo, SampleLayout
+from pan.models.packing import AttnSegments, PackInfo, SampleLayout
 from pan.models.rope import apply_rope, rope_frequencies
 
 ROPE_THETA = 10000.0          # hard-coded in the original (not a config key)
@@ -122,6 +122,18 @@ def joint_samples(pack: PackInfo) -> Tensor:
 
 def joint_counts(pack: PackInfo) -> tuple[int, ...]:
     return tuple(v + t for v, t in zip(pack.video_counts, pack.text_counts))
+
+
+def video_samples(pack: PackInfo, trained_only: bool = False) -> Samples:
+    """The sample of each local video row, or of each trained one."""
+    if trained_only:
+        return Samples.of(lambda: pack.trained_counts, pack.video_sample.index_select(0, pack.video_trained_rows))
+    return Samples.of(lambda: pack.video_counts, pack.video_sample)
+
+
+def trained_rows(vid: Tensor, pack: PackInfo) -> Tensor:
+    """The trained rows (stream order) of per-video-row values [Nv, ...]."""
+    return vid if len(pack.video_trained_rows) == len(vid) else vid.index_select(0, pack.video_trained_rows)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -333,22 +345,23 @@ def attention_backend(model: nn.Module) -> str:
     return next(m.backend for m in model.modules() if isinstance(m, InnerAttention))
 
 
-def attention_flops(pack: PackInfo, hidden: int, backend: str) -> int:
+def attention_flops(segments: AttnSegments, hidden: int, backend: str) -> int:
     """QK^T and AV of every joint sequence, summed over heads: 4 * D per (query, key) pair computed.
 
-    All Ls^2 pairs under the full rule, and under the block-causal rule for `sdpa` (it evaluates the
+    All pairs under the full rule, and under the block-causal rule for `sdpa` (it evaluates the
     masked pairs too). Backends that skip masked blocks (`blockwise`, `varlen`, and `auto`, which runs
     blockwise there) compute only the allowed pairs; `flex` is counted the same, a lower bound (its
-    tiles compute partly masked blocks whole).
+    tiles compute partly masked blocks whole). Segments asked by some rows only count their queries.
     """
-    frames = pack.joint.frames or (None,) * len(pack.joint.seqlens)
+    count = len(segments.seqlens)
+    frames, groups = segments.frames or (None,) * count, segments.frame_groups or (None,) * count
     pairs = 0
-    for n, frame in zip(pack.joint.seqlens, frames):
+    for n, asking, frame, group in zip(segments.seqlens, segments.query_lens or segments.seqlens, frames, groups):
         if frame is None or backend == "sdpa":
-            pairs += n * n
+            pairs += asking * n
         else:   # a query of frame f sees the keys of frames <= f
-            per_frame = torch.bincount(frame.cpu())
-            pairs += int((per_frame * per_frame.cumsum(0)).sum())
+            visible = torch.bincount(frame.cpu()).cumsum(0)
+            pairs += int(visible[group.query_frames().cpu()].sum())
     return 4 * hidden * pairs
 
 
@@ -376,10 +389,10 @@ class PyramidDiT(nn.Module):
         check_layouts(pack, self.config.use_temporal_causal, self.config.interp_condition_pos)
         return F.silu(self.time_text_embed(timesteps, pooled))
 
-    def output(self, vid: Tensor, temb_act: Tensor, pack: PackInfo) -> Tensor:
-        """The video rows [Nv, D] through the AdaLN-continuous norm and the output projection."""
-        out = self.norm_out(vid, temb_act, Samples.of(lambda: pack.video_counts, pack.video_sample))
-        return self.proj_out(out)
+    def output(self, vid: Tensor, temb_act: Tensor, pack: PackInfo, trained_only: bool = False) -> Tensor:
+        """The video rows [Nv, D] (`trained_only`: the trained ones [n, D], stream order) through the
+        AdaLN-continuous norm and the output projection."""
+        return self.proj_out(self.norm_out(vid, temb_act, video_samples(pack, trained_only)))
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -430,13 +443,16 @@ class SingleAttention(nn.Module):
         self.norm_k = nn.RMSNorm(hidden // heads, eps=eps)
         self.inner_attention = InnerAttention()
 
-    def forward(self, x: Tensor, rope: Tensor, pack: PackInfo) -> Tensor:
-        # x [L, D] normalised and modulated, joint order; rope [L, d/2]
-        q = apply_rope(self.norm_q(split_heads(self.to_q(x), self.heads)), rope)             # [L, H, d]
-        k = apply_rope(self.norm_k(split_heads(self.to_k(x), self.heads)), rope)
+    def forward(self, x: Tensor, rope: Tensor, segments: AttnSegments) -> Tensor:
+        # x [L, D] normalised and modulated, joint order; rope [L, d/2]. Segments asked by some rows
+        # only (`query_rows`): queries and outputs [Lq, ...] of those rows.
+        rows = segments.query_rows
+        xq, rope_q = (x, rope) if rows is None else (x.index_select(0, rows), rope.index_select(0, rows))
+        q = apply_rope(self.norm_q(split_heads(self.to_q(xq), self.heads)), rope_q)          # [Lq, H, d]
+        k = apply_rope(self.norm_k(split_heads(self.to_k(x), self.heads)), rope)             # [L, H, d]
         v = split_heads(self.to_v(x), self.heads)
         q, k = like_v(v, q, k)
-        return self.inner_attention(q, k, v, pack.joint).flatten(1)                           # [L, D]
+        return self.inner_attention(q, k, v, segments).flatten(1)                             # [Lq, D]
 
 
 class SingleBlock(nn.Module):
@@ -450,14 +466,21 @@ class SingleBlock(nn.Module):
         self.proj_out = nn.Linear(hidden * (1 + mlp_ratio), hidden)
         self.attn = SingleAttention(hidden, heads, eps=1e-6)
 
-    def forward(self, h: Tensor, temb_act: Tensor, rope: Tensor, sample_of_row: Tensor, pack: PackInfo
-                ) -> Tensor:
-        # h [L, D] joint order, sample_of_row [L]
+    def forward(self, h: Tensor, temb_act: Tensor, rope: Tensor, sample_of_row: Tensor, pack: PackInfo,
+                trained_only: bool = False) -> Tensor:
+        # h [L, D] joint order, sample_of_row [L] -> [L, D]; `trained_only` (the last block, when only
+        # the trained video rows are read): [n, D] of those rows, which alone get queries, MLP and
+        # output (every row still gives keys and values)
         samples = Samples.of(lambda: joint_counts(pack), sample_of_row)
         shift, scale, gate = adaln_vectors(self.norm(temb_act), 3).chunk(3, dim=-1)            # [B, D]
         x = modulate(layer_norm(h, NORM_EPS), shift, scale, samples)
-        mlp = F.gelu(self.proj_mlp(x), approximate="tanh")
-        out = self.proj_out(torch.cat([self.attn(x, rope, pack), mlp], dim=-1))
+        segments, x_out = pack.joint, x
+        if trained_only:
+            segments = pack.trained_joint
+            h, x_out = (t.index_select(0, segments.query_rows) for t in (h, x))
+            samples = video_samples(pack, trained_only=True)
+        mlp = F.gelu(self.proj_mlp(x_out), approximate="tanh")
+        out = self.proj_out(torch.cat([self.attn(x, rope, segments), mlp], dim=-1))
         return gated_residual(h, gate, out, samples)
 
 
@@ -565,9 +588,15 @@ class PyramidFluxTransformer(PyramidDiT):
     # Forward
     # --------------------------------------------------------------------------------------------
 
-    def forward(self, x: Tensor, timesteps: Tensor, text: Tensor, pooled: Tensor, pack: PackInfo) -> Tensor:
+    def forward(self, x: Tensor, timesteps: Tensor, text: Tensor, pooled: Tensor, pack: PackInfo,
+                trained_only: bool = False) -> Tensor:
         """x [Nv, in_channels] patch tokens, timesteps [B] (0..1000), text [Nt, joint_attention_dim]
-        (valid caption rows only), pooled [B, pooled_projection_dim] -> [Nv, in_channels]."""
+        (valid caption rows only), pooled [B, pooled_projection_dim] -> [Nv, in_channels].
+
+        `trained_only`: the predictions of the trained video rows only ([n, in_channels], stream
+        order: each sample's last clip), all a loss or sampler reads. The last single-stream block
+        then works for those rows alone (queries, MLP and output of history and caption rows are
+        never read); under context parallel every row is computed and the trained ones kept."""
         c = self.config
         temb_act = self.conditioning(timesteps, pooled, pack)                        # [B, D]
         vid = self.x_embedder(x)                                                     # [Nv, D]
@@ -577,26 +606,40 @@ class PyramidFluxTransformer(PyramidDiT):
             vid, txt = block(vid, txt, temb_act, rope, pack)
         h = to_joint(vid, txt, pack)                                                 # [L, D]
         samples = joint_samples(pack)
-        for block in self.single_transformer_blocks:
-            h = block(h, temb_act, rope, samples, pack)
+        blocks = list(self.single_transformer_blocks)
+        ask_last = trained_only and pack.cp_size == 1 and len(blocks) > 0
+        for i, block in enumerate(blocks):
+            h = block(h, temb_act, rope, samples, pack, trained_only=ask_last and i == len(blocks) - 1)
+        if ask_last:
+            return self.output(h, temb_act, pack, trained_only=True)                 # [n, in_channels]
         vid = from_joint(h, pack)[0]                                                 # [Nv, D]
-        return self.output(vid, temb_act, pack)                                      # [Nv, in_channels]
+        if trained_only:
+            vid = trained_rows(vid, pack)
+        return self.output(vid, temb_act, pack, trained_only)                        # [Nv or n, in_channels]
 
     # --------------------------------------------------------------------------------------------
     # FLOPs
     # --------------------------------------------------------------------------------------------
 
-    def forward_flops(self, pack: PackInfo) -> int:
+    def forward_flops(self, pack: PackInfo, trained_only: bool = False) -> int:
         """Exact matmul + attention FLOPs of one forward over the whole pack (all cp ranks).
 
         Per token its own stream's linears; modulation once per sample; attention 4 * D per (query,
         key) pair the attention backend computes (`attention_flops`: all Ls^2 for sdpa, only the
         block-causal rule's allowed pairs for the backends that skip masked blocks). Norms, RoPE and
-        element-wise work are not counted. A training step is about 3x this.
+        element-wise work are not counted. A training step is about 3x this. `trained_only`: the
+        forward that predicts the trained rows only without context parallel (the last single-stream
+        block's queries, MLP and output, and the output layer, for those rows alone).
         """
-        c, d = self.config, self.config.hidden_size
+        c, d, backend = self.config, self.config.hidden_size, attention_backend(self)
         nv, nt, b = sum(pack.video_lens), sum(pack.text_lens), pack.num_samples
-        attention = attention_flops(pack, d, attention_backend(self))
+        attention = attention_flops(pack.joint, d, backend)
         flops = c.num_layers * joint_block_flops(d, nv, nt, b, attention, context_pre_only=False)
         single = 2 * (nv + nt) * (3 * d * d + 4 * d * d + 5 * d * d) + 2 * b * d * 3 * d + attention
-        return self.edge_flops(pack) + flops + c.num_single_layers * single
+        flops += self.edge_flops(pack) + c.num_single_layers * single
+        if not (trained_only and c.num_single_layers):
+            return flops
+        idle = nv + nt - sum(pack.trained_counts)                     # rows whose outputs nobody reads
+        flops -= 2 * idle * (d * d + 4 * d * d + 5 * d * d)           # their q, MLP and proj_out
+        flops -= attention - attention_flops(pack.trained_joint, d, backend)
+        return flops - 2 * (nv - sum(pack.trained_counts)) * d * c.in_channels  # and output layer

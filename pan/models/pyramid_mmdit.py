@@ -40,6 +40,7 @@ from pan.models.pyramid_flux import (
     attention_flops,
     joint_block_flops,
     joint_positions,
+    trained_rows,
 )
 from pan.models.rope import rope_frequencies
 
@@ -236,9 +237,11 @@ class PyramidMMDiT(PyramidDiT):
     # Forward
     # --------------------------------------------------------------------------------------------
 
-    def forward(self, x: Tensor, timesteps: Tensor, text: Tensor, pooled: Tensor, pack: PackInfo) -> Tensor:
+    def forward(self, x: Tensor, timesteps: Tensor, text: Tensor, pooled: Tensor, pack: PackInfo,
+                trained_only: bool = False) -> Tensor:
         """x [Nv, C*p*p] patch tokens, timesteps [B] (0..1000), text [Nt, joint_attention_dim] (valid
-        caption rows only), pooled [B, pooled_projection_dim] -> [Nv, C*p*p]."""
+        caption rows only), pooled [B, pooled_projection_dim] -> [Nv, C*p*p]; `trained_only`: the
+        trained rows' predictions only [n, C*p*p] (computed for every row, then kept)."""
         c = self.config
         temb_act = self.conditioning(timesteps, pooled, pack)                        # [B, D]
         vid = self.pos_embed(x, pack)                                                # [Nv, D]
@@ -247,7 +250,9 @@ class PyramidMMDiT(PyramidDiT):
         rope = rope_frequencies(frames, [c.attention_head_dim], ROPE_THETA, 1.0)     # [L, d/2]
         for block in self.transformer_blocks:
             vid, txt = block(vid, txt, temb_act, rope, pack)
-        return self.output(vid, temb_act, pack)                                      # [Nv, C*p*p]
+        if trained_only:
+            vid = trained_rows(vid, pack)
+        return self.output(vid, temb_act, pack, trained_only)                        # [Nv or n, C*p*p]
 
     # --------------------------------------------------------------------------------------------
     # Init, FLOPs
@@ -259,12 +264,14 @@ class PyramidMMDiT(PyramidDiT):
         super().init_weights()
         self.pos_embed.reset_parameters()
 
-    def forward_flops(self, pack: PackInfo) -> int:
+    def forward_flops(self, pack: PackInfo, trained_only: bool = False) -> int:
         """Exact matmul + attention FLOPs of one forward over the whole pack (all cp ranks), counted as
-        in `PyramidFluxTransformer.forward_flops` (the last block computes caption q/k/v only)."""
+        in `PyramidFluxTransformer.forward_flops` (the last block computes caption q/k/v only). With
+        `trained_only` every block still computes every row; the output layer the trained ones."""
         c, d = self.config, self.config.hidden_size
         nv, nt, b = sum(pack.video_lens), sum(pack.text_lens), pack.num_samples
-        attention = attention_flops(pack, d, attention_backend(self))
-        return self.edge_flops(pack) + sum(
+        attention = attention_flops(pack.joint, d, attention_backend(self))
+        unread = (nv - sum(pack.trained_counts)) if trained_only else 0   # rows the output layer skips
+        return self.edge_flops(pack) - 2 * unread * d * c.in_channels * c.patch_size ** 2 + sum(
             joint_block_flops(d, nv, nt, b, attention, context_pre_only=i == c.num_layers - 1)
             for i in range(c.num_layers))

@@ -138,7 +138,11 @@ class PackedTask(Task):
 
     def flops(self, batches: list[PackedInputs]) -> float:
         """Training FLOPs this process executes for these micro-batches (3x forward)."""
-        return sum(3 * self.model.forward_flops(b.pack) for b in batches) / self.dims.cp
+        return sum(3 * self.forward_flops(b.pack) for b in batches) / self.dims.cp
+
+    def forward_flops(self, pack: PackInfo) -> int:
+        """FLOPs of the forward `loss_sum` runs on this whole pack."""
+        return self.model.forward_flops(pack)
 
     def batch_stats(self, batches: list[PackedInputs]) -> dict:
         return {"samples": sum(b.samples for b in batches), "tokens": sum(b.tokens for b in batches),

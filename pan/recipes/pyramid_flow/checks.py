@@ -635,7 +635,7 @@ def pyramid_probe(ctx: Preflight, task, samples: list[list[tuple[int, int, int]]
     clips = largest_batch(data, task.tokens_of, images=bool(data.image_tar_paths))
     shapes = "; ".join(" + ".join("x".join(map(str, clip)) for clip in sample) for sample in samples)
     return Probe([Phase("transformer", loss)], tokens=whole.num_video_tokens // cp, samples=len(samples),
-                 flops=3 * model.forward_flops(whole) / cp, frozen=frozen, loader=loader_bytes(data, clips),
+                 flops=3 * task.forward_flops(whole) / cp, frozen=frozen, loader=loader_bytes(data, clips),
                  online_text=online_text,
                  describe=f"{describe} (latent clips t x h x w: {shapes}) = {whole.num_video_tokens} video + "
                           f"{whole.num_text_tokens} caption tokens per data-parallel rank")

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from pan.models.attention import set_attention_backend
 from pan.models.packing import PackInfo, SampleLayout, patchify, unpatchify
 from pan.models.pan_dit import PanDiTConfig, PanVideoDiffusionTransformer
-from pan.models.pyramid_flux import pyramid_sample_layout
+from pan.models.pyramid_flux import pyramid_sample_layout, trained_rows
 from pan.models.pyramid_io import read_weights
 from pan.recipes.pyramid_flow.config import PyramidJobConfig, dit_class, dit_config, variant_folder
 
@@ -49,8 +49,10 @@ class PanForPyramid(nn.Module):
     def sample_layout(self, grids, text_len: int) -> SampleLayout:
         return pyramid_sample_layout(grids, text_len, self.use_temporal_causal, self.interp_condition_pos)
 
-    def forward(self, x: Tensor, timesteps: Tensor, text: Tensor, pooled: Tensor, pack: PackInfo) -> Tensor:
-        return self.dit(x, timesteps / 1000.0, text, pack)
+    def forward(self, x: Tensor, timesteps: Tensor, text: Tensor, pooled: Tensor, pack: PackInfo,
+                trained_only: bool = False) -> Tensor:
+        out = self.dit(x, timesteps / 1000.0, text, pack)
+        return trained_rows(out, pack) if trained_only else out
 
     def init_weights(self) -> None:
         self.dit.init_weights()
@@ -61,8 +63,8 @@ class PanForPyramid(nn.Module):
     def hidden_matrices(self) -> dict[str, tuple[int, ...]]:
         return {f"dit.{name}": rows for name, rows in self.dit.hidden_matrices().items()}
 
-    def forward_flops(self, pack: PackInfo) -> int:
-        return self.dit.forward_flops(pack)
+    def forward_flops(self, pack: PackInfo, trained_only: bool = False) -> int:
+        return self.dit.forward_flops(pack)       # every row is computed with `trained_only` too
 
 
 def build_dit(job: PyramidJobConfig) -> nn.Module:

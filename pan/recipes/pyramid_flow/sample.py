@@ -28,7 +28,7 @@ def velocity_fn(model: nn.Module, features: list[TextFeatures]):
                                      device=x.device)
         tokens = torch.cat([model.patchify(xi) for xi in x])
         pooled = torch.stack([f.pooled_prompt_embed.float() for f in features]).to(x.device)
-        out = model(tokens, t.to(x.device).float(), torch.cat(texts).to(x.device), pooled, pack)
+        out = model(tokens, t.to(x.device).float(), torch.cat(texts).to(x.device), pooled, pack, trained_only=True)
         return torch.stack([model.unpatchify(o, grid) for o in out.chunk(len(features))]).float()
     return velocity
 

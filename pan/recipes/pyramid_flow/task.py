@@ -42,6 +42,7 @@ from pan.encoders.pyramid_text import PyramidTextEncoder, TextFeatures, build_te
 from pan.encoders.vae import build_vae
 from pan.media import to_uint8_frames, write_gif, write_mp4
 from pan.models.packing import PackInfo
+from pan.models.pyramid_flux import trained_rows
 from pan.recipes.packed import PackedInputs, PackedTask
 from pan.recipes.pyramid_flow.config import PyramidJobConfig, variant_folder
 from pan.recipes.pyramid_flow.model import build_dit, released_weights
@@ -194,9 +195,16 @@ class PyramidTask(PackedTask):
     # -- the loss ----------------------------------------------------------------------------------
     def loss_sum(self, model, inputs: PyramidInputs) -> Tensor:
         """Sum over this rank's rows of each sample's squared errors / its values: summed over ranks
-        and divided by the sample count, the mean of per-sample MSEs (the original's loss)."""
-        pred = model(inputs.x, inputs.timesteps, inputs.text, inputs.pooled, inputs.pack)
-        return ((pred.float() - inputs.target).square().sum(dim=1) * inputs.weight).sum()
+        and divided by the sample count, the mean of per-sample MSEs (the original's loss). Only the
+        trained rows are predicted (history clips are conditioning: the model skips their last-block
+        work)."""
+        pred = model(inputs.x, inputs.timesteps, inputs.text, inputs.pooled, inputs.pack, trained_only=True)
+        target, weight = (trained_rows(t, inputs.pack) for t in (inputs.target, inputs.weight))
+        return ((pred.float() - target).square().sum(dim=1) * weight).sum()
+
+    def forward_flops(self, pack: PackInfo) -> int:
+        # the loss asks for the trained rows only: without context parallel the model skips the rest
+        return self.model.forward_flops(pack, trained_only=self.dims.cp == 1)
 
     def loss_count(self, inputs: PyramidInputs) -> float:
         return float(inputs.samples)

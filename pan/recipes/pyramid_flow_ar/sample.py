@@ -35,13 +35,10 @@ def history_velocity(model: nn.Module, features: list[TextFeatures]):
                 tokens.append(torch.cat([model.patchify(c) for c in clips]))
             pooled = torch.stack([f.pooled_prompt_embed.float() for f in features]).to(x.device)
             out = model(torch.cat(tokens), t.to(x.device).float(), torch.cat(texts), pooled,
-                        PackInfo.from_layouts(layouts, device=x.device))
-            preds, end = [], 0
-            for layout in layouts:
-                end += layout.video_len
-                last = layout.clips[-1]
-                preds.append(model.unpatchify(out[end - last.tokens:end], last.grid))
-            return torch.stack(preds).float()
+                        PackInfo.from_layouts(layouts, device=x.device), trained_only=True)
+            lasts = [layout.clips[-1] for layout in layouts]   # the trained clip of each sample
+            preds = out.split([last.tokens for last in lasts])
+            return torch.stack([model.unpatchify(p, last.grid) for p, last in zip(preds, lasts)]).float()
         return velocity
     return given
 
