@@ -193,11 +193,7 @@ def test_weights_load_strictly_and_every_problem_is_listed(tmp_path):
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("name", MODELS)
 def test_forward_loss_and_gradients_match_the_original(name, case, backend):
-    model = released(name)
-    set_attention_backend(model, backend)
-    t, _ = load_fixture(f"{name}/{case}")
-    grads, _ = load_fixture(f"{name}/{case}_grads")
-    batch = Batch(model, t)
+    model, t, grads, batch = fixture_call(name, case, backend)
     out = model(*batch.inputs())
     for (c, i), pred in zip(batch.where, batch.predictions(model, out)):
         torch.testing.assert_close(pred, t[f"out.col{c}"][i], **TOL, msg=f"column {c} sample {i}")
@@ -206,6 +202,19 @@ def test_forward_loss_and_gradients_match_the_original(name, case, backend):
     torch.testing.assert_close(loss, t["out.loss"], **TOL)
     torch.testing.assert_close(loss_of(out, *batch.token_targets(model)), loss, rtol=1e-6, atol=0)
     loss.backward()
+    assert_fixture_gradients(model, grads)
+
+
+def fixture_call(name: str, case: str, backend: str):
+    """(the released model on `backend`, the fixture call's tensors, its gradients, its pack)."""
+    model = released(name)
+    set_attention_backend(model, backend)
+    t, _ = load_fixture(f"{name}/{case}")
+    grads, _ = load_fixture(f"{name}/{case}_grads")
+    return model, t, grads, Batch(model, t)
+
+
+def assert_fixture_gradients(model, grads: dict) -> None:
     params = dict(model.named_parameters())
     assert {f"grad.{k}" for k in params} == set(grads)
     for key, param in params.items():
@@ -219,11 +228,7 @@ def test_forward_loss_and_gradients_match_the_original(name, case, backend):
 def test_predicting_the_trained_rows_only_gives_the_originals_loss_and_gradients(name, case, backend):
     # What the recipes train with: the model predicts each sample's trained (last) clip only, and
     # skips the last single-stream block's work for history and caption rows.
-    model = released(name)
-    set_attention_backend(model, backend)
-    t, _ = load_fixture(f"{name}/{case}")
-    grads, _ = load_fixture(f"{name}/{case}_grads")
-    batch = Batch(model, t)
+    model, t, grads, batch = fixture_call(name, case, backend)
     with torch.no_grad():
         every = model(*batch.inputs())
     out = model(*batch.inputs(), trained_only=True)
@@ -235,9 +240,7 @@ def test_predicting_the_trained_rows_only_gives_the_originals_loss_and_gradients
     loss = loss_of(out, target, weight)
     torch.testing.assert_close(loss, t["out.loss"], **TOL)
     loss.backward()
-    for key, param in model.named_parameters():
-        got = param.grad if param.grad is not None else torch.zeros_like(param)
-        torch.testing.assert_close(got, grads[f"grad.{key}"], **TOL, msg=key)
+    assert_fixture_gradients(model, grads)
 
 
 @pytest.mark.parametrize("case", CASES)
