@@ -608,6 +608,8 @@ class PyramidFluxTransformer(PyramidDiT):
         samples = joint_samples(pack)
         blocks = list(self.single_transformer_blocks)
         ask_last = trained_only and pack.cp_size == 1 and len(blocks) > 0
+        if ask_last:
+            pack.trained_joint  # noqa: B018 (built here, host work once per pack, not in a compiled block)
         for i, block in enumerate(blocks):
             h = block(h, temb_act, rope, samples, pack, trained_only=ask_last and i == len(blocks) - 1)
         if ask_last:
