@@ -245,7 +245,11 @@ def write_vae_report(out: Path, scores: dict, table: str, files: list[Path]) -> 
 # ------------------------------------------------------------------------------------------------
 
 AR_SIZE, AR_FRAMES = 32, 5  # 5 one-frame units per clip: the unit-by-unit sampler stays quick
-AR_STEPS = 400
+# 2400 steps at lr 4e-3 with per-token caption features (a T5 of no layers: the embeddings and the
+# final norm) read the direction words: direction 7% -> 80% over the 400-step demo (docs/demo_recipes.md).
+AR_STEPS = 2400
+AR_LEARNING_RATE = 4.0e-3
+T5_LAYERS = 0
 CAPTION_WIDTH, POOLED_WIDTH = 32, 32  # T5 and CLIP feature widths, the DiT's text input widths
 TINY_DIT = {"in_channels": 12,  # 3 pixel channels x a 2x2 patch
             "num_layers": 2, "num_single_layers": 2, "attention_head_dim": 32, "num_attention_heads": 2,
@@ -322,7 +326,7 @@ def write_tiny_pyramid_model(folder: Path, variant: str) -> Path:
         )).save_pretrained(folder / "text_encoder")
         T5EncoderModel(T5Config(
             vocab_size=write_t5_tokenizer(folder / "tokenizer_2", corpus), d_model=CAPTION_WIDTH, d_kv=16,
-            d_ff=2 * CAPTION_WIDTH, num_layers=2, num_heads=2, relative_attention_num_buckets=8,
+            d_ff=2 * CAPTION_WIDTH, num_layers=T5_LAYERS, num_heads=2, relative_attention_num_buckets=8,
             relative_attention_max_distance=32, feed_forward_proj="gated-gelu", is_encoder_decoder=False,
             use_cache=False)).save_pretrained(folder / "text_encoder_2")
     return folder
@@ -337,7 +341,7 @@ def ar_config(args: argparse.Namespace, data: dict[str, Path], model_path: Path,
         "model": {"model_name": "pyramid_flux", "model_path": str(model_path), "vae_type": "identity",
                   "t5_max_length": 16, "attention_backend": "sdpa"},
         "autoregressive": {"frame_per_unit": 1, "video_sync_group": 1},
-        "training": {"max_steps": steps, "learning_rate": 2.0e-3, "warmup_steps": min(20, steps // 4),
+        "training": {"max_steps": steps, "learning_rate": AR_LEARNING_RATE, "warmup_steps": min(20, steps // 4),
                      "lr_scheduler_type": "cosine", "lr_decay_floor_ratio": 0.1, "weight_decay": 0.0,
                      "max_grad_norm": 1.0, "use_muon": False, "dtype": "fp32", "seed": args.seed},
         "diffusion": {"image_latent_shift": 0.0, "image_latent_scale": 1.0, "video_latent_shift": 0.0,
