@@ -401,6 +401,20 @@ def test_forward_flops_match_flop_counter(name, backend):
         assert model.forward_flops(batch.pack) > counter.get_total_flops()
 
 
+def test_a_flux_dit_without_single_stream_blocks_counts_its_trained_only_forward():
+    # No last single-stream block to trim: only the output layer runs on the trained rows alone.
+    config = load_config(folder("flux_dit"), PyramidFluxTransformer)
+    config.num_single_layers = 0
+    model = PyramidFluxTransformer(config)
+    t, _ = load_fixture("flux_dit/case_b_temporal_pyramid")
+    batch = Batch(model, t)
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        out = model(*batch.inputs(), trained_only=True)
+    assert out.shape[0] == int(batch.pack.video_trained.sum())
+    assert counter.get_total_flops() == model.forward_flops(batch.pack, trained_only=True)
+    assert counter.get_total_flops() < model.forward_flops(batch.pack)
+
+
 def random_pack(model, step: int, generator: torch.Generator):
     """A new packed batch layout for each step: 1-3 samples, each a last clip of 1-2 frames with 0-2
     history frames at half its resolution (the temporal pyramid's shape) and 1-4 caption rows."""

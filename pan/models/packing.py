@@ -151,11 +151,6 @@ class AttnSegments:
         lens = torch.bincount(segment, minlength=len(self.seqlens))
         return dataclasses.replace(self, query_rows=rows, query_lens=tuple(lens.tolist()), frame_groups=groups)
 
-    @property
-    def query_total(self) -> int:
-        """Rows of q (and of the output) an attention call over these segments takes."""
-        return self.total if self.query_lens is None else sum(self.query_lens)
-
     def unsharded(self) -> AttnSegments:
         """The same segments as seen by a process that holds every row (after a CP all-to-all)."""
         return dataclasses.replace(self, local_index=None)

@@ -467,17 +467,17 @@ class SingleBlock(nn.Module):
         self.attn = SingleAttention(hidden, heads, eps=1e-6)
 
     def forward(self, h: Tensor, temb_act: Tensor, rope: Tensor, sample_of_row: Tensor, pack: PackInfo,
-                trained_only: bool = False) -> Tensor:
-        # h [L, D] joint order, sample_of_row [L] -> [L, D]; `trained_only` (the last block, when only
-        # the trained video rows are read): [n, D] of those rows, which alone get queries, MLP and
-        # output (every row still gives keys and values)
+                trained: AttnSegments | None = None) -> Tensor:
+        # h [L, D] joint order, sample_of_row [L] -> [L, D]; `trained` (the last block, when only the
+        # trained video rows are read: `pack.trained_joint`): [n, D] of those rows, which alone get
+        # queries, MLP and output (every row still gives keys and values)
         samples = Samples.of(lambda: joint_counts(pack), sample_of_row)
         shift, scale, gate = adaln_vectors(self.norm(temb_act), 3).chunk(3, dim=-1)            # [B, D]
         x = modulate(layer_norm(h, NORM_EPS), shift, scale, samples)
         segments, x_out = pack.joint, x
-        if trained_only:
-            segments = pack.trained_joint
-            h, x_out = (t.index_select(0, segments.query_rows) for t in (h, x))
+        if trained is not None:
+            segments = trained
+            h, x_out = (t.index_select(0, trained.query_rows) for t in (h, x))
             samples = video_samples(pack, trained_only=True)
         mlp = F.gelu(self.proj_mlp(x_out), approximate="tanh")
         out = self.proj_out(torch.cat([self.attn(x, rope, segments), mlp], dim=-1))
@@ -607,12 +607,11 @@ class PyramidFluxTransformer(PyramidDiT):
         h = to_joint(vid, txt, pack)                                                 # [L, D]
         samples = joint_samples(pack)
         blocks = list(self.single_transformer_blocks)
-        ask_last = trained_only and pack.cp_size == 1 and len(blocks) > 0
-        if ask_last:
-            pack.trained_joint  # noqa: B018 (built here, host work once per pack, not in a compiled block)
+        # the trained rows' schedule: host work, built here once per pack, never in a compiled block
+        trained = pack.trained_joint if trained_only and pack.cp_size == 1 and blocks else None
         for i, block in enumerate(blocks):
-            h = block(h, temb_act, rope, samples, pack, trained_only=ask_last and i == len(blocks) - 1)
-        if ask_last:
+            h = block(h, temb_act, rope, samples, pack, trained=trained if i == len(blocks) - 1 else None)
+        if trained is not None:
             return self.output(h, temb_act, pack, trained_only=True)                 # [n, in_channels]
         vid = from_joint(h, pack)[0]                                                 # [Nv, D]
         if trained_only:
@@ -639,9 +638,11 @@ class PyramidFluxTransformer(PyramidDiT):
         flops = c.num_layers * joint_block_flops(d, nv, nt, b, attention, context_pre_only=False)
         single = 2 * (nv + nt) * (3 * d * d + 4 * d * d + 5 * d * d) + 2 * b * d * 3 * d + attention
         flops += self.edge_flops(pack) + c.num_single_layers * single
-        if not (trained_only and c.num_single_layers):
+        if not trained_only:
             return flops
-        idle = nv + nt - sum(pack.trained_counts)                     # rows whose outputs nobody reads
-        flops -= 2 * idle * (d * d + 4 * d * d + 5 * d * d)           # their q, MLP and proj_out
-        flops -= attention - attention_flops(pack.trained_joint, d, backend)
-        return flops - 2 * (nv - sum(pack.trained_counts)) * d * c.in_channels  # and output layer
+        n = sum(pack.trained_counts)
+        flops -= 2 * (nv - n) * d * c.in_channels                    # the output layer: trained rows only
+        if c.num_single_layers:                                       # the last block: rows nobody reads
+            flops -= 2 * (nv + nt - n) * (d * d + 4 * d * d + 5 * d * d)   # skip their q, MLP and proj_out
+            flops -= attention - attention_flops(pack.trained_joint, d, backend)
+        return flops
