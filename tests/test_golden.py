@@ -42,7 +42,11 @@ values were first recorded at c1c310c from a worktree of that commit (`PYTHONPAT
 pan this test drives: train.py is taken from beside the imported pan package), and recorded again
 when the Pyramid-Flow recipes started asking the DiT for the trained rows only (its last block skips
 history and caption rows: other fp32 sums, loss of step 1 rel 7e-8 off, the same for later steps to
-rel 1.5e-7); the Pan and causal VAE values came out bit-identical that time.
+rel 1.5e-7); the Pan and causal VAE values came out bit-identical that time. Recorded again when
+the DiTs' RMSNorm got its own CPU autograd function and the per-sample modulation and gating, the
+single-stream blocks' output projection and the block-causal attention's key gradients stopped
+concatenating or zero-filling (issue 31: other fp32 sums; losses and grad norms within rel 1.5e-7
+of the values before, the first difference at step 4; the causal VAE's bit-identical).
 
 Cost: 23 processes (2 inputs, 4 one-process runs, 4 torchrun launches of 3 processes, 5 exports),
 ~120 CPU-seconds in all, most of it importing torch. They share the machine's cores (a 2-rank run

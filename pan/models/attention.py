@@ -146,21 +146,34 @@ class _FrameGroupAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: Tensor):
         (outs, runs), ctx.graphs = ctx.graphs, None                     # each run's graph is used once
-        run_grads = (torch.autograd.grad(out, inputs, grad[start:end])
-                     for (start, end, _), out, inputs in zip(ctx.groups.runs, outs, runs))
+        def run_grads(i: int) -> tuple[Tensor, Tensor, Tensor]:
+            start, end, _ = ctx.groups.runs[i]
+            return torch.autograd.grad(outs[i], runs[i], grad[start:end])
+
         return *_gather_run_gradients(ctx.groups, ctx.key_meta, grad, run_grads), None, None
 
 
-def _gather_run_gradients(groups: FrameGroups, key_meta, grad: Tensor, run_grads) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) of a segment from its runs' (gq, gk, gv) [n_run or visible, H, d], taken one run
-    at a time (only one run's key/value gradients exist at once: O(Ls) memory): the key/value ones
-    summed into one buffer in frame-sorted order, then put back in the segment's order."""
-    dk, dv = (grad.new_zeros(shape, dtype=dtype) for shape, dtype in key_meta)
-    dqs = []
-    for (_, _, visible), (gq, gk, gv) in zip(groups.runs, run_grads):
-        dqs.append(gq)
+def _gather_run_gradients(groups: FrameGroups, key_meta, grad: Tensor,
+                          run_grads: Callable[[int], tuple[Tensor, Tensor, Tensor]]) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of a segment from its runs' (gq, gk, gv) [n_run or visible, H, d], `run_grads(i)`
+    of run i, taken one run at a time (only one run's key/value gradients exist at once: O(Ls)
+    memory), the runs that see more keys first: the first one's key/value gradients are the sums'
+    buffers when it sees every key (no zero-filled buffer to add them into), the others' are added
+    to their prefixes; the sums, in frame-sorted order, are then put back in the segment's order."""
+    dqs: list[Tensor | None] = [None] * len(groups.runs)
+    dk = dv = None
+    for i in sorted(range(len(groups.runs)), key=lambda i: -groups.runs[i][2]):
+        visible = groups.runs[i][2]
+        dqs[i], gk, gv = run_grads(i)
+        if dk is None and visible == key_meta[0][0][0]:
+            dk, dv = gk, gv
+            continue
+        if dk is None:
+            dk, dv = (grad.new_zeros(shape, dtype=dtype) for shape, dtype in key_meta)
         dk[:visible] += gk
         dv[:visible] += gv
+    if dk is None:   # no runs: no row asks
+        dk, dv = (grad.new_zeros(shape, dtype=dtype) for shape, dtype in key_meta)
     if not groups.keys_in_order:
         dk, dv = (t.index_select(0, groups.key_inverse) for t in (dk, dv))
     return torch.cat(dqs), dk, dv                                       # dq: runs back to back, segment order
@@ -189,8 +202,8 @@ class _CpuFlashFrameGroups(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, groups: FrameGroups) -> Tensor:
         ks, vs = (k, v) if groups.keys_in_order else (t.index_select(0, groups.key_order) for t in (k, v))
-        runs = [tuple(_heads_first(t) for t in (q[start:end], ks[:visible], vs[:visible]))
-                for start, end, visible in groups.runs]
+        qh, kh, vh = (_heads_first(t) for t in (q, ks, vs))              # one view each, sliced per run
+        runs = [(qh[:, :, start:end], kh[:, :, :visible], vh[:, :, :visible]) for start, end, visible in groups.runs]
         results = [_CPU_FLASH(*run) for run in runs]                    # (out [1, H, n, d], lse [1, H, n])
         if any(ctx.needs_input_grad[:3]):
             ctx.groups, ctx.runs, ctx.results = groups, runs, results
@@ -201,9 +214,13 @@ class _CpuFlashFrameGroups(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: Tensor):
         (runs, results), ctx.runs, ctx.results = (ctx.runs, ctx.results), None, None   # used once
-        run_grads = ((g[0].transpose(0, 1) for g in
-                      _CPU_FLASH_BACKWARD(_heads_first(grad[start:end]), *run, out, lse, 0.0, False))
-                     for (start, end, _), run, (out, lse) in zip(ctx.groups.runs, runs, results))
+        grad_h = _heads_first(grad)
+
+        def run_grads(i: int) -> tuple[Tensor, Tensor, Tensor]:
+            (start, end, _), (out, lse) = ctx.groups.runs[i], results[i]
+            grads = _CPU_FLASH_BACKWARD(grad_h[:, :, start:end], *runs[i], out, lse, 0.0, False)
+            return tuple(g[0].transpose(0, 1) for g in grads)
+
         return *_gather_run_gradients(ctx.groups, ctx.key_meta, grad, run_grads), None
 
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pan.models.attention import InnerAttention
+from pan.models.norm import RMSNorm
 from pan.models.packing import PackInfo
 from pan.models.rope import apply_rope
 
@@ -38,8 +39,68 @@ class Samples:
     def of(cls, counts_fn, index: Tensor) -> Samples:
         return cls(() if torch.compiler.is_compiling() else counts_fn(), index)
 
-    def rows(self, t: Tensor) -> list[Tensor]:
-        return list(t.split(list(self.counts)))
+
+def _result_dtype(*tensors: Tensor) -> torch.dtype:
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+class _PerSampleModulate(torch.autograd.Function):
+    """shift[s] + x * scale[s] over the rows of each sample s, written into one output: per-sample
+    pieces joined by a copy cost a copy forward and another backward (the split of x) per call."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, shift: Tensor, scale: Tensor, counts: tuple[int, ...]) -> Tensor:
+        out = x.new_empty(x.shape, dtype=_result_dtype(x, shift, scale))
+        for i, (xi, oi) in enumerate(zip(x.split(counts), out.split(counts))):
+            torch.addcmul(shift[i], xi, scale[i], out=oi)
+        ctx.counts = counts
+        ctx.save_for_backward(x, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, scale = ctx.saved_tensors
+        grads = grad.split(ctx.counts)
+        grad_x = grad_shift = grad_scale = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad.new_empty(grad.shape, dtype=_result_dtype(grad, scale))
+            for i, (g, gx) in enumerate(zip(grads, grad_x.split(ctx.counts))):
+                torch.mul(g, scale[i], out=gx)
+        if ctx.needs_input_grad[1]:
+            grad_shift = torch.stack([g.sum(0) for g in grads])
+        if ctx.needs_input_grad[2]:
+            grad_scale = torch.stack([(g * xi).sum(0) for g, xi in zip(grads, x.split(ctx.counts))])
+        return grad_x, grad_shift, grad_scale, None
+
+
+class _PerSampleGatedResidual(torch.autograd.Function):
+    """x + gate[s] * y over the rows of each sample s, written into one output (see
+    `_PerSampleModulate`); x's gradient is the output's, passed on without a copy."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, gate: Tensor, y: Tensor, counts: tuple[int, ...]) -> Tensor:
+        out = x.new_empty(x.shape, dtype=_result_dtype(x, gate, y))
+        for i, (xi, yi, oi) in enumerate(zip(x.split(counts), y.split(counts), out.split(counts))):
+            torch.addcmul(xi, gate[i], yi, out=oi)
+        ctx.counts = counts
+        ctx.save_for_backward(gate, y)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        gate, y = ctx.saved_tensors
+        grads = grad.split(ctx.counts)
+        grad_gate = grad_y = None
+        if ctx.needs_input_grad[1]:
+            grad_gate = torch.stack([(g * yi).sum(0) for g, yi in zip(grads, y.split(ctx.counts))])
+        if ctx.needs_input_grad[2]:
+            grad_y = grad.new_empty(grad.shape, dtype=_result_dtype(grad, gate))
+            for i, (g, gy) in enumerate(zip(grads, grad_y.split(ctx.counts))):
+                torch.mul(g, gate[i], out=gy)
+        return grad if ctx.needs_input_grad[0] else None, grad_gate, grad_y, None
 
 
 def modulate(x: Tensor, shift: Tensor, one_plus_scale: Tensor, samples: Samples | None = None) -> Tensor:
@@ -49,8 +110,7 @@ def modulate(x: Tensor, shift: Tensor, one_plus_scale: Tensor, samples: Samples 
     if torch.compiler.is_compiling():
         return torch.addcmul(shift.index_select(0, samples.index), x,
                              one_plus_scale.index_select(0, samples.index))
-    return torch.cat([torch.addcmul(shift[i:i + 1], xi, one_plus_scale[i:i + 1])
-                      for i, xi in enumerate(samples.rows(x))])
+    return _PerSampleModulate.apply(x, shift, one_plus_scale, samples.counts)
 
 
 def gated_residual(x: Tensor, gate: Tensor, y: Tensor, samples: Samples | None = None) -> Tensor:
@@ -59,8 +119,17 @@ def gated_residual(x: Tensor, gate: Tensor, y: Tensor, samples: Samples | None =
         return torch.addcmul(x, gate, y)
     if torch.compiler.is_compiling():
         return torch.addcmul(x, gate.index_select(0, samples.index), y)
-    return torch.cat([torch.addcmul(xi, gate[i:i + 1], yi)
-                      for i, (xi, yi) in enumerate(zip(samples.rows(x), samples.rows(y)))])
+    return _PerSampleGatedResidual.apply(x, gate, y, samples.counts)
+
+
+def linear_of_cat(linear: nn.Module, a: Tensor, b: Tensor) -> Tensor:
+    """linear(cat([a, b], -1)) for [N, *] rows without the concatenation: one GEMM per part with its
+    columns of the weight (the [N, width] copy, and its backward's strided slices, cost ~3% of a
+    Pyramid-Flow step on CPU). A wrapped linear (a peft LoRA layer) gets the concatenation."""
+    if type(linear) is not nn.Linear:
+        return linear(torch.cat([a, b], dim=-1))
+    w_a, w_b = linear.weight.split([a.shape[-1], b.shape[-1]], dim=1)
+    return torch.addmm(F.linear(b, w_b, linear.bias), a, w_a.t())
 
 
 def layer_norm(x: Tensor, eps: float) -> Tensor:
@@ -135,8 +204,8 @@ class QKV(nn.Module):
         super().__init__()
         self.num_heads = num_heads
         self.qkv = nn.Linear(hidden_size, 3 * hidden_size, bias=bias)
-        self.q_norm = nn.RMSNorm(hidden_size // num_heads, eps=eps)
-        self.k_norm = nn.RMSNorm(hidden_size // num_heads, eps=eps)
+        self.q_norm = RMSNorm(hidden_size // num_heads, eps=eps)
+        self.k_norm = RMSNorm(hidden_size // num_heads, eps=eps)
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, -1)).unbind(-3)
@@ -173,11 +242,11 @@ class RefinerBlock(nn.Module):
 
     def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float, eps: float):
         super().__init__()
-        self.attn_norm = nn.RMSNorm(hidden_size, eps=eps)
+        self.attn_norm = RMSNorm(hidden_size, eps=eps)
         self.attn_qkv = QKV(hidden_size, num_heads, eps, bias=False)
         self.attn_out = nn.Linear(hidden_size, hidden_size, bias=False)
         self.inner_attention = InnerAttention()
-        self.ffn_norm = nn.RMSNorm(hidden_size, eps=eps)
+        self.ffn_norm = RMSNorm(hidden_size, eps=eps)
         self.ffn = SwiGLU(hidden_size, int(hidden_size * mlp_ratio))
 
     def forward(self, txt: Tensor, pack: PackInfo) -> Tensor:
@@ -245,8 +314,8 @@ class SingleStreamBlock(nn.Module):
         self.mlp_size = int(hidden_size * mlp_ratio)
         self.mod = nn.Linear(hidden_size, 3 * hidden_size)
         self.linear1 = nn.Linear(hidden_size, 3 * hidden_size + self.mlp_size)
-        self.q_norm = nn.RMSNorm(hidden_size // num_heads, eps=eps)
-        self.k_norm = nn.RMSNorm(hidden_size // num_heads, eps=eps)
+        self.q_norm = RMSNorm(hidden_size // num_heads, eps=eps)
+        self.k_norm = RMSNorm(hidden_size // num_heads, eps=eps)
         self.inner_attention = InnerAttention()
         self.linear2 = nn.Linear(hidden_size + self.mlp_size, hidden_size)
 
@@ -268,7 +337,7 @@ class SingleStreamBlock(nn.Module):
         joint = [_PermuteRows.apply(t, pack.joint_to_stream, pack.stream_to_joint) for t in (q, k, v)]
         attn = _PermuteRows.apply(self.inner_attention(*joint, pack.joint).flatten(1),
                                   pack.stream_to_joint, pack.joint_to_stream)       # [L, D] stream order
-        out = self.linear2(torch.cat([attn, F.gelu(mlp, approximate="tanh")], -1))
+        out = linear_of_cat(self.linear2, attn, F.gelu(mlp, approximate="tanh"))
         return gated_residual(x, gate, out, samples)
 
 

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from pan.config.core import ConfigError, knob
 from pan.models.attention import AttentionBackend, set_attention_backend
 from pan.models.layers import DoubleStreamBlock, FinalLayer, RefinerBlock, SingleStreamBlock, TimestepEmbedder
+from pan.models.norm import RMSNorm
 from pan.models.packing import PackInfo
 from pan.models.rope import rope_frequencies
 
@@ -110,7 +111,7 @@ class PanVideoDiffusionTransformer(nn.Module):
         c, d = config, config.hidden_size
         self.patch_embed = nn.Linear(c.in_channels * c.patch_volume, d)
         self.time_embed = TimestepEmbedder(d, c.timestep_freq_dim)
-        self.text_norm = nn.RMSNorm(c.text_embed_dim, eps=c.norm_eps)
+        self.text_norm = RMSNorm(c.text_embed_dim, eps=c.norm_eps)
         self.text_proj = nn.Linear(c.text_embed_dim, d)
         self.refiner = nn.ModuleList(RefinerBlock(d, c.num_attention_heads, c.refiner_mlp_ratio, c.norm_eps)
                                      for _ in range(c.num_refiner_layers))

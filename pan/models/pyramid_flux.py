@@ -36,7 +36,9 @@ from torch import Tensor, nn
 
 from pan.config.core import ConfigError, knob
 from pan.models.attention import InnerAttention, set_attention_backend
-from pan.models.layers import Samples, adaln_vectors, from_joint, gated_residual, layer_norm, like_v, modulate, to_joint
+from pan.models.layers import (Samples, adaln_vectors, from_joint, gated_residual, layer_norm, like_v, linear_of_cat,
+                               modulate, to_joint)
+from pan.models.norm import RMSNorm
 from pan.models.packing import AttnSegments, PackInfo, SampleLayout
 from pan.models.rope import apply_rope, rope_frequencies
 
@@ -235,10 +237,10 @@ class JointAttention(nn.Module):
         self.heads = heads
         head_dim = hidden // heads
         self.to_q, self.to_k, self.to_v = (nn.Linear(hidden, hidden) for _ in range(3))
-        self.norm_q, self.norm_k = nn.RMSNorm(head_dim, eps=eps), nn.RMSNorm(head_dim, eps=eps)
+        self.norm_q, self.norm_k = RMSNorm(head_dim, eps=eps), RMSNorm(head_dim, eps=eps)
         self.add_q_proj, self.add_k_proj, self.add_v_proj = (nn.Linear(hidden, hidden) for _ in range(3))
         for name in self.CONTEXT_NORMS:
-            setattr(self, name, nn.RMSNorm(head_dim, eps=eps))
+            setattr(self, name, RMSNorm(head_dim, eps=eps))
         self.to_out = nn.ModuleList([nn.Linear(hidden, hidden)])
         if context_out:
             self.to_add_out = nn.Linear(hidden, hidden)
@@ -439,8 +441,8 @@ class SingleAttention(nn.Module):
         super().__init__()
         self.heads = heads
         self.to_q, self.to_k, self.to_v = (nn.Linear(hidden, hidden) for _ in range(3))
-        self.norm_q = nn.RMSNorm(hidden // heads, eps=eps)
-        self.norm_k = nn.RMSNorm(hidden // heads, eps=eps)
+        self.norm_q = RMSNorm(hidden // heads, eps=eps)
+        self.norm_k = RMSNorm(hidden // heads, eps=eps)
         self.inner_attention = InnerAttention()
 
     def forward(self, x: Tensor, rope: Tensor, segments: AttnSegments) -> Tensor:
@@ -480,7 +482,7 @@ class SingleBlock(nn.Module):
             h, x_out = (t.index_select(0, trained.query_rows) for t in (h, x))
             samples = video_samples(pack, trained_only=True)
         mlp = F.gelu(self.proj_mlp(x_out), approximate="tanh")
-        out = self.proj_out(torch.cat([self.attn(x, rope, segments), mlp], dim=-1))
+        out = linear_of_cat(self.proj_out, self.attn(x, rope, segments), mlp)
         return gated_residual(h, gate, out, samples)
 
 
