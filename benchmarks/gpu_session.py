@@ -236,7 +236,7 @@ def check_fsdp(out_dir: Path, dry: bool) -> dict:
                                               for s in b["loss"]),
                    "ok": b["start"] == 2 and a["timesteps"]["exact"]
                    and (mode != "selective" or a["attention_forwards_in_backward"] == 0)}
-        except Exception as e:  # noqa: BLE001 - one mode failing is a finding; the others still run
+        except Exception:  # noqa: BLE001 - one mode failing is a finding; the others still run
             import traceback
             row = {"ok": False, "error": traceback.format_exc()[-3000:]}
         results["modes"][mode] = row

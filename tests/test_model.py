@@ -2,7 +2,6 @@
 
 import dataclasses
 import threading
-import time
 
 import pytest
 import torch

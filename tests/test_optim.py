@@ -2,7 +2,6 @@
 
 import copy
 import math
-import os
 from types import SimpleNamespace
 
 import pytest
