@@ -47,60 +47,63 @@ def _result_dtype(*tensors: Tensor) -> torch.dtype:
     return dtype
 
 
+def _addcmul_by_sample(rows: Tensor, per_sample: Tensor, counts: tuple[int, ...], base: Tensor | None = None,
+                       base_per_sample: bool = False) -> Tensor:
+    """base + rows * per_sample[s] over the rows of each sample s, written into one output. `base`:
+    None (no addend), token rows like `rows`, or (`base_per_sample`) one row per sample like
+    `per_sample`. Per-sample pieces joined by a copy would cost a copy per call, forward and backward."""
+    operands = (rows, per_sample) if base is None else (rows, per_sample, base)
+    out = rows.new_empty(rows.shape, dtype=_result_dtype(*operands))
+    bases = None if base is None or base_per_sample else base.split(counts)
+    for i, (r, o) in enumerate(zip(rows.split(counts), out.split(counts))):
+        if base is None:
+            torch.mul(r, per_sample[i], out=o)
+        else:
+            torch.addcmul(base[i] if base_per_sample else bases[i], r, per_sample[i], out=o)
+    return out
+
+
+def _sums_by_sample(rows: Tensor, counts: tuple[int, ...], times: Tensor | None = None) -> Tensor:
+    """[B, D]: each sample's rows (times `times`' rows) summed."""
+    pieces = rows.split(counts) if times is None else [r * t for r, t in zip(rows.split(counts), times.split(counts))]
+    return torch.stack([p.sum(0) for p in pieces])
+
+
 class _PerSampleModulate(torch.autograd.Function):
-    """shift[s] + x * scale[s] over the rows of each sample s, written into one output: per-sample
-    pieces joined by a copy cost a copy forward and another backward (the split of x) per call."""
+    """shift[s] + x * scale[s] over the rows of each sample s (`_addcmul_by_sample`)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, shift: Tensor, scale: Tensor, counts: tuple[int, ...]) -> Tensor:
-        out = x.new_empty(x.shape, dtype=_result_dtype(x, shift, scale))
-        for i, (xi, oi) in enumerate(zip(x.split(counts), out.split(counts))):
-            torch.addcmul(shift[i], xi, scale[i], out=oi)
         ctx.counts = counts
         ctx.save_for_backward(x, scale)
-        return out
+        return _addcmul_by_sample(x, scale, counts, base=shift, base_per_sample=True)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         x, scale = ctx.saved_tensors
-        grads = grad.split(ctx.counts)
-        grad_x = grad_shift = grad_scale = None
-        if ctx.needs_input_grad[0]:
-            grad_x = grad.new_empty(grad.shape, dtype=_result_dtype(grad, scale))
-            for i, (g, gx) in enumerate(zip(grads, grad_x.split(ctx.counts))):
-                torch.mul(g, scale[i], out=gx)
-        if ctx.needs_input_grad[1]:
-            grad_shift = torch.stack([g.sum(0) for g in grads])
-        if ctx.needs_input_grad[2]:
-            grad_scale = torch.stack([(g * xi).sum(0) for g, xi in zip(grads, x.split(ctx.counts))])
-        return grad_x, grad_shift, grad_scale, None
+        need_x, need_shift, need_scale = ctx.needs_input_grad[:3]
+        return (_addcmul_by_sample(grad, scale, ctx.counts) if need_x else None,
+                _sums_by_sample(grad, ctx.counts) if need_shift else None,
+                _sums_by_sample(grad, ctx.counts, times=x) if need_scale else None, None)
 
 
 class _PerSampleGatedResidual(torch.autograd.Function):
-    """x + gate[s] * y over the rows of each sample s, written into one output (see
-    `_PerSampleModulate`); x's gradient is the output's, passed on without a copy."""
+    """x + gate[s] * y over the rows of each sample s (`_addcmul_by_sample`); x's gradient is the
+    output's, passed on without a copy."""
 
     @staticmethod
     def forward(ctx, x: Tensor, gate: Tensor, y: Tensor, counts: tuple[int, ...]) -> Tensor:
-        out = x.new_empty(x.shape, dtype=_result_dtype(x, gate, y))
-        for i, (xi, yi, oi) in enumerate(zip(x.split(counts), y.split(counts), out.split(counts))):
-            torch.addcmul(xi, gate[i], yi, out=oi)
         ctx.counts = counts
         ctx.save_for_backward(gate, y)
-        return out
+        return _addcmul_by_sample(y, gate, counts, base=x)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         gate, y = ctx.saved_tensors
-        grads = grad.split(ctx.counts)
-        grad_gate = grad_y = None
-        if ctx.needs_input_grad[1]:
-            grad_gate = torch.stack([(g * yi).sum(0) for g, yi in zip(grads, y.split(ctx.counts))])
-        if ctx.needs_input_grad[2]:
-            grad_y = grad.new_empty(grad.shape, dtype=_result_dtype(grad, gate))
-            for i, (g, gy) in enumerate(zip(grads, grad_y.split(ctx.counts))):
-                torch.mul(g, gate[i], out=gy)
-        return grad if ctx.needs_input_grad[0] else None, grad_gate, grad_y, None
+        need_x, need_gate, need_y = ctx.needs_input_grad[:3]
+        return (grad if need_x else None,
+                _sums_by_sample(grad, ctx.counts, times=y) if need_gate else None,
+                _addcmul_by_sample(grad, gate, ctx.counts) if need_y else None, None)
 
 
 def modulate(x: Tensor, shift: Tensor, one_plus_scale: Tensor, samples: Samples | None = None) -> Tensor:
