@@ -195,11 +195,12 @@ def job_with(cfg: FlowConfig, explicit: set[str], recipe: str = "pan"):
     return SimpleNamespace(flow=cfg, explicit_keys=explicit, recipe=recipe)
 
 
-def test_sample_prediction_is_refused_outside_the_pan_recipe():
+def test_sample_prediction_is_refused_by_recipes_that_do_not_read_it():
     cfg = FlowConfig(prediction_type="sample")
-    cfg.check(job_with(cfg, {"prediction_type"}))
+    for recipe in ("pan", "pyramid_flow", "pyramid_flow_ar"):
+        cfg.check(job_with(cfg, {"prediction_type"}, recipe=recipe))
     with pytest.raises(ConfigError, match="predict the velocity") as err:
-        cfg.check(job_with(cfg, {"prediction_type"}, recipe="pyramid_flow"))
+        cfg.check(job_with(cfg, {"prediction_type"}, recipe="toy_gan"))
     assert err.value.key == "prediction_type"
 
 

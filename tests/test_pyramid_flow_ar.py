@@ -631,3 +631,31 @@ def test_launch_command_prints_the_ar_workflow_or_refuses(tmp_path, released, ca
         args = [*base, *extra] if not extra else [*base, *paths, *extra]
         assert main_launch_command(args) == 2, extra
         assert f"`{key}`" in capsys.readouterr().err, extra
+
+
+def test_x_prediction_regresses_each_units_clean_latent_and_leaves_its_history_unweighted():
+    """prediction_type sample in the AR packing: the trained unit's tokens carry x0 at its stage's
+    resolution with the velocity-equivalent factor; the history's tokens carry nothing."""
+    from pan.diffusion.flow import FlowConfig
+    from pan.diffusion.pyramid import (GeneratorDraws, PyramidConfig, PyramidSchedule, latent_pyramid, noise_unit,
+                                       regression_target)
+    from pan.encoders.pyramid_text import TextFeatures
+    from pan.models.pyramid_flux import PyramidFluxConfig
+    from pan.recipes.pyramid_flow_ar.task import UnitSample, unit_inputs
+    from pyramid_tiny import TINY_FLUX
+
+    model = PyramidFluxTransformer(PyramidFluxConfig(**TINY_FLUX))
+    schedule, flow = PyramidSchedule(PyramidConfig()), FlowConfig(prediction_type="sample")
+    g = torch.Generator().manual_seed(0)
+    levels = latent_pyramid(torch.randn(1, 3, 3, 16, 16, generator=g), schedule.stages)
+    text = TextFeatures(torch.randn(4, TINY_FLUX["joint_attention_dim"], generator=g), torch.ones(4, dtype=torch.long),
+                        torch.randn(TINY_FLUX["pooled_projection_dim"], generator=g))
+    for stage in range(schedule.stages):
+        noised = noise_unit(levels, stage, 3, schedule, GeneratorDraws(g))
+        inputs = unit_inputs(model, [UnitSample("v#unit3", noised, text)], "cpu", flow, schedule)
+        unit = model.target_tokens(noised.clean[0])
+        history_rows = len(inputs.target) - len(unit)
+        assert history_rows > 0 and torch.equal(inputs.target[history_rows:], unit)
+        assert not inputs.target[:history_rows].any() and not inputs.weight[:history_rows].any()
+        factor = regression_target(noised, flow, schedule)[1].item()
+        torch.testing.assert_close(inputs.weight[history_rows:], torch.full((len(unit),), factor / noised.clean.numel()))

@@ -60,7 +60,7 @@ def test_config_refusals_name_the_key(tmp_path, released, data):
                        (["--attention_backend", "flash"], "attention_backend"),
                        (["--sample_steps", "[10, 10]"], "sample_steps"),
                        (["--cp_size", "4"], "cp_size"),
-                       (["--prediction_type", "sample"], "prediction_type")):
+                       (["--prediction_sigma_min", "0.1"], "prediction_sigma_min")):  # velocity
         with pytest.raises(ConfigError) as err:
             load(config, *extra)
         assert key in str(err.value), (extra, str(err.value))
@@ -161,6 +161,42 @@ def test_pan_sample_generates_from_a_pyramid_checkpoint(tmp_path, released, data
     with av.open(str(out)) as f:
         frames = [fr for fr in f.decode(video=0)]
     assert len(frames) == 5 and frames[0].width == 16
+
+
+def test_x_prediction_trains_on_the_end_point_samples_and_refuses_the_released_export(tmp_path, released, data,
+                                                                                      capsys):
+    """prediction_type: sample: the DiT is trained on each stage's end point (the loss differs from the
+    velocity run's from the first step), `pan sample` reads its output as the end point, and the
+    export to the released layout, whose pipeline would read it as the velocity, is refused."""
+    from pan.sampling import main as sample_main
+
+    losses = {}
+    for prediction in ("velocity", "sample"):
+        run = tmp_path / prediction
+        config = write_config(tmp_path / f"{prediction}.yaml", released, data, run,
+                              training={"max_steps": 2}, diffusion={"prediction_type": prediction})
+        build_trainer(load(config)).fit()
+        losses[prediction] = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert losses["sample"][0] != pytest.approx(losses["velocity"][0], rel=1e-3), losses
+    run = tmp_path / "sample"
+    videos = {}
+    for checkpoint_config, name in ((None, "end point"), ("velocity", "read as velocity")):
+        if checkpoint_config:  # the same weights under a velocity config: another clip
+            job = yaml.safe_load((run / "config.yaml").read_text())
+            job["diffusion"].pop("prediction_type")
+            (run / "config.yaml").write_text(yaml.safe_dump(job))
+        out = tmp_path / f"{name}.mp4"
+        assert sample_main(["--checkpoint", str(run / "checkpoint-2"), "--prompt", "a red square moving left",
+                            "--out", str(out), "--num-frames", "5", "--height", "16", "--width", "16",
+                            "--steps", "2", "--guidance-scale", "1"]) == 0
+        videos[name] = out.read_bytes()
+    assert videos["end point"] != videos["read as velocity"]
+    job = yaml.safe_load((run / "config.yaml").read_text())
+    job["diffusion"]["prediction_type"] = "sample"
+    (run / "config.yaml").write_text(yaml.safe_dump(job))
+    assert main_export([str(run / "checkpoint-2"), "--format", "pyramid_flow", "--out",
+                        str(tmp_path / "export")]) == 2
+    assert "prediction_type sample" in capsys.readouterr().err and not (tmp_path / "export").exists()
 
 
 def test_the_same_recipe_trains_pans_transformer(tmp_path, released, data):

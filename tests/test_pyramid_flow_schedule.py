@@ -16,8 +16,9 @@ from pan.config.loader import build_dataclass
 from pan.diffusion.flow import FlowConfig, sample_timesteps
 from pan.diffusion.pyramid import (LATENT_STATS, GeneratorDraws, PyramidConfig, PyramidSchedule,
                                    column_stages, denormalize_latent, latent_pyramid,
-                                   noise_full_sequence, noise_pyramid, noise_temporal_pyramid,
-                                   normalize_latent, stage_unit_counts)
+                                   noise_full_sequence, noise_pyramid, noise_sample, noise_temporal_pyramid,
+                                   clean_velocity, line_sigmas, normalize_latent, regression_target,
+                                   stage_unit_counts)
 from pan.diffusion.pyramid_sampler import block_noise, enter_stage, sample_full_sequence
 from pyramid_reference import load_fixture, needs_reference, read_json
 
@@ -389,6 +390,12 @@ def test_block_noise_has_unit_variance_and_correlation_minus_gamma(gamma):
     assert abs(torch.corrcoef(outside)[0, 1].item()) < 0.01  # independent across blocks
 
 
+def position_of(schedule: PyramidSchedule, steps: list[int], stage: int, t: torch.Tensor) -> float:
+    """The in-stage position r of the timestep t[0], looked up as the original's scheduler does."""
+    timesteps, ratios = schedule.set_timesteps(steps[stage], stage)
+    return ratios[(timesteps.float() == t[0]).nonzero()[0, 0]].item()
+
+
 def exact_velocity(x0: torch.Tensor, schedule: PyramidSchedule, steps: list[int], starts=None):
     """The stage velocity that carries every point onto x0's pyramid: in stage k a sample is
     sigma(r) eps + r (1 - s_k) up(x0_{k-1}) + (1 - r)(1 - e_k) x0_k with sigma(r) = r s_k + (1 - r) e_k,
@@ -400,8 +407,7 @@ def exact_velocity(x0: torch.Tensor, schedule: PyramidSchedule, steps: list[int]
 
     def velocity(x, t):
         k = stage_of[tuple(x.shape[-2:])]
-        timesteps, ratios = schedule.set_timesteps(steps[k], k)
-        r = ratios[(timesteps.float() == t[0]).nonzero()[0, 0]].item()
+        r = position_of(schedule, steps, k, t)
         s, e = schedule.start_sigmas[k], schedule.end_sigmas[k]
         up = torch.zeros_like(x) if k == 0 else (levels[k - 1].repeat_interleave(2, -2)
                                                 .repeat_interleave(2, -1))
@@ -462,3 +468,65 @@ def test_guidance_combines_cond_and_uncond_velocities(schedule):
     assert (guided - sample_full_sequence(cond, noise, schedule, 5, draws())).abs().max() > 0.1
     with pytest.raises(ValueError, match="uncond"):
         sample_full_sequence(cond, noise, schedule, 5, GeneratorDraws(g), guidance_scale=3.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# x-prediction (prediction_type: sample): the DiT outputs the stage's end point
+# ----------------------------------------------------------------------------------------------
+
+def test_sample_prediction_regresses_the_clean_latent_that_reads_as_the_velocity(schedule):
+    """x-prediction's target is x0 at the stage's resolution, which `clean_velocity` reads back as the
+    stage's velocity target exactly; the factor weighs its error as the velocity loss of its fine
+    detail (at the last stage exactly that loss, (x - out) / r against the target)."""
+    g = torch.Generator().manual_seed(6)
+    levels = latent_pyramid(torch.randn(4, 4, 3, 16, 16, generator=g), schedule.stages)
+    flow = FlowConfig(prediction_type="sample", prediction_sigma_min=0.05)
+    columns = noise_temporal_pyramid(levels, schedule, [2, 3, 2], GeneratorDraws(g))
+    columns += [noise_sample([x[:1] for x in levels], k, schedule, GeneratorDraws(g)) for k in range(3)]
+    for noised in columns:
+        x, k = noised.clips[-1], noised.stage
+        assert regression_target(noised, None, schedule)[0] is noised.target
+        assert torch.equal(regression_target(noised, FlowConfig(), schedule)[1], torch.ones_like(noised.ratios))
+        target, factor = regression_target(noised, flow, schedule)
+        assert target is noised.clean and target.shape == x.shape
+        torch.testing.assert_close(clean_velocity(target, x, noised.ratios, k, schedule), noised.target,
+                                   atol=2e-4, rtol=1e-4)
+        s, e = line_sigmas(schedule, k)
+        sigma = noised.ratios * s + (1 - noised.ratios) * e
+        torch.testing.assert_close(factor, (s * (1 - e) / sigma.clamp(min=0.05)) ** 2)
+        if k == schedule.stages - 1 and noised.ratios.min() >= 0.05:
+            out = torch.randn(x.shape, generator=g)
+            r = noised.ratios.reshape(-1, 1, 1, 1, 1)
+            velocity_loss = ((x - out) / r - noised.target).square().sum((1, 2, 3, 4))
+            torch.testing.assert_close(factor * (out - target).square().sum((1, 2, 3, 4)), velocity_loss,
+                                       rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("steps", [[1, 1, 1], [6, 4, 8]])
+def test_sampling_reads_an_exact_clean_latent_as_the_exact_velocity(schedule, steps):
+    """A model that outputs x0 at each stage's resolution samples x0, as the exact velocity does;
+    read as a velocity instead, the same outputs give another clip."""
+    g = torch.Generator().manual_seed(3)
+    x0 = torch.randn(2, 4, 2, 16, 16, generator=g)
+    noise = torch.randn(x0.shape, generator=g)
+    levels = {tuple(level.shape[-2:]): level for level in latent_pyramid(x0, schedule.stages)}
+    clean = lambda x, t: levels[tuple(x.shape[-2:])]  # noqa: E731
+    draws = lambda: GeneratorDraws(torch.Generator().manual_seed(0))  # noqa: E731
+    flow = FlowConfig(prediction_type="sample")
+    torch.testing.assert_close(sample_full_sequence(clean, noise, schedule, steps, draws(), flow=flow),
+                               x0, atol=1e-5, rtol=1e-5)
+    assert (sample_full_sequence(clean, noise, schedule, steps, draws()) - x0).abs().max() > 0.1
+    # A velocity run is unchanged by a velocity FlowConfig.
+    velocity = exact_velocity(x0, schedule, steps)
+    torch.testing.assert_close(sample_full_sequence(velocity, noise, schedule, steps, draws(), flow=FlowConfig()),
+                               sample_full_sequence(velocity, noise, schedule, steps, draws()), atol=0, rtol=0)
+
+
+def test_prediction_type_applies_with_either_stage_timestep_sampling():
+    job = SimpleNamespace(flow=FlowConfig(prediction_type="sample"), explicit_keys={"prediction_type"},
+                          recipe="pyramid_flow_ar")
+    PyramidConfig().check(job)  # uniform stage positions: still what the DiT outputs
+    job.flow = FlowConfig(flow_snr_type="uniform")
+    job.explicit_keys = {"flow_snr_type"}
+    with pytest.raises(ConfigError, match="stage_timestep_sampling"):
+        PyramidConfig().check(job)

@@ -49,6 +49,9 @@ MIX_LOGNORM_PROB = 0.7
 # f'(u) = -1 - s + s * pi/2 * sin(pi u) <= 0 for all u  <=>  -1 <= s <= 2 / (pi - 2).
 MODE_SCALE_MAX = 2.0 / (math.pi - 2.0)
 
+# The recipes whose task and sampler read `prediction_type` (the others' models predict the velocity).
+SAMPLE_PREDICTION_RECIPES = ("pan", "pyramid_flow", "pyramid_flow_ar")
+
 
 @dataclass(kw_only=True)
 class FlowConfig:
@@ -74,7 +77,8 @@ class FlowConfig:
         "train_timestep_shift (dynamic only)", gt=0)
     prediction_type: Literal["velocity", "sample"] = knob(
         "velocity", "what the transformer outputs: velocity (noise - x0; the released Pan model) or "
-        "sample (x0, read as the velocity (x_t - x0) / max(t, prediction_sigma_min)); pan recipe only")
+        "sample (x0, read as the velocity (x_t - x0) / max(t, prediction_sigma_min); in the Pyramid-Flow "
+        "recipes the stage's end point, (x - end) / r in the stage); pan and Pyramid-Flow recipes only")
     prediction_sigma_min: float = knob(
         0.05, "floor of t in that division, which bounds the loss weight of nearly clean inputs "
         "(sample only)", gt=0, lt=1)
@@ -90,7 +94,7 @@ class FlowConfig:
         reject_unused(self, job, "train_timestep_shift_ref_tokens",
                        self.train_timestep_shift_mode == "dynamic",
                        "applies only with train_timestep_shift_mode dynamic")
-        reject_unused(self, job, "prediction_type", job.recipe == "pan",
+        reject_unused(self, job, "prediction_type", job.recipe in SAMPLE_PREDICTION_RECIPES,
                       f"the {job.recipe} recipe's models predict the velocity")
         reject_unused(self, job, "prediction_sigma_min", self.prediction_type == "sample",
                       "applies only with prediction_type sample")

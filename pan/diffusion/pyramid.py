@@ -57,6 +57,9 @@ LATENT_STATS: dict[str, dict[str, float]] = {
                       "video_latent_shift": -0.2343, "video_latent_scale": 1 / 3.0986},
 }
 
+# The flow keys a pyramid recipe reads whichever way it draws stage positions (what the DiT outputs).
+STAGE_SAMPLING_FREE_FLOW_KEYS = ("prediction_type", "prediction_sigma_min")
+
 # Recipes that train without history clips, where `corrupt_ratio` changes nothing.
 FULL_SEQUENCE_RECIPES = ("pyramid_flow",)
 
@@ -130,6 +133,8 @@ class PyramidConfig:
             return
         if isinstance(flow, FlowConfig):
             for key in _changed_keys(flow, job):
+                if key in STAGE_SAMPLING_FREE_FLOW_KEYS:
+                    continue
                 raise ConfigError(key, "only applies with stage_timestep_sampling: flow (it is "
                                        "uniform), so it would be ignored. Remove it, or set "
                                        "stage_timestep_sampling: flow.")
@@ -361,6 +366,47 @@ class NoisedColumn:
     ratios: Tensor              # [b] f32 in-stage position r (1 = stage start, 0 = stage end)
     timesteps: Tensor           # [b] f32 the DiT's timestep (0..num_train_timesteps scale)
     target: Tensor              # like clips[-1]: start - end, the velocity to regress
+    clean: Tensor               # like clips[-1]: x0_k, the clean latent at the stage's resolution
+
+
+def line_sigmas(schedule: PyramidSchedule, stage: int) -> tuple[float, float]:
+    """(s_k, e_k): the noise shares of stage k's start and end points (stage 0 starts at pure noise,
+    the last stage ends at x0), as `_stage_points` builds them."""
+    s = 1.0 if stage == 0 else schedule.start_sigmas[stage]
+    e = 0.0 if stage == schedule.stages - 1 else schedule.end_sigmas[stage]
+    return s, e
+
+
+def clean_velocity(x0: Tensor, x: Tensor, r: float | Tensor, stage: int, schedule: PyramidSchedule) -> Tensor:
+    """The stage velocity that a clean latent `x0` (x0_k, at the stage's resolution) stands for at the
+    point `x` = x(r) of stage k's line. The point fixes the noise once x0 is known,
+
+        noise = (x - r (1 - s) up(halve(x0)) - (1 - r)(1 - e) x0) / sigma(r),   sigma(r) = r s + (1 - r) e
+
+    and the velocity is start - end = (s - e) noise + (1 - s) up(halve(x0)) - (1 - e) x0. At the last
+    stage (e = 0) this is (x - x0) / r. `r` is a float or [b] per sample; sigma(r) > 0 wherever the
+    sampler steps (r >= 0.001)."""
+    s, e = line_sigmas(schedule, stage)
+    r = torch.as_tensor(r, dtype=x.dtype, device=x.device).reshape(-1, *([1] * (x.ndim - 1)))
+    coarse = upsample_nearest(halve(x0)) if s < 1 else torch.zeros_like(x0)
+    noise = (x - r * (1 - s) * coarse - (1 - r) * (1 - e) * x0) / (r * s + (1 - r) * e)
+    return (s - e) * noise + (1 - s) * coarse - (1 - e) * x0
+
+
+def regression_target(noised: NoisedColumn, flow: FlowConfig | None, schedule: PyramidSchedule) -> tuple[Tensor, Tensor]:
+    """What the DiT's output of the trained clip is regressed on, and each sample's loss factor [b].
+
+    velocity (`flow` None or prediction_type velocity): start - end, factor 1. sample: the clean
+    latent x0_k at the stage's resolution (`clean_velocity` reads an output as a velocity), factor
+    (s (1 - e) / max(sigma(r), prediction_sigma_min))^2: an error d in x0_k's detail finer than the
+    stage's coarser level (what up(halve(.)) drops) moves that velocity by -s (1 - e) d / sigma(r),
+    so this is the velocity loss of that detail; at the last stage, (1 / max(r, min))^2 as pan's flow.
+    """
+    if flow is None or flow.prediction_type == "velocity":
+        return noised.target, torch.ones_like(noised.ratios)
+    s, e = line_sigmas(schedule, noised.stage)
+    sigma = (noised.ratios * s + (1 - noised.ratios) * e).clamp(min=flow.prediction_sigma_min)
+    return noised.clean, (s * (1 - e) / sigma).square()
 
 
 def _columns(latents: Sequence[Tensor], schedule: PyramidSchedule) -> tuple[list[int], int]:
@@ -448,7 +494,7 @@ def noise_full_sequence(latents: Sequence[Tensor], schedule: PyramidSchedule, dr
         draws.rand((b,))  # the corruption level, unused without history
         columns.append(NoisedColumn(
             column=c, stage=stage, rows=rows, clips=[_noised_point(start, end, r)],
-            ratios=r.to(start.dtype), target=start - end,
+            ratios=r.to(start.dtype), target=start - end, clean=latents[stage][rows],
             timesteps=schedule.timesteps_per_stage[stage][idx].to(start.device, start.dtype)))
     return columns
 
@@ -464,7 +510,7 @@ def noise_sample(latents: Sequence[Tensor], stage: int, schedule: PyramidSchedul
     idx = _draw_table_indices(schedule, 1, draws, flow)
     r = schedule.sigmas_per_stage[stage][idx].to(start.device)
     return NoisedColumn(column=0, stage=stage, rows=slice(None), clips=[_noised_point(start, end, r)],
-                        ratios=r.to(start.dtype), target=start - end,
+                        ratios=r.to(start.dtype), target=start - end, clean=latents[stage],
                         timesteps=schedule.timesteps_per_stage[stage][idx].to(start.device, start.dtype))
 
 
@@ -540,14 +586,15 @@ def noise_temporal_pyramid(latents: Sequence[Tensor], schedule: PyramidSchedule,
         units = min(unit_counts[stage], clip_units)
         frames = 1 + (units - 1) * frame_per_unit
         start, end = _stage_points(latents, noises, schedule, stage, rows)
-        start, end = (x[:, :, :frames][:, :, -frame_per_unit:] for x in (start, end))  # trained unit
+        trained_unit = lambda x: x[:, :, :frames][:, :, -frame_per_unit:]  # noqa: E731
+        start, end = trained_unit(start), trained_unit(end)
         idx = _draw_table_indices(schedule, b, draws, flow)
         r = schedule.sigmas_per_stage[stage][idx].to(start.device)               # [b] f64
         sigma = (draws.rand((b,)) * schedule.config.corrupt_ratio).to(start).reshape(b, 1, 1, 1, 1)
         history = _history(latents, rows, stage, units, frames, frame_per_unit, sigma, draws)
         columns.append(NoisedColumn(
             column=c, stage=stage, rows=rows, clips=history[::-1] + [_noised_point(start, end, r)],
-            ratios=r.to(start.dtype), target=start - end,
+            ratios=r.to(start.dtype), target=start - end, clean=trained_unit(latents[stage][rows]),
             timesteps=schedule.timesteps_per_stage[stage][idx].to(start.device, start.dtype)))
     return columns
 
@@ -620,5 +667,5 @@ def noise_unit(latents: Sequence[Tensor], stage: int, units: int, schedule: Pyra
                for clip in history_clips(latents, stage, units, frames, frame_per_unit)]
     return NoisedColumn(column=0, stage=stage, rows=slice(None),
                         clips=history[::-1] + [_noised_point(start, end, r)],
-                        ratios=r.to(start.dtype), target=start - end,
+                        ratios=r.to(start.dtype), target=start - end, clean=trained[stage],
                         timesteps=schedule.timesteps_per_stage[stage][idx].to(start.device, start.dtype))

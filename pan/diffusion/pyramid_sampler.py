@@ -14,7 +14,11 @@ as the original's `generate`.
 
 A velocity function is `velocity(x, t) -> v` with x [b, C, T, h, w] at the stage's resolution and
 t [b] float32 the DiT's timesteps (0..num_train_timesteps scale, the values it was trained on); v is
-the stage velocity start - end (pan's convention: the sample moves by (r_next - r) * v).
+the stage velocity start - end (pan's convention: the sample moves by (r_next - r) * v). With a
+`flow` whose prediction_type is sample, the function returns the DiT's output as it is, the clean
+latent at the stage's resolution, and each step reads it as the velocity it stands for
+(`pan.diffusion.pyramid.clean_velocity`, exact: no floor on r, the stages' last steps start at
+r = 0.001); guidance combines outputs either way (the reading is affine).
 """
 
 from __future__ import annotations
@@ -27,12 +31,14 @@ from torch import Tensor
 from pan.diffusion.pyramid import (
     Draws,
     PyramidSchedule,
+    clean_velocity,
     history_clips,
     latent_pyramid,
     noise_pyramid,
     unit_frames,
     upsample_nearest,
 )
+from pan.diffusion.flow import FlowConfig
 from pan.diffusion.sampler import guided_velocity
 
 VelocityFn = Callable[[Tensor, Tensor], Tensor]
@@ -71,29 +77,31 @@ def _steps_per_stage(steps: int | Sequence[int], stages: int) -> list[int]:
 
 
 def run_stage(velocity: VelocityFn, x: Tensor, schedule: PyramidSchedule, stage: int,
-              steps: int) -> Tensor:
+              steps: int, flow: FlowConfig | None = None) -> Tensor:
     """Euler steps on one stage's line, from its start point (r = 1) to its end point (r = 0)."""
     timesteps, ratios = schedule.set_timesteps(steps, stage)
     ratios = ratios.tolist()
     for i, t in enumerate(timesteps.tolist()):
         t_batch = torch.full((x.shape[0],), t, dtype=torch.float32, device=x.device)
-        v = velocity(x, t_batch)
-        x = x + (ratios[i + 1] - ratios[i]) * v.to(x.dtype)
+        v = velocity(x, t_batch).to(x.dtype)
+        if flow is not None and flow.prediction_type == "sample":
+            v = clean_velocity(v, x, ratios[i], stage, schedule)  # the output is x0_k
+        x = x + (ratios[i + 1] - ratios[i]) * v
     return x
 
 
 @torch.no_grad()
 def denoise_unit(velocity_at: Callable[[int], VelocityFn], start: Tensor, schedule: PyramidSchedule,
-                 steps: int | Sequence[int], draws: Draws) -> list[Tensor]:
+                 steps: int | Sequence[int], draws: Draws, flow: FlowConfig | None = None) -> list[Tensor]:
     """Denoise one unit from its stage-0 start latent `start` [b, C, T, h0, w0] (pure noise at the
     lowest resolution); returns each stage's end latent, lowest resolution first (the last is the
-    sample). `draws` supplies the block noise of the stage jumps."""
+    sample). `draws` supplies the block noise of the stage jumps; `flow`, what the model outputs."""
     steps = _steps_per_stage(steps, schedule.stages)
     x, ends = start, []
     for stage in range(schedule.stages):
         if stage > 0:
             x = enter_stage(x, schedule, stage, draws)
-        x = run_stage(velocity_at(stage), x, schedule, stage, steps[stage])
+        x = run_stage(velocity_at(stage), x, schedule, stage, steps[stage], flow)
         ends.append(x)
     return ends
 
@@ -101,7 +109,7 @@ def denoise_unit(velocity_at: Callable[[int], VelocityFn], start: Tensor, schedu
 def sample_full_sequence(velocity: VelocityFn, noise: Tensor, schedule: PyramidSchedule,
                          steps: int | Sequence[int], draws: Draws, *,
                          uncond_velocity: VelocityFn | None = None,
-                         guidance_scale: float = 1.0) -> Tensor:
+                         guidance_scale: float = 1.0, flow: FlowConfig | None = None) -> Tensor:
     """Sample whole clips with a full-sequence pyramid model.
 
     `noise` [b, C, T, H, W] is drawn at full resolution (as in training, stage 0 starts from its
@@ -113,7 +121,7 @@ def sample_full_sequence(velocity: VelocityFn, noise: Tensor, schedule: PyramidS
     elif guidance_scale != 1.0:
         raise ValueError("guidance_scale needs an uncond_velocity")
     start = noise_pyramid(noise, schedule.stages)[0]
-    return denoise_unit(lambda stage: velocity, start, schedule, steps, draws)[-1]
+    return denoise_unit(lambda stage: velocity, start, schedule, steps, draws, flow)[-1]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -147,7 +155,7 @@ def sample_autoregressive(velocity_given: HistoryVelocityFn, noise: Tensor, sche
                           video_steps: int | Sequence[int] | None = None, context: Tensor | None = None,
                           max_history_units: int | None = None,
                           uncond_given: HistoryVelocityFn | None = None, guidance_scale: float = 1.0,
-                          video_guidance_scale: float | None = None) -> Tensor:
+                          video_guidance_scale: float | None = None, flow: FlowConfig | None = None) -> Tensor:
     """Generate a clip unit by unit with an autoregressive pyramid model.
 
     `noise` [b, C, T, H, W] (T = 1 + k * frame_per_unit) is drawn at full resolution for the whole
@@ -189,6 +197,6 @@ def sample_autoregressive(velocity_given: HistoryVelocityFn, noise: Tensor, sche
             return guided_velocity(cond, uncond_given(histories[stage], stage), scale)
 
         ends = denoise_unit(velocity_at, starts[:, :, first:end], schedule,
-                            steps if unit == 0 else video_steps, draws)
+                            steps if unit == 0 else video_steps, draws, flow)
         out[:, :, first:end] = ends[-1]
     return out

@@ -25,6 +25,10 @@ def export_released(ckpt_dir: Path, out_dir: Path, *, ema: bool = False) -> Path
         raise ValueError(f"{config} is not a run of a released Pyramid-Flow DiT (recipe {job.recipe}"
                          f"{', model ' + job.model.model_name if hasattr(job.model, 'model_name') else ''}): "
                          "export it as safetensors.")
+    if job.flow.prediction_type != "velocity":
+        raise ValueError(f"{config} trains with prediction_type {job.flow.prediction_type}: its DiT outputs the "
+                         "stage's end point, which the original's pipeline would read as the velocity. "
+                         "Sample it with `pan sample`, or export it as safetensors.")
     weights = part_weights(Path(ckpt_dir), "transformer", ema)
     model = build_dit(job)
     model.to_empty(device="cpu")

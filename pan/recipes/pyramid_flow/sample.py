@@ -49,7 +49,7 @@ def sample_videos(task, model: nn.Module, prompts: list[str], *, num_frames: int
         uncond = [task.empty.to(device)]
         latent = sample_full_sequence(velocity_fn(model, cond), noise, task.schedule, steps, draws,
                                       uncond_velocity=velocity_fn(model, uncond) if guidance_scale != 1 else None,
-                                      guidance_scale=guidance_scale)
+                                      guidance_scale=guidance_scale, flow=task.job.flow)
         raw = denormalize_latent(latent, task.job.pyramid)[0]
         videos.append(task.vae.decode(task.vae.normalize(raw)))
     return videos

@@ -37,6 +37,7 @@ from pan.diffusion.pyramid import (
     latent_pyramid,
     noise_sample,
     normalize_latent,
+    regression_target,
 )
 from pan.encoders.pyramid_text import PyramidTextEncoder, TextFeatures, build_text_encoder, load_features
 from pan.encoders.vae import build_vae
@@ -59,8 +60,10 @@ class PyramidInputs(PackedInputs):
     """One packed micro-batch of stage samples as the DiT and the loss see it (this process's rows):
 
         x           [Nv, in] noisy tokens at each sample's stage resolution
-        target      [Nv, out] velocity target (start - end of the stage line) as tokens
-        weight      [Nv] 1 / (values of the sample's trained clip): per-sample MSE weights
+        target      [Nv, out] regression target as tokens: the velocity (start - end of the stage
+                    line), or the stage's end point with prediction_type sample (`regression_target`)
+        weight      [Nv] 1 / (values of the sample's trained clip), times the target's loss factor:
+                    per-sample MSE weights
         timesteps   [B] the DiT's timesteps (0..1000 scale)
         text        [Nt, D] valid caption rows
         pooled      [B, P] pooled text features
@@ -283,11 +286,12 @@ class PyramidFlowTask(PyramidTask):
             latent = normalize_latent(self.raw_latent(sample)[None], self.job.pyramid)   # [1, C, T, H, W]
             levels = latent_pyramid(latent.cpu(), self.job.pyramid.stages)
             noised = noise_sample(levels, stage, self.schedule, draws, flow=self.job.flow)
-            noisy, target = noised.clips[-1][0].to(self.world.device), noised.target[0].to(self.world.device)
+            target, factor = regression_target(noised, self.job.flow, self.schedule)
+            noisy, target = noised.clips[-1][0].to(self.world.device), target[0].to(self.world.device)
             grid = self.model.patch_grid(noisy.shape)
             xs.append(self.model.patchify(noisy))
             targets.append(self.model.target_tokens(target))
-            weights.append(torch.full((xs[-1].shape[0],), 1.0 / target.numel(), device=self.world.device))
+            weights.append(torch.full((xs[-1].shape[0],), factor.item() / target.numel(), device=self.world.device))
             timesteps.append(noised.timesteps)
             layouts.append(self.model.sample_layout([grid], 0))
         texts = [f.caption_rows().float() for f in feats]

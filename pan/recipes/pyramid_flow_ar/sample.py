@@ -65,7 +65,7 @@ def sample_ar_latent(task, model: nn.Module, prompt: str, *, num_frames: int, he
         uncond_given=uncond,
         guidance_scale=v.sample_guidance_scale if guidance_scale is None else guidance_scale,
         video_guidance_scale=(v.sample_video_guidance_scale if video_guidance_scale is None
-                              else video_guidance_scale))
+                              else video_guidance_scale), flow=task.job.flow)
 
 
 def decode(task, latent: Tensor) -> Tensor:

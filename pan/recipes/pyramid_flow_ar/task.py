@@ -46,14 +46,17 @@ from torch import Tensor, nn
 from pan.config.core import require
 from pan.data.build import build_sharded_loader
 from pan.data.plan import seed_draws
+from pan.diffusion.flow import FlowConfig
 from pan.diffusion.pyramid import (
     Draws,
     GeneratorDraws,
     NoisedColumn,
+    PyramidSchedule,
     history_spans,
     latent_pyramid,
     noise_unit,
     normalize_latent,
+    regression_target,
     stage_unit_counts,
     unit_frames,
 )
@@ -116,19 +119,22 @@ class UnitSample:
     trained: bool = True       # False: a placeholder that keeps the collectives in step, weight 0
 
 
-def unit_inputs(model: nn.Module, samples: list[UnitSample], device) -> PyramidInputs:
+def unit_inputs(model: nn.Module, samples: list[UnitSample], device, flow: FlowConfig,
+                schedule: PyramidSchedule) -> PyramidInputs:
     """Pack unit samples: each sample's clips (history oldest first, the noisy unit last) as one
-    stacked layout of the model's rule; only the last clip's tokens carry a target and a weight."""
+    stacked layout of the model's rule; only the last clip's tokens carry a target and a weight
+    (`regression_target` of the unit under `flow`'s prediction_type, on `schedule`'s stage lines)."""
     xs, targets, weights, timesteps, layouts, texts = [], [], [], [], [], []
     for s in samples:
         clips = [c[0] for c in s.noised.clips]                                   # [C, t, h, w] each
         grids = [model.patch_grid(c.shape) for c in clips]
         tokens = [model.patchify(c.to(device)) for c in clips]
-        unit = model.target_tokens(s.noised.target[0].to(device))                # [n, out]
+        target, factor = regression_target(s.noised, flow, schedule)
+        unit = model.target_tokens(target[0].to(device))                         # [n, out]
         history_rows = sum(t.shape[0] for t in tokens[:-1])
         xs.append(torch.cat(tokens))
         targets.append(torch.cat([unit.new_zeros(history_rows, unit.shape[1]), unit]))
-        scale = 1.0 / s.noised.target.numel() if s.trained else 0.0
+        scale = factor.item() / target.numel() if s.trained else 0.0
         weights.append(torch.cat([torch.zeros(history_rows, device=device),
                                   torch.full((unit.shape[0],), scale, device=device)]))
         timesteps.append(s.noised.timesteps)
@@ -252,7 +258,7 @@ class PyramidFlowARTask(PyramidTask):
                                                       frame_per_unit=self.job.ar.frame_per_unit,
                                                       flow=self.job.flow), text, trained)
                    for h, u, text, trained in chosen]
-        inputs = unit_inputs(self.model, samples, self.world.device)
+        inputs = unit_inputs(self.model, samples, self.world.device, self.job.flow, self.schedule)
         return dataclasses.replace(inputs, packing=self.held_packing, bad_samples=self.bad_samples)
 
     def next_batch(self, loader) -> tuple[PyramidInputs, float]:
