@@ -7,8 +7,10 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+from pathlib import Path
 
 import pytest
+import yaml
 
 from pan.demo.recipes import caption_corpus, main, write_tiny_pyramid_model
 
@@ -85,6 +87,11 @@ def test_pyramid_flow_ar_quick_demo_writes_its_outputs(ar_demo):
         assert (samples / f"{i:02d}.mp4").is_file() and (samples / f"{i:02d}.gif").is_file()
     assert (samples / "contact_sheet.gif").stat().st_size > 0 and (ar_demo / "loss.png").is_file()
     assert "held-out prompts: colour" in (ar_demo / "report.md").read_text()
+    # It trains from the clips encoded once (`pan data precompute`), not from the MP4s.
+    data = yaml.safe_load((ar_demo / "pyramid_flow_ar.yaml").read_text())["data"]
+    assert data["video_csv_paths"] == [] and len(data["annotation_paths"]) == 1
+    rows = Path(data["annotation_paths"][0]).read_text().splitlines()
+    assert len(rows) == 8 and all((ar_demo / "data" / "latents" / json.loads(r)["latent"]).is_file() for r in rows)
     # Sampling, minutes on a CPU for a real demo, says each prompt as it is done; the run its threads.
     log = (ar_demo / "demo.log").read_text()
     assert all(f"sampled {i + 1}/2 (" in log and prompts[i]["prompt"] in log for i in range(2)), log[-3000:]
