@@ -28,6 +28,7 @@ import pan
 from pan.config import load_config_or_exit
 from pan.data.precompute import precompute
 from pan.data.synth import DIRECTIONS, PALETTE, SHAPES, caption_for, heldout_combinations, synth_dataset
+from pan.demo.main import PIX_FMT, SHAPE_SIZE
 from pan.demo.report import accuracy_line, draw_loss_curve, files_section, write_contact_sheet
 from pan.eval import format_table, psnr, score_videos, ssim
 from pan.logging import quiet_library_progress_bars
@@ -81,15 +82,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def make_data(data_dir: Path, quick: bool, size: int = SIZE, num_frames: int = NUM_FRAMES) -> dict[str, Path]:
+def make_data(data_dir: Path, quick: bool, size: int = SIZE, num_frames: int = NUM_FRAMES, **clips) -> dict[str, Path]:
     """The synthetic clips, written afresh: 480 training clips and one held-out clip per held-out
-    (colour, shape, direction) combination (15), or a handful with --quick."""
+    (colour, shape, direction) combination (15), or a handful with --quick; `clips`: synth_dataset's
+    other arguments (shape_size, pix_fmt)."""
 
     if data_dir.exists():
         shutil.rmtree(data_dir)
     counts = ({"num_train": QUICK["num_train"], "num_heldout": QUICK["num_heldout"]} if quick
               else {"num_heldout": len(heldout_combinations())})
-    return synth_dataset(data_dir, size=size, num_frames=num_frames, **counts)
+    return synth_dataset(data_dir, size=size, num_frames=num_frames, **counts, **clips)
 
 
 def job_argv(config: Path, overrides: dict) -> list[str]:
@@ -247,15 +249,19 @@ def write_vae_report(out: Path, scores: dict, table: str, files: list[Path]) -> 
 # pyramid_flow_ar: a tiny random-init model folder in the released layout, trained on pixels
 # ------------------------------------------------------------------------------------------------
 
-AR_SIZE, AR_FRAMES = 32, 5  # 5 one-frame units per clip: the unit-by-unit sampler stays quick
-# 2400 steps at lr 4e-3 with per-token caption features (a T5 of no layers: the embeddings and the
-# final norm) read the direction words: direction 7% -> 80% over the 400-step demo (docs/demo_recipes.md).
-AR_STEPS = 2400
+# The Pan demo's clips (16 x 16, shapes 44-52% of the frame, colour at full resolution): a quarter
+# of the tokens of 32 x 32, so 2.5x the steps in the time, which is what drew the shapes.
+AR_SIZE, AR_FRAMES = 16, 5  # 5 one-frame units per clip: the unit-by-unit sampler stays quick
+# 6000 steps at lr 4e-3 with per-token caption features (a T5 of no layers: the embeddings and the
+# final norm), an EMA of the weights and a DiT of width 128: colour, direction and shape read in
+# 87-100% of the held-out prompts (docs/demo_recipes.md).
+AR_STEPS = 6000
 AR_LEARNING_RATE = 4.0e-3
+AR_EMA_DECAY = 0.995
 T5_LAYERS = 0
 CAPTION_WIDTH, POOLED_WIDTH = 32, 32  # T5 and CLIP feature widths, the DiT's text input widths
 TINY_DIT = {"in_channels": 12,  # 3 pixel channels x a 2x2 patch
-            "num_layers": 2, "num_single_layers": 2, "attention_head_dim": 32, "num_attention_heads": 2,
+            "num_layers": 2, "num_single_layers": 2, "attention_head_dim": 32, "num_attention_heads": 4,
             "joint_attention_dim": CAPTION_WIDTH, "pooled_projection_dim": POOLED_WIDTH,
             "axes_dims_rope": [8, 12, 12]}
 CLIP_LENGTH = 77  # the released CLIP tokenizers' caption length (the encoders pad every CLIP to it)
@@ -346,19 +352,22 @@ def ar_config(args: argparse.Namespace, data: dict[str, Path], model_path: Path,
         "autoregressive": {"frame_per_unit": 1, "video_sync_group": 1},
         "training": {"max_steps": steps, "learning_rate": AR_LEARNING_RATE, "warmup_steps": min(20, steps // 4),
                      "lr_scheduler_type": "cosine", "lr_decay_floor_ratio": 0.1, "weight_decay": 0.0,
-                     "max_grad_norm": 1.0, "use_muon": False, "dtype": "fp32", "seed": args.seed},
+                     "max_grad_norm": 1.0, "use_muon": False, "dtype": "fp32", "seed": args.seed,
+                     "ema_decay": AR_EMA_DECAY},
         "diffusion": {"image_latent_shift": 0.0, "image_latent_scale": 1.0, "video_latent_shift": 0.0,
                       "video_latent_scale": 1.0},
         "data": {"video_csv_paths": [str(data["train_csv"])], "resolution_buckets": [f"{AR_SIZE}x{AR_SIZE}"],
                  "min_frames": AR_FRAMES, "max_frames": AR_FRAMES, "frames_mod": 1, "frames_remainder": 0,
-                 # A sample is at most ~610 tokens: its unit at 16 x 16 patches and its history.
+                 # 16 samples a batch is what binds: a sample is at most ~150 tokens (its unit at 8 x 8
+                 # patches and its history), and the token budget leaves room.
                  "max_samples_per_batch": 16, "max_tokens_per_batch": 16 * 700,
                  "packed_dataloader_num_workers": 1},
         "tasks": {"cfg_drop_prob": 0.1},
         "output": {"output_dir": str(run_dir), "save_interval": steps, "log_interval": max(1, steps // 40),
                    "progress_bar": False, "sample_num_frames": AR_FRAMES, "sample_height": AR_SIZE,
                    "sample_width": AR_SIZE, "sample_steps": sample_steps, "sample_video_steps": sample_steps,
-                   "sample_guidance_scale": 3.0, "sample_video_guidance_scale": 3.0, "sample_fps": 8.0},
+                   # Less guidance after the first frame kept the colours from drifting (docs/demo_recipes.md).
+                   "sample_guidance_scale": 3.0, "sample_video_guidance_scale": 1.5, "sample_fps": 8.0},
     }
 
 
@@ -382,7 +391,7 @@ def run_pyramid_flow_ar(args: argparse.Namespace) -> dict:
     out, seconds = args.out, {}
     t0 = time.perf_counter()
     quiet_library_progress_bars()  # (transformers' bars while the tiny encoders are written)
-    data = make_data(out / "data", args.quick, AR_SIZE, AR_FRAMES)
+    data = make_data(out / "data", args.quick, AR_SIZE, AR_FRAMES, shape_size=SHAPE_SIZE, pix_fmt=PIX_FMT)
     model_path = write_tiny_pyramid_model(out / "model", "diffusion_transformer_384p")
     run_dir = out / "run"
     fresh_run_dir(run_dir)
