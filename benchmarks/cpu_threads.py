@@ -75,20 +75,16 @@ def causal_vae_demo_job(work: Path, steps: int, quick: bool):
 
 
 def pyramid_flow_ar_demo_job(work: Path, steps: int, quick: bool):
-    """`pan demo --recipe pyramid_flow_ar`'s job, on its tiny released-layout model folder."""
-    import yaml
-
+    """`pan demo --recipe pyramid_flow_ar`'s job, on its clips (encoded once) and tiny released-layout
+    model folder."""
     from pan.demo import recipes
 
     args = recipes.parse_args(["--recipe", "pyramid_flow_ar", "--out", str(work), "--steps", str(steps),
                                *(["--quick"] if quick else [])])
-    data = recipes.make_data(work / "data-ar", args.quick, recipes.AR_SIZE, recipes.AR_FRAMES)
-    model = recipes.write_tiny_pyramid_model(work / "model-ar", "diffusion_transformer_384p")
+    data, model = recipes.make_ar_inputs(work / "data-ar", work / "model-ar", args.quick)
 
     def job(run: Path):
-        config = run.parent / f"{run.name}.yaml"
-        config.write_text(yaml.safe_dump(recipes.ar_config(args, data, model, run), sort_keys=False))
-        return ["--config", str(config)]
+        return ["--config", str(recipes.write_ar_config(args, data, model, run, run.parent / f"{run.name}.yaml"))]
     return job
 
 

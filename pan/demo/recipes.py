@@ -371,6 +371,27 @@ def ar_config(args: argparse.Namespace, data: dict[str, Path], model_path: Path,
     }
 
 
+def make_ar_inputs(data_dir: Path, model_dir: Path, quick: bool) -> tuple[dict[str, Path], Path]:
+    """The demo's clips (the Pan demo's: 16 x 16, shapes 44-52% of the frame, 4:4:4) and its tiny
+    model folder."""
+    data = make_data(data_dir, quick, AR_SIZE, AR_FRAMES, shape_size=SHAPE_SIZE, pix_fmt=PIX_FMT)
+    return data, write_tiny_pyramid_model(model_dir, "diffusion_transformer_384p")
+
+
+def write_ar_config(args: argparse.Namespace, data: dict[str, Path], model_path: Path, run_dir: Path,
+                    config: Path) -> Path:
+    """Write the run's config to `config`, training from the clips encoded once (encoded on the first
+    call; later calls with the same settings reuse them)."""
+    import yaml
+
+    settings = ar_config(args, data, model_path, run_dir)
+    config.write_text(yaml.safe_dump(settings, sort_keys=False))
+    annotations = precompute_ar_clips(config, data["train_csv"].parent)
+    settings["data"] |= {"video_csv_paths": [], "annotation_paths": [str(annotations)]}
+    config.write_text(yaml.safe_dump(settings, sort_keys=False))
+    return config
+
+
 def precompute_ar_clips(config: Path, data_dir: Path) -> Path:
     """Encode every training clip of `config`'s video CSV once (pixels and caption features, `pan data
     precompute` in Pyramid-Flow's format, as the released models are trained) under data_dir/latents;
@@ -385,21 +406,13 @@ def precompute_ar_clips(config: Path, data_dir: Path) -> Path:
 
 
 def run_pyramid_flow_ar(args: argparse.Namespace) -> dict:
-    import yaml
-
-
     out, seconds = args.out, {}
     t0 = time.perf_counter()
     quiet_library_progress_bars()  # (transformers' bars while the tiny encoders are written)
-    data = make_data(out / "data", args.quick, AR_SIZE, AR_FRAMES, shape_size=SHAPE_SIZE, pix_fmt=PIX_FMT)
-    model_path = write_tiny_pyramid_model(out / "model", "diffusion_transformer_384p")
+    data, model_path = make_ar_inputs(out / "data", out / "model", args.quick)
     run_dir = out / "run"
     fresh_run_dir(run_dir)
-    config = out / "pyramid_flow_ar.yaml"
-    settings = ar_config(args, data, model_path, run_dir)
-    config.write_text(yaml.safe_dump(settings, sort_keys=False))
-    settings["data"] |= {"video_csv_paths": [], "annotation_paths": [str(precompute_ar_clips(config, out / "data"))]}
-    config.write_text(yaml.safe_dump(settings, sort_keys=False))
+    config = write_ar_config(args, data, model_path, run_dir, out / "pyramid_flow_ar.yaml")
     seconds["data"] = time.perf_counter() - t0
     trainer = build_trainer(load_config_or_exit(["--config", str(config)]))
     seconds["training"] = fit(trainer)
