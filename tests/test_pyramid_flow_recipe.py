@@ -165,8 +165,8 @@ def test_pan_sample_generates_from_a_pyramid_checkpoint(tmp_path, released, data
 
 def test_x_prediction_trains_on_the_end_point_samples_and_refuses_the_released_export(tmp_path, released, data,
                                                                                       capsys):
-    """prediction_type: sample: the DiT is trained on each stage's end point (the loss differs from the
-    velocity run's from the first step), `pan sample` reads its output as the end point, and the
+    """prediction_type: sample: the DiT is trained on x0 at each stage's resolution (the loss differs from
+    the velocity run's from the first step), `pan sample` reads its output as x0, and the
     export to the released layout, whose pipeline would read it as the velocity, is refused."""
     from pan.sampling import main as sample_main
 
@@ -180,7 +180,7 @@ def test_x_prediction_trains_on_the_end_point_samples_and_refuses_the_released_e
     assert losses["sample"][0] != pytest.approx(losses["velocity"][0], rel=1e-3), losses
     run = tmp_path / "sample"
     videos = {}
-    for checkpoint_config, name in ((None, "end point"), ("velocity", "read as velocity")):
+    for checkpoint_config, name in ((None, "x0"), ("velocity", "read as velocity")):
         if checkpoint_config:  # the same weights under a velocity config: another clip
             job = yaml.safe_load((run / "config.yaml").read_text())
             job["diffusion"].pop("prediction_type")
@@ -190,7 +190,7 @@ def test_x_prediction_trains_on_the_end_point_samples_and_refuses_the_released_e
                             "--out", str(out), "--num-frames", "5", "--height", "16", "--width", "16",
                             "--steps", "2", "--guidance-scale", "1"]) == 0
         videos[name] = out.read_bytes()
-    assert videos["end point"] != videos["read as velocity"]
+    assert videos["x0"] != videos["read as velocity"]
     job = yaml.safe_load((run / "config.yaml").read_text())
     job["diffusion"]["prediction_type"] = "sample"
     (run / "config.yaml").write_text(yaml.safe_dump(job))

@@ -78,7 +78,8 @@ class FlowConfig:
     prediction_type: Literal["velocity", "sample"] = knob(
         "velocity", "what the transformer outputs: velocity (noise - x0; the released Pan model) or "
         "sample (x0, read as the velocity (x_t - x0) / max(t, prediction_sigma_min); in the Pyramid-Flow "
-        "recipes the stage's end point, (x - end) / r in the stage); pan and Pyramid-Flow recipes only")
+        "recipes x0 at the stage's resolution, read as the stage velocity it implies); pan and Pyramid-Flow "
+        "recipes only")
     prediction_sigma_min: float = knob(
         0.05, "floor of t in that division, which bounds the loss weight of nearly clean inputs "
         "(sample only)", gt=0, lt=1)

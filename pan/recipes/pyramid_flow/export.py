@@ -26,8 +26,8 @@ def export_released(ckpt_dir: Path, out_dir: Path, *, ema: bool = False) -> Path
                          f"{', model ' + job.model.model_name if hasattr(job.model, 'model_name') else ''}): "
                          "export it as safetensors.")
     if job.flow.prediction_type != "velocity":
-        raise ValueError(f"{config} trains with prediction_type {job.flow.prediction_type}: its DiT outputs the "
-                         "stage's end point, which the original's pipeline would read as the velocity. "
+        raise ValueError(f"{config} trains with prediction_type {job.flow.prediction_type}: its DiT outputs x0 at "
+                         "each stage's resolution, which the original's pipeline would read as the velocity. "
                          "Sample it with `pan sample`, or export it as safetensors.")
     weights = part_weights(Path(ckpt_dir), "transformer", ema)
     model = build_dit(job)

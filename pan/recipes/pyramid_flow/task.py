@@ -61,7 +61,7 @@ class PyramidInputs(PackedInputs):
 
         x           [Nv, in] noisy tokens at each sample's stage resolution
         target      [Nv, out] regression target as tokens: the velocity (start - end of the stage
-                    line), or the stage's end point with prediction_type sample (`regression_target`)
+                    line), or x0 at the stage's resolution with prediction_type sample (`regression_target`)
         weight      [Nv] 1 / (values of the sample's trained clip), times the target's loss factor:
                     per-sample MSE weights
         timesteps   [B] the DiT's timesteps (0..1000 scale)
