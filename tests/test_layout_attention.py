@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dist_utils import run_distributed
 from pan.models import PanDiTConfig, PanVideoDiffusionTransformer
 from pan.models.attention import attention, sdpa_rows, set_attention_backend, varlen_packed
-from pan.models.packing import Clip, FrameGroups, PackInfo, SampleLayout
+from pan.models.packing import Clip, FrameGroups, PackInfo, SampleLayout, _sample_rows
 from pan.parallel.context_parallel import ContextParallel, attach_ulysses
 
 attn = importlib.import_module("pan.models.attention")  # the module (pan.models.attention is the function)
@@ -163,13 +163,19 @@ def test_blockwise_computes_exactly_the_allowed_pairs_without_masks():
     assert sum(calls.pairs) == int(reference_mask(LAYOUTS).sum())
 
 
-def test_frame_schedule_is_built_once_per_pack(monkeypatch):
+def test_frame_schedule_is_built_once_per_layout(monkeypatch):
     built = []
     original = FrameGroups.of.__func__
     monkeypatch.setattr(FrameGroups, "of", classmethod(lambda cls, f: built.append(1) or original(cls, f)))
+    _sample_rows.cache_clear()
     pack = PackInfo.from_layouts(LAYOUTS)
     causal = sum(s.attention == "block_causal" for s in LAYOUTS)
     assert len(built) == causal
+    # the next batch of the same layouts (an AR run's every step) reuses them, equal to new ones
+    again = PackInfo.from_layouts([copy.deepcopy(s) for s in LAYOUTS])
+    assert len(built) == causal
+    assert all(a is b for a, b in zip(again.joint.frame_groups, pack.joint.frame_groups))
+    assert torch.equal(again.video_pos, pack.video_pos)
     q, k, v, _ = random_qkv(pack.joint.total)
     for backend in CPU_BACKENDS:
         with torch.no_grad():
