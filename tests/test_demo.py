@@ -6,6 +6,7 @@ import yaml
 from PIL import Image
 
 from pan.demo import DEFAULT_CONFIG, main, make_data
+from pan.demo.main import QUICK_PROMPTS, SAMPLES_PER_PROMPT
 from pan.eval import load_video
 
 OUTPUT = yaml.safe_load(DEFAULT_CONFIG.read_text())["output"]
@@ -17,12 +18,16 @@ def test_quick_demo_writes_every_artefact(tmp_path, capsys):
     assert main(["--quick", "--out", str(out), "--steps", "2"]) == 0
 
     scores = json.loads((out / "samples" / "scores.json").read_text())
-    assert scores["num_videos"] == 2
+    videos = QUICK_PROMPTS * SAMPLES_PER_PROMPT  # every held-out prompt scored on several draws
+    assert scores["num_videos"] == videos
     assert {"colour_accuracy", "direction_accuracy", "shape_accuracy", "per_video"} <= set(scores)
-    for i in range(2):
-        clip = load_video(out / "samples" / f"{i:02d}.mp4")
+    clips = [load_video(out / "samples" / f"{i:02d}.mp4") for i in range(videos)]
+    for i, clip in enumerate(clips):
         assert clip.shape == GEOMETRY  # the config's sample geometry
         assert Image.open(out / "samples" / f"{i:02d}.gif").n_frames == GEOMETRY[0]
+    prompts = [(out / "samples" / f"{i:02d}.txt").read_text() for i in range(videos)]
+    assert prompts[:QUICK_PROMPTS] == prompts[QUICK_PROMPTS:2 * QUICK_PROMPTS]  # the same prompts again,
+    assert (clips[0] != clips[QUICK_PROMPTS]).any()                            # from other noise
     sheet = Image.open(out / "samples" / "contact_sheet.gif")
     assert sheet.n_frames == GEOMETRY[0] and sheet.width > 2 * 2 * GEOMETRY[2]  # two clips, scaled 2x
 
