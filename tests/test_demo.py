@@ -29,7 +29,7 @@ def test_quick_demo_writes_every_artefact(tmp_path, capsys):
     assert prompts[:QUICK_PROMPTS] == prompts[QUICK_PROMPTS:2 * QUICK_PROMPTS]  # the same prompts again,
     assert (clips[0] != clips[QUICK_PROMPTS]).any()                            # from other noise
     sheet = Image.open(out / "samples" / "contact_sheet.gif")
-    assert sheet.n_frames == GEOMETRY[0] and sheet.width > 2 * 2 * GEOMETRY[2]  # two clips, scaled 2x
+    assert sheet.n_frames == GEOMETRY[0] and sheet.width > 2 * 2 * GEOMETRY[2]  # clips side by side, scaled 2x
 
     assert Image.open(out / "loss.png").size == (640, 360)
     rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]

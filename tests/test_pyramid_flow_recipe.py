@@ -163,8 +163,7 @@ def test_pan_sample_generates_from_a_pyramid_checkpoint(tmp_path, released, data
     assert len(frames) == 5 and frames[0].width == 16
 
 
-def test_x_prediction_trains_on_the_end_point_samples_and_refuses_the_released_export(tmp_path, released, data,
-                                                                                      capsys):
+def test_x_prediction_trains_on_x0_samples_and_refuses_the_released_export(tmp_path, released, data, capsys):
     """prediction_type: sample: the DiT is trained on x0 at each stage's resolution (the loss differs from
     the velocity run's from the first step), `pan sample` reads its output as x0, and the
     export to the released layout, whose pipeline would read it as the velocity, is refused."""

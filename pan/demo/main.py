@@ -43,7 +43,7 @@ QUICK_OVERRIDES = {
 }
 QUICK_PROMPTS = 2
 # Each held-out prompt is sampled twice (other noise): 15 videos scored one wrong shape as 7 points,
-# so a model drawing 97% of shapes right read below 90% about one run in fifteen (docs/demo.md).
+# so a model drawing 97% of shapes right read below 90% about one run in fourteen (docs/demo.md).
 SAMPLES_PER_PROMPT = 2
 # Shapes span 44-52% of the frame (synth's default: 28-36%): at 16 pixels a 5-pixel square, circle
 # and triangle differ in a handful of pixels and the model draws all three as one blob.

@@ -367,7 +367,7 @@ class _SampleRows:
 
 
 # An AR batch has at most (stages x units x caption lengths) layouts, repeated every step: building
-# their rows and schedules again was a quarter of the per-step preparation on the CPU. 128 of them
+# their rows and schedules again was ~40% of the AR task's per-step preparation on the CPU. 128 of them
 # hold ~130 MB at most at 768p (~1 MB a sample).
 @functools.lru_cache(maxsize=128)
 def _sample_rows(layout: SampleLayout) -> _SampleRows:
