@@ -257,6 +257,34 @@ def test_optimizer_state_round_trip_continues_identically():
         build_optimizer(StandIn(), OptimConfig(use_muon=False))[0].load_state_dict(opts_a.state_dict())
 
 
+def test_adamw_implementation_runs_the_chosen_update_and_resumes_across_implementations():
+    """`adamw_implementation` reaches torch's AdamW: foreach steps bitwise as the for-loop does,
+    fused within float rounding; a checkpoint of one implementation resumes on another."""
+    runs = {}
+    for impl in ("for-loop", "foreach", "fused", "auto"):
+        torch.manual_seed(0)
+        model = StandIn()
+        opts, _ = build_optimizer(model, OptimConfig(learning_rate=1e-2, use_muon=False, adamw_implementation=impl))
+        adamw = opts.by_name["adamw"].defaults
+        assert (adamw["foreach"], adamw["fused"]) == {"for-loop": (False, False), "foreach": (True, False),
+                                                      "fused": (False, True), "auto": (None, None)}[impl]
+        train_steps(model, opts, 5, seed=0)
+        runs[impl] = (model, opts)
+    params = {impl: list(model.parameters()) for impl, (model, _) in runs.items()}
+    assert all(torch.equal(a, b) for a, b in zip(params["for-loop"], params["foreach"]))
+    assert all(torch.equal(a, b) for a, b in zip(params["for-loop"], params["auto"]))   # CPU: the for-loop
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(params["for-loop"], params["fused"]))
+
+    fused_model, fused_opts = runs["fused"]
+    resumed = StandIn()
+    resumed.load_state_dict(fused_model.state_dict())
+    opts, _ = build_optimizer(resumed, OptimConfig(learning_rate=1e-2, use_muon=False, adamw_implementation="for-loop"))
+    opts.load_state_dict(copy.deepcopy(fused_opts.state_dict()))
+    train_steps(fused_model, fused_opts, 2, seed=1)
+    train_steps(resumed, opts, 2, seed=1)
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(fused_model.parameters(), resumed.parameters()))
+
+
 # --- schedules -------------------------------------------------------------------------------------
 
 
@@ -414,11 +442,12 @@ def test_good_optim_keys_are_accepted(kwargs):
 # --- FSDP2: a sharded Muon step equals the unsharded one -----------------------------------------
 
 
-def _fsdp_sharded_vs_unsharded_errors() -> dict:
+def _fsdp_sharded_vs_unsharded_errors(adamw_implementation: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    cfg = OptimConfig(learning_rate=1e-2, weight_decay=0.1, ema_decay=0.5, max_grad_norm=0.5)
+    cfg = OptimConfig(learning_rate=1e-2, weight_decay=0.1, ema_decay=0.5, max_grad_norm=0.5,
+                      adamw_implementation=adamw_implementation)
     torch.manual_seed(0)
     reference = StandIn(d=8)
     sharded = StandIn(d=8)
@@ -453,8 +482,9 @@ def _fsdp_sharded_vs_unsharded_errors() -> dict:
               "moved": min((ref_w[n] - initial[n]).abs().max().item() for n in ref_w)}
 
 
-def test_fsdp2_sharded_muon_adamw_clip_and_ema_equal_unsharded():
-    errors = run_distributed(_fsdp_sharded_vs_unsharded_errors, world_size=2)[0]
+@pytest.mark.parametrize("adamw_implementation", ["auto", "fused"])
+def test_fsdp2_sharded_muon_adamw_clip_and_ema_equal_unsharded(adamw_implementation):
+    errors = run_distributed(_fsdp_sharded_vs_unsharded_errors, world_size=2, args=(adamw_implementation,))[0]
     assert errors["norm"] < 1e-5
     assert errors["weights"] < 1e-5
     assert errors["ema"] < 1e-5

@@ -22,6 +22,12 @@ from pan.optim.schedule import LRSchedulers
 from pan.parallel.names import unwrapped_name
 
 
+# `adamw_implementation` -> torch.optim.AdamW's arguments (None: torch decides by device)
+ADAMW_IMPLEMENTATIONS: dict[str, dict[str, bool | None]] = {
+    "auto": {"foreach": None, "fused": None}, "for-loop": {"foreach": False, "fused": False},
+    "foreach": {"foreach": True, "fused": False}, "fused": {"foreach": False, "fused": True}}
+
+
 class OptimizerSet:
     """The run's optimizers (Muon and/or AdamW) stepped as one.
 
@@ -135,7 +141,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> tuple[OptimizerSet, s
     adamw_groups = [g for g in adamw_groups if g["params"]]
     if adamw_groups:
         by_name["adamw"] = torch.optim.AdamW(adamw_groups, lr=cfg.learning_rate,
-                                             betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+                                             betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                                             **ADAMW_IMPLEMENTATIONS[cfg.adamw_implementation])
     if not by_name:
         raise ValueError("the model has no trainable parameters")
     for opt in by_name.values():

@@ -41,6 +41,10 @@ class OptimConfig:
     adam_beta1: float = knob(0.9, "AdamW beta1", ge=0, lt=1)
     adam_beta2: float = knob(0.95, "AdamW beta2", ge=0, lt=1)
     adam_eps: float = knob(1e-8, "AdamW epsilon", gt=0)
+    adamw_implementation: Literal["auto", "for-loop", "foreach", "fused"] = knob(
+        "auto", "how torch's AdamW runs: auto (torch's choice: foreach on CUDA, for-loop on CPU), for-loop, "
+        "foreach (bitwise the for-loop's), fused (one kernel: 3.4x faster than for-loop for 1.8M "
+        "parameters on a 2-core CPU; rounds differently, so weights differ in the last bits)")
     muon_momentum: float = knob(0.95, "Muon momentum (Nesterov)", ge=0, lt=1)
     ema_decay: float = knob(0.0, "decay of the EMA of the weights, updated each step; 0 = no EMA", ge=0,
                             lt=1)
