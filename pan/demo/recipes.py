@@ -301,15 +301,23 @@ def write_clip_tokenizer(folder: Path, corpus: list[str]) -> int:
 
 
 def write_t5_tokenizer(folder: Path, corpus: list[str]) -> int:
-    """A T5 unigram tokenizer learnt on `corpus`; returns its vocabulary size."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    """A T5 unigram tokenizer whose pieces are `corpus`'s words (scored by their frequency) and, for
+    any other text, single characters; returns its vocabulary size.
+
+    Not `UnigramTrainer`: on a corpus this small it keeps single characters only (a caption of 21-26
+    tokens, cut at t5_max_length: the direction word never reached the DiT through T5)."""
+    import collections
+    import math
+
     from transformers import T5Tokenizer
 
-    unigram = Tokenizer(models.Unigram())
-    unigram.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
-    unigram.train_from_iterator(corpus, trainers.UnigramTrainer(
-        vocab_size=200, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>"))
-    pieces = [tuple(p) for p in json.loads(unigram.to_str())["model"]["vocab"]]
+    words = collections.Counter(f"\u2581{w}" for caption in corpus for w in caption.split())
+    chars = sorted({c for caption in corpus for c in caption if not c.isspace()} | {"\u2581"})
+    total = sum(words.values())
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
+    pieces += [(w, math.log(n / total)) for w, n in words.most_common()]
+    # a character costs more than any word, so a caption word is always one piece
+    pieces += [(c, math.log(1 / total) - 10.0) for c in chars if c not in words]
     tokenizer = T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=512)
     tokenizer.save_pretrained(folder)
     return len(tokenizer)
