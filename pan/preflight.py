@@ -50,6 +50,7 @@ from pan.lora import LORA_KEY, add_adapters, base_names, reference_differences
 from pan.parallel.dims import ParallelDims
 from pan.parallel.fsdp import FULL_INIT_MAX_PARAMS
 from pan.parallel.names import unwrapped_name
+from pan.parallel.threads import omp_num_threads
 from pan.parallel.world import planned_task
 from pan.recipe import get_recipe
 
@@ -390,7 +391,7 @@ def check_cpu(ctx: Preflight) -> list[Row]:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = getattr(getattr(ctx.job, "data", None), "packed_dataloader_num_workers", 0)  # none: no data section
     # torchrun sets OMP_NUM_THREADS=1 for several processes per node unless it is set already.
-    threads = int(os.environ.get("OMP_NUM_THREADS", 1 if ctx.gpus_per_node > 1 else torch.get_num_threads()))
+    threads = omp_num_threads() or (1 if ctx.gpus_per_node > 1 else torch.get_num_threads())
     wanted = ctx.gpus_per_node * (threads + workers)
     detail = (f"{ctx.gpus_per_node} process(es) per node x ({threads} training thread(s) + {workers} "
               f"decoding worker(s)) = {wanted} busy processes/threads; {cores} cores here")

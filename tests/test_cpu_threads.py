@@ -48,3 +48,13 @@ def test_OMP_NUM_THREADS_is_the_users_choice():
                           "print(set_cpu_threads()); print(torch.get_num_threads())"],
                          env=env, capture_output=True, text=True, timeout=120, check=True).stdout.splitlines()
     assert out == ["1 thread(s): OMP_NUM_THREADS=1 is set", "1"]
+
+
+@pytest.mark.parametrize("value,read", [("", None), ("abc", None), ("0", None), ("3", 3), ("4,2", 4), (" 2 ", 2)])
+def test_OMP_NUM_THREADS_is_read_as_OpenMP_reads_it(monkeypatch, value, read):
+    """`export OMP_NUM_THREADS=$N` with N unset leaves it empty: OpenMP ignores it, and so must pan
+    (`pan check`'s cpu row crashed on it, which refused every launch)."""
+    from pan.parallel.threads import omp_num_threads
+
+    monkeypatch.setenv("OMP_NUM_THREADS", value)
+    assert omp_num_threads() == read

@@ -372,3 +372,6 @@ def test_cpu_check_warns_when_workers_and_threads_oversubscribe_the_cores(tmp_pa
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     rows = rows_of(base_args(tmp_path, data, "--packed_dataloader_num_workers", str(cores - 1)))["cpu"]
     assert statuses(rows) == {"pass"}, rows
+    monkeypatch.setenv("OMP_NUM_THREADS", "")   # `export OMP_NUM_THREADS=$N`, N unset: ignored, as OpenMP does
+    rows = rows_of(base_args(tmp_path, data, "--packed_dataloader_num_workers", "0"))["cpu"]
+    assert statuses(rows) == {"pass"} and f"({torch.get_num_threads()} training thread(s)" in rows[0].detail, rows

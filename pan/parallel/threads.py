@@ -51,6 +51,14 @@ def threads_for(cores: int, busy: float | None) -> int:
     return max(1, min(cores, math.floor(cores - busy + 0.5)))
 
 
+def omp_num_threads() -> int | None:
+    """OMP_NUM_THREADS as OpenMP reads it (the first level of a list such as "4,2"); None when unset,
+    empty or not a positive number (OpenMP then ignores it too: `export OMP_NUM_THREADS=$N` with N
+    unset must not stop a run)."""
+    first = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    return int(first) if first.isdigit() and int(first) > 0 else None
+
+
 _CHOSEN: list[str] = []   # once a process: a demo chooses before its data phase, its trainer keeps that
 
 
@@ -62,7 +70,7 @@ def set_cpu_threads() -> str:
 
 
 def _choose() -> str:
-    if os.environ.get("OMP_NUM_THREADS"):
+    if omp_num_threads() is not None:
         return f"{torch.get_num_threads()} thread(s): OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} is set"
     cores, busy = cores_here(), busy_cores()
     threads = threads_for(cores, busy)
