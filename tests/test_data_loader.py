@@ -290,3 +290,70 @@ def test_samples_cross_from_workers_intact_small_tensors_by_value(monkeypatch):
             assert getattr(got, key).dtype == getattr(sample, key).dtype
             assert torch.equal(getattr(got, key), getattr(sample, key)), key
         assert got.sample_id == sample.sample_id and got.grid == sample.grid
+
+
+def latent_rows(folder: Path, count: int) -> Path:
+    """A precomputed CSV of `count` small latent rows (safetensors files under folder/latents)."""
+    (folder / "latents").mkdir(parents=True)
+    rows = []
+    for i in range(count):
+        save_file({"latent": torch.full((4, 1, 4, 4), float(i)), "text": torch.randn(3, 16)},
+                  str(folder / "latents" / f"{i}.safetensors"))
+        rows.append([f"latents/{i}.safetensors", f"clip {i}"])
+    return write_csv(folder / "pre.csv", ["latent_path", "caption"], rows)
+
+
+def latent_loader(cfg):
+    return build_data_loader(cfg, tokens_of=tokens_of, latent_tokens_of=lambda t, h, w: t * h * w,
+                             dp_rank=0, dp_size=1, seed=0)
+
+
+def latent_fingerprints(loader, n: int) -> list:
+    return [[(s.sample_id, hashlib.sha256(s.latent.numpy().tobytes() + s.text.numpy().tobytes()).hexdigest())
+             for s in next(loader).samples] for _ in range(n)]
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_sample_cache_serves_later_epochs_without_reading_the_files_again(tmp_path, monkeypatch, workers):
+    """With sample_cache_mb a process reads each row's file once (a decoding worker; with workers the
+    training process too, for a row it settles itself: Visits), and the stream is exactly an uncached
+    run's; without it every visit reads the file."""
+    import pan.data.reader as reader
+
+    csv_path = latent_rows(tmp_path, 6)
+    log, load_file = tmp_path / "reads.txt", reader.load_file
+
+    def logged_load_file(path, *args, **kwargs):   # a line per read, from whichever process reads
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()} {Path(path).name}\n")
+        return load_file(path, *args, **kwargs)
+
+    monkeypatch.setattr(reader, "load_file", logged_load_file)
+    cfg = small_config(video_csv_paths=[str(csv_path)], max_tokens_per_batch=200, max_samples_per_batch=2,
+                       packing_lookahead=2, packed_dataloader_num_workers=workers)
+    expected = latent_fingerprints(latent_loader(cfg), 12)            # 4 epochs of 6 rows
+    uncached_reads = log.read_text().splitlines()
+    log.unlink()
+    assert latent_fingerprints(latent_loader(dataclasses.replace(cfg, sample_cache_mb=1.0)), 12) == expected
+    reads = collections.Counter(log.read_text().splitlines())
+    assert len(uncached_reads) >= 24 and max(reads.values()) == 1
+    assert {line.split()[1] for line in reads} == {f"{i}.safetensors" for i in range(6)}
+
+
+def test_sample_cache_drops_the_least_recently_used_beyond_its_budget_and_hands_out_copies():
+    from pan.data.batch import Sample
+    from pan.data.reader import SampleCache
+
+    def sample(i: int) -> Sample:   # 4 x 4 x 4 float32 = 256 bytes of tensors
+        return Sample(f"s:{i}", "video", "c", (1, 4, 4), 16, latent=torch.full((4, 1, 4, 4), i + 1.0))
+
+    cache = SampleCache(budget=600)
+    cache.put(("s", 0), sample(0))
+    cache.put(("s", 1), sample(1))
+    got = cache.get(("s", 0))                     # 0 is now the most recently used
+    got.latent.zero_()                            # the caller's own copy
+    cache.put(("s", 2), sample(2))                # 768 bytes > 600: the least recently used (1) goes
+    assert cache.get(("s", 1)) is None and cache.used == 512
+    assert torch.equal(cache.get(("s", 0)).latent, sample(0).latent) and cache.get(("s", 2)) is not None
+    cache.put(("s", 3), Sample("s:3", "video", "c", (1, 8, 8), 64, latent=torch.zeros(4, 1, 8, 8)))
+    assert cache.get(("s", 3)) is None            # larger than the whole budget: not kept

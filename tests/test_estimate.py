@@ -426,3 +426,16 @@ def test_pyramid_flow_recipes_match_real_steps(tmp_path, pyramid_model, recipe):
     got = estimated_and_measured(pyramid_job(tmp_path, pyramid_model, recipe))
     assert got["device"]["frozen text encoders"] > 0
     assert_close(got)
+
+
+@pytest.mark.parametrize("workers,caches", [(0, 1), (1, 1), (3, 3)])
+def test_host_memory_counts_the_sample_cache_of_every_decoding_process(workers, caches):
+    """`sample_cache_mb` is per decoding process (the training process with no workers), held in full."""
+    import dataclasses
+
+    from pan.data.config import DataConfig
+    from pan.estimate import loader_bytes
+
+    data, clips = DataConfig(packed_dataloader_num_workers=workers), [(5, 16, 16)]
+    cached = dataclasses.replace(data, sample_cache_mb=1.5)
+    assert loader_bytes(cached, clips) - loader_bytes(data, clips) == caches * 3 * 2**19

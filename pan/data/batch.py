@@ -3,6 +3,7 @@ worker to the trainer (small tensors by value)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -36,6 +37,20 @@ class Sample:
     # travel inside the pickled message instead.
     BY_VALUE_BYTES: ClassVar[int] = 1 << 20
     TENSORS: ClassVar[tuple[str, ...]] = ("frames", "latent", "text", "raw_latent")
+
+    def copy(self) -> Sample:
+        """A copy with tensors of its own (what a cache hands out: a consumer may change its sample)."""
+        def own(t):
+            return t.clone() if isinstance(t, torch.Tensor) else t
+        features = None if self.text_features is None else {k: own(t) for k, t in self.text_features.items()}
+        return dataclasses.replace(self, **{k: own(getattr(self, k)) for k in self.TENSORS},
+                                   text_features=features)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its tensors."""
+        tensors = [getattr(self, k) for k in self.TENSORS] + list((self.text_features or {}).values())
+        return sum(t.nbytes for t in tensors if isinstance(t, torch.Tensor))
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)

@@ -78,6 +78,12 @@ class DataConfig:
     packed_dataloader_prefetch_factor: int = knob(
         2, "packed batches decoded ahead of the trainer: each decoding process keeps this many "
            "batches' share of samples (max_samples_per_batch / workers) in flight", ge=1)
+    sample_cache_mb: float = knob(
+        0.0, "MiB of read samples that each decoding process (the training process with no workers) "
+             "keeps in memory, the least recently used dropped first: a sample visited again (the "
+             "next epoch) is not read or decoded again. For data read many times (fine-tuning on a "
+             "small set, the CPU demos); the files must not change during the run. 0: every visit "
+             "reads its files", ge=0)
 
     # --- resume ----------------------------------------------------------------------------------
     resume_video_csv: bool = knob(

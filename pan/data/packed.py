@@ -140,7 +140,8 @@ class PackedLoader:
         self.cfg, self.seed, self.dp_rank, self.dp_size = cfg, seed, dp_rank, dp_size
         self.tokens_of, self.latent_tokens_of = tokens_of, latent_tokens_of
         # `fit`: what the run's model takes; a sample that does not fit is a bad sample (pan/data/fit.py).
-        self.reader = SampleReader(sources, tars, rules_of(cfg), fit=fit)
+        self.reader = SampleReader(sources, tars, rules_of(cfg), fit=fit,
+                                   cache_bytes=int(cfg.sample_cache_mb * 2**20))
         self._initial = planner.copy()
         self.planner = planner              # advanced only by samples that reached this process
         self.packer = LookaheadPacker(cfg.max_tokens_per_batch, cfg.max_samples_per_batch,

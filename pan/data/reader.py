@@ -5,6 +5,7 @@ run's model takes (`SampleFit`, pan/data/fit.py), or says why it cannot; `rules_
 
 from __future__ import annotations
 
+import collections
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,17 +80,23 @@ class SampleReader(Dataset):
     """
 
     def __init__(self, sources: dict[str, RowSource], tars: ImageTarSet | None, rules: FrameRules,
-                 use_precomputed: bool = True, fit: SampleFit | None = None):
+                 use_precomputed: bool = True, fit: SampleFit | None = None, cache_bytes: int = 0):
         self.sources, self.tars, self.rules = sources, tars, rules
         self.use_precomputed, self.fit = use_precomputed, fit
+        self.cache = SampleCache(cache_bytes) if cache_bytes else None  # each worker process its own
 
     def __getitem__(self, ref: Ref | KnownBad) -> Loaded:
         if isinstance(ref, KnownBad):
             return Loaded(ref.ref, None, ref.reason, known=True, deferred=isinstance(ref, Deferred))
+        cached = self.cache.get((ref.stream, ref.index)) if self.cache is not None else None
+        if cached is not None:
+            return Loaded(ref, cached)
         try:
             sample = self._read(ref)
             if self.fit is not None:
                 self.fit.check(sample)
+            if self.cache is not None:
+                self.cache.put((ref.stream, ref.index), sample)
             return Loaded(ref, sample)
         except SkipSample as e:
             return Loaded(ref, None, e.reason, e.detail)
@@ -193,6 +200,33 @@ class SampleReader(Dataset):
         frames = decode_image(data, self.rules)
         return Sample(self.tars.sample_id(image), "image", caption, tuple(frames.shape[i] for i in (0, 2, 3)),
                       0, frames=frames)
+
+
+class SampleCache:
+    """Good samples read lately, by row, up to `budget` bytes of tensors; the least recently used is
+    dropped first. Decoding is a function of the row and the config, so a cached sample is the one a
+    new read would give, as long as the files stay as they were. Only good samples are kept: a bad
+    row is in the run's record and never read again anyway. Each copy handed out is the caller's own."""
+
+    def __init__(self, budget: int):
+        self.budget, self.used = budget, 0
+        self.samples: collections.OrderedDict[tuple[str, int], Sample] = collections.OrderedDict()
+
+    def get(self, key: tuple[str, int]) -> Sample | None:
+        sample = self.samples.get(key)
+        if sample is None:
+            return None
+        self.samples.move_to_end(key)
+        return sample.copy()
+
+    def put(self, key: tuple[str, int], sample: Sample) -> None:
+        if sample.nbytes > self.budget:
+            return
+        self.samples[key] = sample.copy()
+        self.used += sample.nbytes
+        while self.used > self.budget:
+            _, dropped = self.samples.popitem(last=False)
+            self.used -= dropped.nbytes
 
 
 def existing(path: Path) -> Path:

@@ -105,12 +105,14 @@ def largest_batch(data, tokens_of: Callable[[int, int, int], int], images: bool 
 
 def loader_bytes(data, clips: list[tuple[int, int, int]], channels: int = 3) -> int:
     """Host bytes of decoded uint8 samples in flight: the packer's lookahead, and each decoding
-    worker's prefetched share (prefetch_factor batches of max_samples_per_batch in all)."""
+    worker's prefetched share (prefetch_factor batches of max_samples_per_batch in all); and each
+    decoding process's sample cache (`sample_cache_mb`, held in full)."""
     sample = max(f * h * w * channels for f, h, w in clips)
     in_flight = data.packing_lookahead + len(clips)
     if data.packed_dataloader_num_workers:
         in_flight += data.packed_dataloader_prefetch_factor * data.max_samples_per_batch
-    return in_flight * sample
+    caches = max(1, data.packed_dataloader_num_workers)
+    return in_flight * sample + caches * int(data.sample_cache_mb * 2**20)
 
 
 def run_device() -> torch.device:
