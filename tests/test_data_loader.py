@@ -357,3 +357,5 @@ def test_sample_cache_drops_the_least_recently_used_beyond_its_budget_and_hands_
     assert torch.equal(cache.get(("s", 0)).latent, sample(0).latent) and cache.get(("s", 2)) is not None
     cache.put(("s", 3), Sample("s:3", "video", "c", (1, 8, 8), 64, latent=torch.zeros(4, 1, 8, 8)))
     assert cache.get(("s", 3)) is None            # larger than the whole budget: not kept
+    cache.put(("s", 2), sample(2))                # put again: held once
+    assert cache.used == 512 and len(cache.samples) == 2

@@ -220,10 +220,12 @@ class SampleCache:
         return sample.copy()
 
     def put(self, key: tuple[str, int], sample: Sample) -> None:
-        if sample.nbytes > self.budget:
+        size = sample.nbytes
+        if size > self.budget:
             return
+        replaced = self.samples.pop(key, None)   # a row put again: its old bytes are no longer held
+        self.used += size - (replaced.nbytes if replaced is not None else 0)
         self.samples[key] = sample.copy()
-        self.used += sample.nbytes
         while self.used > self.budget:
             _, dropped = self.samples.popitem(last=False)
             self.used -= dropped.nbytes
