@@ -544,6 +544,37 @@ def test_pan_sample_generates_from_text_an_image_or_a_clip(tmp_path, two_ranks, 
         assert torch.equal(exported[key], value), key
 
 
+def decoded_frames(path: Path) -> torch.Tensor:
+    import av
+
+    with av.open(str(path)) as f:
+        return torch.stack([torch.from_numpy(fr.to_ndarray(format="rgb24")) for fr in f.decode(video=0)]).float()
+
+
+def test_prompts_sampled_together_are_the_clips_each_gets_alone(tmp_path, two_ranks):
+    """`--batch-size` (`sample_batch_size`): one packed forward for several prompts, each drawing its
+    own seed's noise: the clips of one batch of three are the three sampled one by one (up to the
+    rounding of a one-row GEMV against a GEMM of the batch's conditioning rows), and differ from
+    each other."""
+    from pan.sampling import main as sample_main
+
+    tmp, _ = two_ranks
+    prompts = ["a red square moving left", "a blue circle moving up", "a green triangle moving right"]
+    common = ["--checkpoint", str(tmp / "straight" / f"checkpoint-{STEPS}"), "--num-frames", "4",
+              "--height", "16", "--width", "16", "--steps", "2", "--video-steps", "1", "--guidance-scale", "3",
+              "--video-guidance-scale", "2", "--seed", "5"]
+    for size in (1, 3):
+        args = [*common, "--batch-size", str(size), "--out", str(tmp_path / f"b{size}" / "v.mp4")]
+        for prompt in prompts:
+            args += ["--prompt", prompt]
+        assert sample_main(args) == 0
+    alone, together = ([decoded_frames(tmp_path / f"b{size}" / f"v_{i:02d}.mp4") for i in range(3)]
+                       for size in (1, 3))
+    for a, b in zip(alone, together):
+        assert (a - b).abs().max() <= 2, (a - b).abs().max()
+    assert all((alone[i] - alone[j]).abs().max() > 20 for i, j in ((0, 1), (0, 2), (1, 2)))
+
+
 # ------------------------------------------------------------------------------------------------
 # Invariants: at config load, in the trainer, in `pan check` and `pan launch-command`
 # ------------------------------------------------------------------------------------------------

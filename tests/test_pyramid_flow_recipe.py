@@ -161,6 +161,21 @@ def test_pan_sample_generates_from_a_pyramid_checkpoint(tmp_path, released, data
     with av.open(str(out)) as f:
         frames = [fr for fr in f.decode(video=0)]
     assert len(frames) == 5 and frames[0].width == 16
+    # --batch-size: prompts sampled together are the clips each gets alone (its seed's draws; up to
+    # GEMV-against-GEMM rounding of the conditioning rows), and differ from each other.
+    clips = {}
+    for size in (1, 2):
+        assert sample_main(["--checkpoint", str(run / "checkpoint-2"), "--prompt", "a red square moving left",
+                            "--prompt", "a blue circle moving up", "--batch-size", str(size),
+                            "--out", str(tmp_path / f"b{size}" / "v.mp4"), "--num-frames", "5", "--height", "16",
+                            "--width", "16", "--steps", "2", "--guidance-scale", "3"]) == 0
+        clips[size] = []
+        for i in range(2):
+            with av.open(str(tmp_path / f"b{size}" / f"v_{i:02d}.mp4")) as f:
+                clips[size].append(torch.stack([torch.from_numpy(fr.to_ndarray(format="rgb24"))
+                                                for fr in f.decode(video=0)]).float())
+    assert all((a - b).abs().max() <= 2 for a, b in zip(clips[1], clips[2]))
+    assert (clips[1][0] - clips[1][1]).abs().max() > 20
 
 
 def test_x_prediction_trains_on_x0_samples_and_refuses_the_released_export(tmp_path, released, data, capsys):

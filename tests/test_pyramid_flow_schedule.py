@@ -530,3 +530,17 @@ def test_prediction_type_applies_with_either_stage_timestep_sampling():
     job.explicit_keys = {"flow_snr_type"}
     with pytest.raises(ConfigError, match="stage_timestep_sampling"):
         PyramidConfig().check(job)
+
+
+def test_per_sample_draws_give_each_row_its_own_generators_numbers():
+    """A batch sampled together draws, row by row, what each sample draws alone (validation prompts
+    keep their seeds' noise in any batch)."""
+    from pan.diffusion.pyramid import GeneratorDraws, PerSampleDraws
+
+    together = PerSampleDraws([torch.Generator().manual_seed(s) for s in (3, 4)])
+    alone = [GeneratorDraws(torch.Generator().manual_seed(s)) for s in (3, 4)]
+    for shape in ((2, 3, 4), (2, 5)):
+        assert torch.equal(together.randn(shape), torch.cat([d.randn((1, *shape[1:])) for d in alone]))
+        assert torch.equal(together.rand(shape), torch.cat([d.rand((1, *shape[1:])) for d in alone]))
+    with pytest.raises(ValueError, match="3 rows from 2"):
+        together.randn((3, 4))

@@ -379,7 +379,10 @@ def ar_config(args: argparse.Namespace, data: dict[str, Path], model_path: Path,
                    "progress_bar": False, "sample_num_frames": AR_FRAMES, "sample_height": AR_SIZE,
                    "sample_width": AR_SIZE, "sample_steps": sample_steps, "sample_video_steps": sample_steps,
                    # Less guidance after the first frame kept the colours from drifting (docs/demo_recipes.md).
-                   "sample_guidance_scale": 3.0, "sample_video_guidance_scale": 1.5, "sample_fps": 8.0},
+                   "sample_guidance_scale": 3.0, "sample_video_guidance_scale": 1.5, "sample_fps": 8.0,
+                   # All held-out prompts in one batch: 10 s instead of 29 s, the same MP4 files
+                   # byte for byte (each prompt keeps its seed's draws; docs/demo_recipes.md).
+                   "sample_batch_size": len(heldout_combinations())},
     }
 
 

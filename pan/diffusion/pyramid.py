@@ -281,6 +281,26 @@ class GeneratorDraws:
         return torch.randn(tuple(shape), generator=self.generator, device=self.generator.device)
 
 
+class PerSampleDraws:
+    """Draws for a batch whose row i (the leading dimension) comes from generator i: samples drawn
+    together get exactly the numbers each would draw alone from its own generator (a validation
+    prompt keeps its seed's noise whatever batch it is sampled in)."""
+
+    def __init__(self, generators: Sequence[torch.Generator]):
+        self.draws = [GeneratorDraws(g) for g in generators]
+
+    def _rows(self, shape: Sequence[int], draw) -> Tensor:
+        if shape[0] != len(self.draws):
+            raise ValueError(f"a draw of {shape[0]} rows from {len(self.draws)} per-sample generators")
+        return torch.cat([draw(d, (1, *shape[1:])) for d in self.draws])
+
+    def rand(self, shape: Sequence[int]) -> Tensor:
+        return self._rows(shape, GeneratorDraws.rand)
+
+    def randn(self, shape: Sequence[int]) -> Tensor:
+        return self._rows(shape, GeneratorDraws.randn)
+
+
 # ----------------------------------------------------------------------------------------------
 # Latents and pyramids
 # ----------------------------------------------------------------------------------------------

@@ -155,7 +155,8 @@ def sample_autoregressive(velocity_given: HistoryVelocityFn, noise: Tensor, sche
                           video_steps: int | Sequence[int] | None = None, context: Tensor | None = None,
                           max_history_units: int | None = None,
                           uncond_given: HistoryVelocityFn | None = None, guidance_scale: float = 1.0,
-                          video_guidance_scale: float | None = None, flow: FlowConfig | None = None) -> Tensor:
+                          video_guidance_scale: float | None = None, flow: FlowConfig | None = None,
+                          on_unit: Callable[[int, int], None] | None = None) -> Tensor:
     """Generate a clip unit by unit with an autoregressive pyramid model.
 
     `noise` [b, C, T, H, W] (T = 1 + k * frame_per_unit) is drawn at full resolution for the whole
@@ -165,7 +166,8 @@ def sample_autoregressive(velocity_given: HistoryVelocityFn, noise: Tensor, sche
     (whole units: an image, or a clip to continue) replaces the first units instead of being
     generated. `max_history_units` keeps only the last units as history (long clips); None keeps all.
     The first unit uses `steps` and `guidance_scale`, later ones `video_steps` and
-    `video_guidance_scale` (default: the same). Returns the clip [b, C, T, H, W], sigma 0.
+    `video_guidance_scale` (default: the same). `on_unit(done, units)` is called after each unit
+    (progress). Returns the clip [b, C, T, H, W], sigma 0.
     """
     if (noise.shape[2] - 1) % frame_per_unit:
         raise ValueError(f"{noise.shape[2]} latent frames are not 1 + a multiple of frame_per_unit "
@@ -199,4 +201,6 @@ def sample_autoregressive(velocity_given: HistoryVelocityFn, noise: Tensor, sche
         ends = denoise_unit(velocity_at, starts[:, :, first:end], schedule,
                             steps if unit == 0 else video_steps, draws, flow)
         out[:, :, first:end] = ends[-1]
+        if on_unit is not None:
+            on_unit(unit + 1, units)
     return out

@@ -106,6 +106,9 @@ class PyramidValidationConfig:
     sample_height: int = knob(384, "height of validation samples in pixels", ge=1)
     sample_width: int = knob(640, "width of validation samples in pixels", ge=1)
     sample_fps: float = knob(8.0, "frame rate of the validation videos written", gt=0.0)
+    sample_batch_size: int = knob(
+        1, "prompts sampled together, one packed forward for all of them (validation and pan sample); "
+           "each prompt keeps its own seed's draws", ge=1)
 
     def check(self, job) -> None:
         require(len(self.sample_steps) == job.pyramid.stages, "sample_steps",

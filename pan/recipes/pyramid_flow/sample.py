@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from pan.diffusion.pyramid import GeneratorDraws, denormalize_latent
+from pan.diffusion.pyramid import PerSampleDraws, denormalize_latent
 from pan.diffusion.pyramid_sampler import sample_full_sequence
 from pan.encoders.pyramid_text import TextFeatures
 from pan.models.packing import PackInfo
@@ -33,25 +33,28 @@ def velocity_fn(model: nn.Module, features: list[TextFeatures]):
     return velocity
 
 
-def sample_videos(task, model: nn.Module, prompts: list[str], *, num_frames: int,
-                  height: int, width: int, steps, guidance_scale: float, seed: int) -> list[Tensor]:
+def sample_videos(task, model: nn.Module, prompts: list[str], *, num_frames: int, height: int, width: int,
+                  steps, guidance_scale: float, seed: int, batch_size: int = 1) -> list[Tensor]:
     """Sample one latent clip per prompt with the pyramid sampler; decoded frames [T, 3, H, W] in [-1, 1].
-    `task` is the run's task (a PyramidFlowTask) with its encoders loaded."""
+    Prompt i draws from seed + i; `batch_size` prompts are sampled together (one packed forward), each
+    with the draws it gets alone. `task` is the run's task (a PyramidFlowTask) with its encoders loaded."""
 
     device = task.world.device
     c, t, h, w = task.geometry.latent_shape(num_frames, height, width)
     videos = []
-    for i, prompt in enumerate(prompts):
-        generator = torch.Generator().manual_seed(seed + i)
-        draws = GeneratorDraws(generator)
-        noise = torch.randn((1, c, t, h, w), generator=generator).to(device)
-        cond = [task.text_encoder.encode([prompt])[0].to(device)]
-        uncond = [task.empty.to(device)]
-        latent = sample_full_sequence(velocity_fn(model, cond), noise, task.schedule, steps, draws,
-                                      uncond_velocity=velocity_fn(model, uncond) if guidance_scale != 1 else None,
-                                      guidance_scale=guidance_scale, flow=task.job.flow)
-        raw = denormalize_latent(latent, task.job.pyramid)[0]
-        videos.append(task.vae.decode(task.vae.normalize(raw)))
+    for first in range(0, len(prompts), batch_size):
+        batch = prompts[first:first + batch_size]
+        generators = [torch.Generator().manual_seed(seed + first + i) for i in range(len(batch))]
+        noise = torch.cat([torch.randn((1, c, t, h, w), generator=g) for g in generators]).to(device)
+        cond = [task.text_encoder.encode([prompt])[0].to(device) for prompt in batch]
+        uncond = [task.empty.to(device)] * len(batch)
+        latents = sample_full_sequence(velocity_fn(model, cond), noise, task.schedule, steps,
+                                       PerSampleDraws(generators),
+                                       uncond_velocity=velocity_fn(model, uncond) if guidance_scale != 1 else None,
+                                       guidance_scale=guidance_scale, flow=task.job.flow)
+        for latent in latents.split(1):
+            raw = denormalize_latent(latent, task.job.pyramid)[0]
+            videos.append(task.vae.decode(task.vae.normalize(raw)))
     return videos
 
 
@@ -69,8 +72,12 @@ def sample_main(job: PyramidJobConfig, argv: list[str]) -> int:
                         help="classifier-free guidance scale against the empty caption (1: off)")
     parser.add_argument("--seed", type=int, default=0, help="noise seed of the first prompt (the next ones count up)")
     parser.add_argument("--fps", type=float, default=v.sample_fps, help="frame rate of the videos written")
+    parser.add_argument("--batch-size", type=int, default=v.sample_batch_size,
+                        help="prompts sampled together (each keeps its own seed's draws)")
     parser.add_argument("--ema", action="store_true", help="use the EMA weights of the checkpoint")
     args = parser.parse_args(argv)
+    if args.batch_size < 1:
+        parser.error("--batch-size must be >= 1")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     # The recipe's task (PyramidFlowTask) of one process, through the registry: this module is what
     # the task imports for its validation samples, so it does not import the task back.
@@ -83,7 +90,7 @@ def sample_main(job: PyramidJobConfig, argv: list[str]) -> int:
     task.load_encoders()
     videos = sample_videos(task, model, args.prompt, num_frames=args.num_frames, height=args.height,
                            width=args.width, steps=args.steps if len(args.steps) > 1 else args.steps[0],
-                           guidance_scale=args.guidance_scale, seed=args.seed)
+                           guidance_scale=args.guidance_scale, seed=args.seed, batch_size=args.batch_size)
     for i, (prompt, video) in enumerate(zip(args.prompt, videos)):
         write_video(args.out, i, len(args.prompt), video, prompt, args.fps)
     return 0

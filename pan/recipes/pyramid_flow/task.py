@@ -309,4 +309,4 @@ class PyramidFlowTask(PyramidTask):
         v = self.job.validation
         return sample_videos(self, model, prompts, num_frames=v.sample_num_frames, height=v.sample_height,
                              width=v.sample_width, steps=v.sample_steps, guidance_scale=v.sample_guidance_scale,
-                             seed=seed)
+                             seed=seed, batch_size=v.sample_batch_size)

@@ -11,7 +11,7 @@ import dataclasses
 import torch
 from torch import Tensor, nn
 
-from pan.diffusion.pyramid import GeneratorDraws, denormalize_latent, normalize_latent, unit_frames
+from pan.diffusion.pyramid import PerSampleDraws, denormalize_latent, normalize_latent, unit_frames
 from pan.diffusion.pyramid_sampler import sample_autoregressive
 from pan.encoders.pyramid_text import TextFeatures
 from pan.models.packing import PackInfo
@@ -43,29 +43,33 @@ def history_velocity(model: nn.Module, features: list[TextFeatures]):
     return given
 
 
-def sample_ar_latent(task, model: nn.Module, prompt: str, *, num_frames: int, height: int,
-                     width: int, seed: int, context: Tensor | None = None, steps=None, video_steps=None,
-                     guidance_scale: float | None = None, video_guidance_scale: float | None = None,
-                     max_history_units: int | None = None) -> Tensor:
-    """One normalised latent clip [1, C, T, H, W] for `prompt`, generated unit by unit after the
-    normalised `context` (whole units: a first image, or a clip to continue)."""
+def sample_ar_latents(task, model: nn.Module, prompts: list[str], seeds: list[int], *, num_frames: int,
+                      height: int, width: int, context: Tensor | None = None, steps=None, video_steps=None,
+                      guidance_scale: float | None = None, video_guidance_scale: float | None = None,
+                      max_history_units: int | None = None, on_unit=None) -> Tensor:
+    """Normalised latent clips [b, C, T, H, W], clip i for `prompts[i]` from seed `seeds[i]` (its
+    noise and re-noising draws are those it gets sampled alone), generated together unit by unit
+    after the normalised `context` [1, C, Tc, H, W] (whole units: a first image, or a clip to
+    continue), every model call one packed forward of the b samples; `on_unit(done, units)` after
+    each unit (progress)."""
 
     v, device = task.job.validation, task.world.device
     c, t, h, w = task.geometry.latent_shape(num_frames, height, width)
     fpu = task.job.ar.frame_per_unit
     t = unit_frames(1 + (t - 1) // fpu, fpu)  # whole units
-    generator = torch.Generator().manual_seed(seed)
-    noise = torch.randn((1, c, t, h, w), generator=generator).to(device)
-    cond = history_velocity(model, [task.text_encoder.encode([prompt])[0].to(device)])
-    uncond = history_velocity(model, [task.empty.to(device)])
+    generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+    noise = torch.cat([torch.randn((1, c, t, h, w), generator=g) for g in generators]).to(device)
+    cond = history_velocity(model, [task.text_encoder.encode([p])[0].to(device) for p in prompts])
+    uncond = history_velocity(model, [task.empty.to(device)] * len(prompts))
     return sample_autoregressive(
-        cond, noise, task.schedule, steps or v.sample_steps, GeneratorDraws(generator), frame_per_unit=fpu,
-        video_steps=video_steps or v.sample_video_steps, context=context,
+        cond, noise, task.schedule, steps or v.sample_steps, PerSampleDraws(generators), frame_per_unit=fpu,
+        video_steps=video_steps or v.sample_video_steps,
+        context=None if context is None else context.expand(len(prompts), *context.shape[1:]),
         max_history_units=max_history_units if max_history_units is not None else v.sample_max_history_units,
         uncond_given=uncond,
         guidance_scale=v.sample_guidance_scale if guidance_scale is None else guidance_scale,
         video_guidance_scale=(v.sample_video_guidance_scale if video_guidance_scale is None
-                              else video_guidance_scale), flow=task.job.flow)
+                              else video_guidance_scale), flow=task.job.flow, on_unit=on_unit)
 
 
 def decode(task, latent: Tensor) -> Tensor:
@@ -108,10 +112,14 @@ def sample_main(job: PyramidARJobConfig, argv: list[str]) -> int:
                         help="condition each unit on at most this many previous units (none: all)")
     parser.add_argument("--seed", type=int, default=0, help="noise seed of the first prompt (the next ones count up)")
     parser.add_argument("--fps", type=float, default=v.sample_fps, help="frame rate of the videos written")
+    parser.add_argument("--batch-size", type=int, default=v.sample_batch_size,
+                        help="prompts sampled together (each keeps its own seed's draws)")
     parser.add_argument("--ema", action="store_true", help="use the EMA weights of the checkpoint")
     args = parser.parse_args(argv)
     if args.image and args.video:
         parser.error("give --image or --video, not both")
+    if args.batch_size < 1:
+        parser.error("--batch-size must be >= 1")
     if args.max_history_units is not None and args.max_history_units < 1:
         parser.error("--max-history-units must be >= 1")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -131,12 +139,14 @@ def sample_main(job: PyramidARJobConfig, argv: list[str]) -> int:
         context = context_latent(task, args.image or args.video, frames=frames, height=args.height,
                                  width=args.width)
     steps = lambda s: s if len(s) > 1 else s[0]  # noqa: E731 - one count for every stage
-    for i, prompt in enumerate(args.prompt):
-        latent = sample_ar_latent(task, model, prompt, num_frames=args.num_frames, height=args.height,
-                                  width=args.width, seed=args.seed + i, context=context,
-                                  steps=steps(args.steps), video_steps=steps(args.video_steps),
-                                  guidance_scale=args.guidance_scale,
-                                  video_guidance_scale=args.video_guidance_scale,
-                                  max_history_units=args.max_history_units)
-        write_video(args.out, i, len(args.prompt), decode(task, latent), prompt, args.fps)
+    for first in range(0, len(args.prompt), args.batch_size):
+        prompts = args.prompt[first:first + args.batch_size]
+        latents = sample_ar_latents(task, model, prompts, [args.seed + first + i for i in range(len(prompts))],
+                                    num_frames=args.num_frames, height=args.height, width=args.width,
+                                    context=context, steps=steps(args.steps), video_steps=steps(args.video_steps),
+                                    guidance_scale=args.guidance_scale,
+                                    video_guidance_scale=args.video_guidance_scale,
+                                    max_history_units=args.max_history_units)
+        for i, (prompt, latent) in enumerate(zip(prompts, latents.split(1))):
+            write_video(args.out, first + i, len(args.prompt), decode(task, latent), prompt, args.fps)
     return 0

@@ -65,7 +65,7 @@ from pan.logging import get_logger
 from pan.models.packing import PackInfo
 from pan.recipes.pyramid_flow.task import PyramidInputs, PyramidTask
 from pan.recipes.pyramid_flow_ar.config import PyramidARJobConfig, latent_window, window_units
-from pan.recipes.pyramid_flow_ar.sample import decode, sample_ar_latent
+from pan.recipes.pyramid_flow_ar.sample import decode, sample_ar_latents
 from pan.task import StepContext, global_sum
 
 # ------------------------------------------------------------------------------------------------
@@ -283,12 +283,19 @@ class PyramidFlowARTask(PyramidTask):
 
     # -- validation --------------------------------------------------------------------------------
     def sample_clips(self, model: nn.Module, prompts: list[str], seed: int) -> list[Tensor]:
-        """One clip a prompt, generated unit by unit; each logged as it is done (sampling every
-        prompt of a demo takes minutes on a CPU)."""
+        """One clip a prompt (prompt i from seed + i), generated unit by unit, `sample_batch_size`
+        prompts together; each unit and each prompt logged as it is done (sampling a demo's prompts
+        takes tens of seconds on a CPU, a real model's minutes on a GPU)."""
         v, log, clips = self.job.validation, get_logger(), []
-        for i, prompt in enumerate(prompts):
-            t0 = time.perf_counter()
-            clips.append(decode(self, sample_ar_latent(self, model, prompt, num_frames=v.sample_num_frames,
-                                                       height=v.sample_height, width=v.sample_width, seed=seed + i)))
-            log.info("sampled %d/%d (%.1f s): %s", i + 1, len(prompts), time.perf_counter() - t0, prompt)
+        for first in range(0, len(prompts), v.sample_batch_size):
+            batch, t0 = prompts[first:first + v.sample_batch_size], time.perf_counter()
+            which = f"prompt {first + 1}" if len(batch) == 1 else f"prompts {first + 1}-{first + len(batch)}"
+            latents = sample_ar_latents(
+                self, model, batch, [seed + first + i for i in range(len(batch))], num_frames=v.sample_num_frames,
+                height=v.sample_height, width=v.sample_width,
+                on_unit=lambda done, units: log.info("sampling %s of %d: unit %d/%d (%.1f s)", which, len(prompts),
+                                                     done, units, time.perf_counter() - t0))
+            clips += [decode(self, latent) for latent in latents.split(1)]
+            for i, prompt in enumerate(batch):
+                log.info("sampled %d/%d (%.1f s): %s", first + i + 1, len(prompts), time.perf_counter() - t0, prompt)
         return clips
