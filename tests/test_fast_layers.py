@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from pan.models import layers
 from pan.models.layers import Samples, gated_residual, linear_of_cat, modulate
 from pan.models.norm import RMSNorm
 
@@ -106,11 +107,13 @@ def test_linear_of_cat_calls_a_wrapped_linear_on_the_concatenation():
     torch.testing.assert_close(out, wrapped.base(torch.cat([a, b], -1)) + 1.0)
 
 
+@pytest.mark.parametrize("path", ["gather", "loop"])
 @pytest.mark.parametrize("op", ["modulate", "gated_residual"])
-def test_per_sample_ops_equal_the_expanded_rows(op):
-    """modulate / gated_residual with per-sample rows (one output written sample by sample) give the
-    values and gradients of the same op on the rows expanded to every token (a sample of no local
-    rows included, as on a context-parallel rank)."""
+def test_per_sample_ops_equal_the_expanded_rows(op, path, monkeypatch):
+    """modulate / gated_residual with per-sample rows (small samples: one gather; large ones: one
+    output written sample by sample) give the values and gradients of the same op on the rows
+    expanded to every token (a sample of no local rows included, as on a context-parallel rank)."""
+    monkeypatch.setattr(layers, "GATHER_ELEMENTS_PER_SAMPLE", 10**9 if path == "gather" else 0)
     counts = (3, 0, 5, 2)
     index = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
     samples = Samples(counts, index)
@@ -135,3 +138,26 @@ def test_per_sample_ops_equal_the_expanded_rows(op):
             assert got is None
         else:
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("op", ["modulate", "gated_residual"])
+def test_per_sample_ops_gather_and_loop_give_the_same_bits(op, monkeypatch):
+    """The two ways of applying per-sample rows (chosen by size) compute the same fp32 values and
+    gradients to the bit: the choice never changes a run's numbers."""
+    counts = (37, 0, 52, 61, 18)
+    index = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    samples = Samples(counts, index)
+    torch.manual_seed(0)
+    x, y = torch.randn(sum(counts), 128), torch.randn(sum(counts), 128)
+    a, b = torch.randn(len(counts), 128), torch.randn(len(counts), 128)
+
+    def run(threshold: int) -> list[Tensor]:
+        monkeypatch.setattr(layers, "GATHER_ELEMENTS_PER_SAMPLE", threshold)
+        leaves = [t.clone().requires_grad_() for t in (x, y, a, b)]
+        lx, ly, la, lb = leaves
+        out = modulate(lx, la, lb, samples) if op == "modulate" else gated_residual(lx, la, ly, samples)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        return [out.detach()] + [t.grad for t in leaves]
+
+    for gathered, looped in zip(run(10**9), run(0)):
+        assert (gathered is None and looped is None) or torch.equal(gathered, looped)
