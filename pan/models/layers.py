@@ -26,11 +26,12 @@ class Samples:
     """Which sample each token row belongs to: `counts[i]` contiguous rows for sample i, and the
     same as a per-row index (`index[r]` = sample of row r).
 
-    Per-sample vectors [B, D] reach the tokens through it. Eager: sample by sample on views, never
-    expanding [B, D] to [N, D] (the expansion cost a copy of every modulation vector per token, and
-    its backward a reduction, in each block). Under torch.compile: one gather by `index`, which the
-    compiler fuses into the op; the counts (Python ints) are not even read, since a graph that
-    depends on them would be recompiled for every new batch layout.
+    Per-sample vectors [B, D] reach the tokens through it. Eager: small samples by one gather of
+    [B, D] to [N, D] by `index`, large ones sample by sample on views (there the expansion costs more
+    than the loop: a copy of every modulation vector per token); the gradients' per-sample sums are
+    always taken sample by sample. Under torch.compile: one gather by `index`, which the compiler
+    fuses into the op; the counts (Python ints) are not even read, since a graph that depends on
+    them would be recompiled for every new batch layout.
     """
     counts: tuple[int, ...]
     index: Tensor
@@ -48,7 +49,7 @@ def _result_dtype(*tensors: Tensor) -> torch.dtype:
 
 
 # Up to this many elements a sample, one gather of the per-sample rows costs less than a loop over
-# the samples (CPU, 1 thread: 0.15-0.8x the loop's time at <= 16k elements a sample, 1.1-4x above:
+# the samples (CPU, 1 thread: 0.15-0.8x the loop's time at <= 16k elements a sample, 0.8-4x above:
 # the gathered [N, D] operand is one more pass over memory); both give the same values.
 GATHER_ELEMENTS_PER_SAMPLE = 16384
 
