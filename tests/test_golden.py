@@ -172,12 +172,22 @@ def tensors_sha256(files: list[Path]) -> dict:
             "numel": sum(t.numel() for t in tensors.values())}
 
 
+# What a library writes into a config.json about itself: a new transformers or diffusers release
+# rewrites it, not the model it describes.
+VERSION_STAMPS = ("transformers_version", "_diffusers_version")
+
+
 def files_sha256(root: Path, paths: list[Path]) -> str:
-    """sha256 over files' paths relative to `root` and their bytes, in sorted order."""
+    """sha256 over files' paths relative to `root` and their bytes (a config.json's without
+    VERSION_STAMPS), in sorted order."""
     digest = hashlib.sha256()
     for path in sorted(paths):
         digest.update(f"{path.relative_to(root)}\0".encode())
-        digest.update(path.read_bytes())
+        if path.name == "config.json":
+            config = {k: v for k, v in json.loads(path.read_text()).items() if k not in VERSION_STAMPS}
+            digest.update(json.dumps(config, sort_keys=True).encode())
+        else:
+            digest.update(path.read_bytes())
     return digest.hexdigest()
 
 
@@ -185,7 +195,8 @@ def released_folder_sha256(folder: Path) -> dict:
     """A released DiT folder: its tensors, and its config.json without diffusers' version stamp."""
     out = tensors_sha256(sorted(folder.glob("*.safetensors")))
     config = json.loads((folder / "config.json").read_text())
-    config.pop("_diffusers_version", None)
+    for key in VERSION_STAMPS:
+        config.pop(key, None)
     out["config_sha256"] = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
     return out
 
