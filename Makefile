@@ -12,11 +12,13 @@ TEST_WORKERS ?= 2
 
 .PHONY: demo test docs setup clean
 
-$(VENV)/.installed: pyproject.toml
+# The other dependencies at the versions CI last passed with (constraints.txt): pyproject.toml's
+# lower bounds alone let a fresh install take whatever was released last.
+$(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test,demo]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[test,demo]"
 	touch $@
 
 setup: $(VENV)/.installed
