@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,6 +131,25 @@ def sample_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--prompt", action="append", required=True, help="caption (repeatable)")
     parser.add_argument("--out", required=True, type=Path, help="output .mp4 (a .gif is written beside)")
     return parser
+
+
+def add_batch_size_option(parser: argparse.ArgumentParser, default: int) -> None:
+    """`--batch-size`: prompts sampled together (the run's `sample_batch_size` by default)."""
+    def at_least_one(text: str) -> int:
+        if int(text) < 1:
+            raise argparse.ArgumentTypeError("must be >= 1")
+        return int(text)
+    parser.add_argument("--batch-size", type=at_least_one, default=default,
+                        help="prompts sampled together (each keeps its own seed's draws)")
+
+
+def prompt_batches(prompts: list[str], seed: int, batch_size: int) -> Iterator[tuple[int, list[str], list[int]]]:
+    """(index of the first prompt, prompts, their seeds) for each batch of `batch_size` prompts.
+    Prompt i draws from seed + i whatever batch it is sampled in: the batch size changes the speed,
+    not the clips."""
+    for first in range(0, len(prompts), batch_size):
+        batch = prompts[first:first + batch_size]
+        yield first, batch, [seed + first + i for i in range(len(batch))]
 
 
 def write_video(out: Path, index: int, count: int, video: Tensor, prompt: str, fps: float) -> Path:

@@ -10,6 +10,7 @@ from PIL import Image
 from pan.checkpoint.export import export_checkpoint
 from pan.config import load_job_config
 from pan.data.synth import synth_dataset
+from pan.sampling import add_batch_size_option, prompt_batches, sample_parser
 from pan.sampling import main as sample_main
 from pan.trainer import build_trainer
 
@@ -80,3 +81,24 @@ def test_fresh_noise_changes_the_steps_and_is_bounded(run, tmp_path):
     with pytest.raises(SystemExit):
         sample_main(["--checkpoint", str(run), "--prompt", "x", "--out", str(tmp_path / "bad.mp4"),
                      "--fresh-noise", "1.5"])
+
+
+def test_prompt_batches_keep_each_prompts_seed_whatever_the_batch_size():
+    prompts = [f"p{i}" for i in range(5)]
+    for batch_size in (1, 2, 5, 8):
+        batches = list(prompt_batches(prompts, 10, batch_size))
+        assert all(len(b) <= batch_size for _, b, _ in batches)
+        assert [p for _, b, _ in batches for p in b] == prompts
+        assert [s for _, _, seeds in batches for s in seeds] == [10, 11, 12, 13, 14]
+        assert [first for first, _, _ in batches] == list(range(0, 5, batch_size))
+
+
+def test_a_batch_size_below_one_is_refused_by_the_parser(capsys):
+    parser = sample_parser("test")
+    add_batch_size_option(parser, 3)
+    required = ["--checkpoint", "c", "--prompt", "p", "--out", "o.mp4"]
+    assert parser.parse_args(required).batch_size == 3
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args([*required, "--batch-size", "0"])
+    assert exit_info.value.code == 2
+    assert "--batch-size: must be >= 1" in capsys.readouterr().err

@@ -15,7 +15,7 @@ from pan.models.packing import PackInfo
 from pan.parallel.world import planned_task
 from pan.recipes.pyramid_flow.config import PyramidJobConfig
 from pan.recipes.pyramid_flow.model import build_dit
-from pan.sampling import resolve_weights, sample_parser, write_video
+from pan.sampling import add_batch_size_option, prompt_batches, resolve_weights, sample_parser, write_video
 
 
 def velocity_fn(model: nn.Module, features: list[TextFeatures]):
@@ -42,9 +42,8 @@ def sample_videos(task, model: nn.Module, prompts: list[str], *, num_frames: int
     device = task.world.device
     c, t, h, w = task.geometry.latent_shape(num_frames, height, width)
     videos = []
-    for first in range(0, len(prompts), batch_size):
-        batch = prompts[first:first + batch_size]
-        generators = [torch.Generator().manual_seed(seed + first + i) for i in range(len(batch))]
+    for _, batch, seeds in prompt_batches(prompts, seed, batch_size):
+        generators = [torch.Generator().manual_seed(s) for s in seeds]
         noise = torch.cat([torch.randn((1, c, t, h, w), generator=g) for g in generators]).to(device)
         cond = [task.text_encoder.encode([prompt])[0].to(device) for prompt in batch]
         uncond = [task.empty.to(device)] * len(batch)
@@ -72,12 +71,9 @@ def sample_main(job: PyramidJobConfig, argv: list[str]) -> int:
                         help="classifier-free guidance scale against the empty caption (1: off)")
     parser.add_argument("--seed", type=int, default=0, help="noise seed of the first prompt (the next ones count up)")
     parser.add_argument("--fps", type=float, default=v.sample_fps, help="frame rate of the videos written")
-    parser.add_argument("--batch-size", type=int, default=v.sample_batch_size,
-                        help="prompts sampled together (each keeps its own seed's draws)")
+    add_batch_size_option(parser, v.sample_batch_size)
     parser.add_argument("--ema", action="store_true", help="use the EMA weights of the checkpoint")
     args = parser.parse_args(argv)
-    if args.batch_size < 1:
-        parser.error("--batch-size must be >= 1")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     # The recipe's task (PyramidFlowTask) of one process, through the registry: this module is what
     # the task imports for its validation samples, so it does not import the task back.

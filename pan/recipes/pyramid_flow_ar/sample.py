@@ -18,7 +18,8 @@ from pan.models.packing import PackInfo
 from pan.parallel.world import planned_task
 from pan.recipes.pyramid_flow.model import build_dit
 from pan.recipes.pyramid_flow_ar.config import PyramidARJobConfig
-from pan.sampling import SampleSettings, load_condition, resolve_weights, sample_parser, write_video
+from pan.sampling import (SampleSettings, add_batch_size_option, load_condition, prompt_batches, resolve_weights,
+                          sample_parser, write_video)
 
 
 def history_velocity(model: nn.Module, features: list[TextFeatures]):
@@ -112,14 +113,11 @@ def sample_main(job: PyramidARJobConfig, argv: list[str]) -> int:
                         help="condition each unit on at most this many previous units (none: all)")
     parser.add_argument("--seed", type=int, default=0, help="noise seed of the first prompt (the next ones count up)")
     parser.add_argument("--fps", type=float, default=v.sample_fps, help="frame rate of the videos written")
-    parser.add_argument("--batch-size", type=int, default=v.sample_batch_size,
-                        help="prompts sampled together (each keeps its own seed's draws)")
+    add_batch_size_option(parser, v.sample_batch_size)
     parser.add_argument("--ema", action="store_true", help="use the EMA weights of the checkpoint")
     args = parser.parse_args(argv)
     if args.image and args.video:
         parser.error("give --image or --video, not both")
-    if args.batch_size < 1:
-        parser.error("--batch-size must be >= 1")
     if args.max_history_units is not None and args.max_history_units < 1:
         parser.error("--max-history-units must be >= 1")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -139,9 +137,8 @@ def sample_main(job: PyramidARJobConfig, argv: list[str]) -> int:
         context = context_latent(task, args.image or args.video, frames=frames, height=args.height,
                                  width=args.width)
     steps = lambda s: s if len(s) > 1 else s[0]  # noqa: E731 - one count for every stage
-    for first in range(0, len(args.prompt), args.batch_size):
-        prompts = args.prompt[first:first + args.batch_size]
-        latents = sample_ar_latents(task, model, prompts, [args.seed + first + i for i in range(len(prompts))],
+    for first, prompts, seeds in prompt_batches(args.prompt, args.seed, args.batch_size):
+        latents = sample_ar_latents(task, model, prompts, seeds,
                                     num_frames=args.num_frames, height=args.height, width=args.width,
                                     context=context, steps=steps(args.steps), video_steps=steps(args.video_steps),
                                     guidance_scale=args.guidance_scale,

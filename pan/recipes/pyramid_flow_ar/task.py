@@ -66,6 +66,7 @@ from pan.models.packing import PackInfo
 from pan.recipes.pyramid_flow.task import PyramidInputs, PyramidTask
 from pan.recipes.pyramid_flow_ar.config import PyramidARJobConfig, latent_window, window_units
 from pan.recipes.pyramid_flow_ar.sample import decode, sample_ar_latents
+from pan.sampling import prompt_batches
 from pan.task import StepContext, global_sum
 
 # ------------------------------------------------------------------------------------------------
@@ -287,11 +288,11 @@ class PyramidFlowARTask(PyramidTask):
         prompts together; each unit and each prompt logged as it is done (sampling a demo's prompts
         takes tens of seconds on a CPU, a real model's minutes on a GPU)."""
         v, log, clips = self.job.validation, get_logger(), []
-        for first in range(0, len(prompts), v.sample_batch_size):
-            batch, t0 = prompts[first:first + v.sample_batch_size], time.perf_counter()
+        for first, batch, seeds in prompt_batches(prompts, seed, v.sample_batch_size):
+            t0 = time.perf_counter()
             which = f"prompt {first + 1}" if len(batch) == 1 else f"prompts {first + 1}-{first + len(batch)}"
             latents = sample_ar_latents(
-                self, model, batch, [seed + first + i for i in range(len(batch))], num_frames=v.sample_num_frames,
+                self, model, batch, seeds, num_frames=v.sample_num_frames,
                 height=v.sample_height, width=v.sample_width,
                 on_unit=lambda done, units: log.info("sampling %s of %d: unit %d/%d (%.1f s)", which, len(prompts),
                                                      done, units, time.perf_counter() - t0))
