@@ -267,6 +267,23 @@ def test_precomputed_rows_are_read_without_decoding(tmp_path):
         assert torch.all(s.latent == i) and s.tokens == latent_tokens(*s.grid)
 
 
+@pytest.mark.parametrize("workers", [1, 3])
+def test_a_worker_sends_its_share_of_a_batch_as_one_message(data, workers):
+    """One round trip per ceil(max_samples_per_batch / workers) samples, not one per sample (~0.5 ms
+    of the training process's time each), the samples in the plan's order."""
+    cfg = mixed_config(data, packed_dataloader_num_workers=workers)
+    loader = loader_of(cfg)
+    share = -(-cfg.max_samples_per_batch // workers)
+    assert share > 1
+    messages = iter(loader._data_loader())
+    received = [next(messages) for _ in range(2 * workers)]
+    del messages  # stops the workers
+    assert [len(message) for message in received] == [share] * (2 * workers)
+    plan = loader.planner.copy()
+    assert [got.ref for message in received for got in message] == \
+        [plan.next_ref() for _ in range(2 * workers * share)]
+
+
 def test_samples_cross_from_workers_intact_small_tensors_by_value(monkeypatch):
     """Small tensors travel inside the message (no per-tensor fd handshake), large ones through
     shared memory; both arrive equal, dtype and shape included."""
