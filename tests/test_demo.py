@@ -1,6 +1,7 @@
 """The demo pipeline end to end in its --quick form: data, training, samples, scores, report."""
 
 import json
+import re
 
 import yaml
 from PIL import Image
@@ -40,6 +41,9 @@ def test_quick_demo_writes_every_artefact(tmp_path, capsys):
     assert "samples/contact_sheet.gif" in report and "loss.png" in report
     printed = capsys.readouterr()
     assert "colour accuracy" in printed.out
+    # the data phase says what it does and how long it took, before the trainer logs anything
+    for phase in ("writing the synthetic clips", "encoding the training clips once"):
+        assert re.search(rf"{phase}.*: \d+\.\d s", printed.out), phase
     # Not a terminal: log lines only, no progress bar's carriage returns (the precompute's, the
     # encoders' loading bars).
     assert "\r" not in printed.out + printed.err

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,7 @@ def vae_demo(tmp_path_factory):
 def ar_demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo_pyramid_flow_ar")
     log = io.StringIO()
-    with contextlib.redirect_stderr(log):   # pan's log goes to the current sys.stderr
+    with contextlib.redirect_stderr(log), contextlib.redirect_stdout(log):  # pan's log: the current sys.stderr
         assert main(["--recipe", "pyramid_flow_ar", "--out", str(out), "--quick"]) == 0
     (out / "demo.log").write_text(log.getvalue())
     return out
@@ -87,6 +88,10 @@ def test_pyramid_flow_ar_quick_demo_writes_its_outputs(ar_demo):
         assert (samples / f"{i:02d}.mp4").is_file() and (samples / f"{i:02d}.gif").is_file()
     assert (samples / "contact_sheet.gif").stat().st_size > 0 and (ar_demo / "loss.png").is_file()
     assert "held-out prompts: colour" in (ar_demo / "report.md").read_text()
+    log = (ar_demo / "demo.log").read_text()
+    for phase in ("writing the synthetic clips", "writing the tiny Pyramid-Flow model folder",
+                  "encoding the training clips once"):  # the data phase's progress, each with its time
+        assert re.search(rf"{phase}.*: \d+\.\d s", log), phase
     # It trains from the clips encoded once (`pan data precompute`), not from the MP4s.
     data = yaml.safe_load((ar_demo / "pyramid_flow_ar.yaml").read_text())["data"]
     assert data["video_csv_paths"] == [] and len(data["annotation_paths"]) == 1

@@ -23,7 +23,7 @@ import pan
 from pan.config import load_config_or_exit
 from pan.data.precompute import PrecomputeError, precompute
 from pan.data.synth import synth_dataset
-from pan.demo.report import accuracy_line, draw_loss_curve, write_contact_sheet
+from pan.demo.report import accuracy_line, announced, draw_loss_curve, write_contact_sheet
 from pan.eval import format_table, score_videos
 from pan.logging import quiet_library_progress_bars
 from pan.parallel.threads import set_cpu_threads
@@ -183,9 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     seconds: dict[str, float] = {}
     run_dir = out / "run"
     t0 = time.perf_counter()
-    data = make_data(out / "data", Path(args.config), args.quick)
+    with announced("writing the synthetic clips"):
+        data = make_data(out / "data", Path(args.config), args.quick)
     source_job = load_config_or_exit(job_argv(args, data["train_csv"], run_dir))
-    train_csv = precompute_clips(source_job, out / "data" / "latents")
+    with announced("encoding the training clips once (pixels and caption features)"):
+        train_csv = precompute_clips(source_job, out / "data" / "latents")
     seconds["data"] = time.perf_counter() - t0
 
     if run_dir.exists():  # each demo trains afresh: a finished run would otherwise be resumed

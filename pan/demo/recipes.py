@@ -29,7 +29,7 @@ from pan.config import load_config_or_exit
 from pan.data.precompute import precompute
 from pan.data.synth import DIRECTIONS, PALETTE, SHAPES, caption_for, heldout_combinations, synth_dataset
 from pan.demo.main import PIX_FMT, SHAPE_SIZE
-from pan.demo.report import accuracy_line, draw_loss_curve, files_section, write_contact_sheet
+from pan.demo.report import accuracy_line, announced, draw_loss_curve, files_section, write_contact_sheet
 from pan.eval import format_table, psnr, score_videos, ssim
 from pan.logging import quiet_library_progress_bars
 from pan.media import to_uint8_frames, write_mp4
@@ -191,7 +191,8 @@ def run_causal_vae(args: argparse.Namespace) -> dict:
 
     out, seconds = args.out, {}
     t0 = time.perf_counter()
-    data = make_data(out / "data", args.quick)
+    with announced("writing the synthetic clips"):
+        data = make_data(out / "data", args.quick)
     seconds["data"] = time.perf_counter() - t0
     run_dir = out / "run"
     fresh_run_dir(run_dir)
@@ -390,8 +391,10 @@ def ar_config(args: argparse.Namespace, data: dict[str, Path], model_path: Path,
 def make_ar_inputs(data_dir: Path, model_dir: Path, quick: bool) -> tuple[dict[str, Path], Path]:
     """The demo's clips (the Pan demo's: 16 x 16, shapes 44-52% of the frame, 4:4:4) and its tiny
     model folder."""
-    data = make_data(data_dir, quick, AR_SIZE, AR_FRAMES, shape_size=SHAPE_SIZE, pix_fmt=PIX_FMT)
-    return data, write_tiny_pyramid_model(model_dir, "diffusion_transformer_384p")
+    with announced("writing the synthetic clips"):
+        data = make_data(data_dir, quick, AR_SIZE, AR_FRAMES, shape_size=SHAPE_SIZE, pix_fmt=PIX_FMT)
+    with announced("writing the tiny Pyramid-Flow model folder (DiT, CLIP and T5 with their tokenizers)"):
+        return data, write_tiny_pyramid_model(model_dir, "diffusion_transformer_384p")
 
 
 def write_ar_config(args: argparse.Namespace, data: dict[str, Path], model_path: Path, run_dir: Path,
@@ -414,7 +417,8 @@ def precompute_ar_clips(config: Path, data_dir: Path) -> Path:
     returns the annotation file to train from. Decoding the MP4s while training left a step waiting
     for data 33-60% of the time."""
     latents_dir = data_dir / "latents"
-    report = precompute(load_config_or_exit(["--config", str(config)]), latents_dir)
+    with announced("encoding the training clips once (pixels and caption features)"):
+        report = precompute(load_config_or_exit(["--config", str(config)]), latents_dir)
     if report.failures:
         raise SystemExit(f"pan demo: {len(report.failures)} clips failed to encode; see "
                          f"{latents_dir / 'failures.csv'}")

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +13,16 @@ from PIL import Image, ImageDraw
 
 from pan.eval import load_video
 from pan.media import write_gif
+
+
+@contextlib.contextmanager
+def announced(what: str) -> Iterator[None]:
+    """Print what a set-up step does before it and its time after: the demos' data phases (clips
+    written, encoded, a model folder made) take up to ~15 s before the trainer logs anything."""
+    print(f"{what} ...", flush=True)
+    t0 = time.perf_counter()
+    yield
+    print(f"{what}: {time.perf_counter() - t0:.1f} s", flush=True)
 
 
 def write_contact_sheet(videos: list[Path], path: Path, scale: int = 2, columns: int = 5) -> None:
