@@ -267,21 +267,24 @@ def test_precomputed_rows_are_read_without_decoding(tmp_path):
         assert torch.all(s.latent == i) and s.tokens == latent_tokens(*s.grid)
 
 
-@pytest.mark.parametrize("workers", [1, 3])
-def test_a_worker_sends_its_share_of_a_batch_as_one_message(data, workers):
-    """One round trip per ceil(max_samples_per_batch / workers) samples, not one per sample (~0.5 ms
-    of the training process's time each), the samples in the plan's order."""
-    cfg = mixed_config(data, packed_dataloader_num_workers=workers)
+@pytest.mark.parametrize("workers, batch_samples, per_message", [(1, 8, 8), (3, 8, 3), (1, 40, 16)])
+def test_a_worker_sends_its_share_of_a_batch_as_one_message(data, workers, batch_samples, per_message):
+    """One round trip per ceil(max_samples_per_batch / workers) samples (at most
+    MAX_SAMPLES_PER_MESSAGE), not one per sample (~0.5 ms of the training process's time each), the
+    samples in the plan's order; prefetch_factor whole batches still in flight."""
+    from pan.data.packed import MAX_SAMPLES_PER_MESSAGE
+
+    assert MAX_SAMPLES_PER_MESSAGE == 16
+    cfg = mixed_config(data, packed_dataloader_num_workers=workers, max_samples_per_batch=batch_samples)
     loader = loader_of(cfg)
-    share = -(-cfg.max_samples_per_batch // workers)
-    assert share > 1
+    assert loader.samples_in_flight() >= cfg.packed_dataloader_prefetch_factor * batch_samples
     messages = iter(loader._data_loader())
     received = [next(messages) for _ in range(2 * workers)]
     del messages  # stops the workers
-    assert [len(message) for message in received] == [share] * (2 * workers)
+    assert [len(message) for message in received] == [per_message] * (2 * workers)
     plan = loader.planner.copy()
     assert [got.ref for message in received for got in message] == \
-        [plan.next_ref() for _ in range(2 * workers * share)]
+        [plan.next_ref() for _ in range(2 * workers * per_message)]
 
 
 def test_samples_cross_from_workers_intact_small_tensors_by_value(monkeypatch):

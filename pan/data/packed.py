@@ -133,6 +133,11 @@ class RefSequence:
         return ref
 
 
+# A message's round trip is paid for by then; more would only grow the message (samples up to
+# Sample.BY_VALUE_BYTES travel inside it: a batch of 256 images would be one 200 MB pickle).
+MAX_SAMPLES_PER_MESSAGE = 16
+
+
 class Chunks:
     """The DataLoader's sampler with workers: the visits of `sequence` in lists of `size`, so that a
     worker reads a list and sends its samples back as one message. Each visit's round trip (its
@@ -336,25 +341,29 @@ class PackedLoader:
         generator = torch.Generator().manual_seed(self.seed)
         if not workers:
             return DataLoader(self.reader, batch_size=None, sampler=sampler, collate_fn=_keep, generator=generator)
-        # A worker's share of a batch a message; `packed_dataloader_prefetch_factor` of them in
-        # flight per worker keep that many whole batches decoding ahead.
-        return DataLoader(ChunkReader(self.reader), batch_size=None, sampler=Chunks(sampler, self.worker_share()),
-                          collate_fn=_keep, num_workers=workers, generator=generator,
-                          prefetch_factor=self.cfg.packed_dataloader_prefetch_factor, worker_init_fn=_ignore_sigterm)
+        return DataLoader(ChunkReader(self.reader), batch_size=None,
+                          sampler=Chunks(sampler, self.samples_per_message()), collate_fn=_keep,
+                          num_workers=workers, generator=generator,
+                          prefetch_factor=self.messages_in_flight_per_worker(), worker_init_fn=_ignore_sigterm)
 
     def worker_share(self) -> int:
-        """Samples of a batch each decoding worker reads (and sends as one message)."""
+        """Samples of a batch each decoding worker reads."""
         return -(-self.cfg.max_samples_per_batch // self.cfg.packed_dataloader_num_workers)  # ceil
+
+    def samples_per_message(self) -> int:
+        """A worker's share of a batch, sent back as one message, at most MAX_SAMPLES_PER_MESSAGE."""
+        return min(self.worker_share(), MAX_SAMPLES_PER_MESSAGE)
+
+    def messages_in_flight_per_worker(self) -> int:
+        """`packed_dataloader_prefetch_factor` whole batches' shares, in messages: fewer, and the
+        trainer waits for most of each batch to be decoded."""
+        share_samples = self.cfg.packed_dataloader_prefetch_factor * self.worker_share()
+        return -(-share_samples // self.samples_per_message())
 
     def samples_in_flight(self) -> int:
         """Visits the decoding workers hold at most (0 without workers: each is read when needed)."""
         workers = self.cfg.packed_dataloader_num_workers
-        return workers * self.samples_in_flight_per_worker() if workers else 0
-
-    def samples_in_flight_per_worker(self) -> int:
-        """`packed_dataloader_prefetch_factor` whole batches' shares, or the trainer waits for most of
-        each batch to be decoded."""
-        return self.cfg.packed_dataloader_prefetch_factor * self.worker_share()
+        return workers * self.messages_in_flight_per_worker() * self.samples_per_message() if workers else 0
 
     def close(self) -> None:
         """Stop the decoding workers (they restart on the next batch, from what the trainer took)."""
