@@ -325,9 +325,9 @@ class PackedLoader:
         return f"{self.reader.sources[stream].name}:{index}"
 
     def _start_workers(self) -> None:
-        loader = self._data_loader()  # with workers, it yields lists of samples (Chunks)
-        self._results = itertools.chain.from_iterable(loader) if self.cfg.packed_dataloader_num_workers else iter(loader)
-        if self.cfg.packed_dataloader_num_workers and not self._closes_at_exit:
+        loader, workers = self._data_loader(), self.cfg.packed_dataloader_num_workers
+        self._results = itertools.chain.from_iterable(loader) if workers else iter(loader)  # workers: lists (Chunks)
+        if workers and not self._closes_at_exit:
             # The workers ignore SIGTERM, so multiprocessing's exit-time terminate() and join would
             # wait for them forever: stop them first (atexit runs the newest handler first).
             atexit.register(_close_at_exit, weakref.ref(self))
