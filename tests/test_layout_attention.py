@@ -138,6 +138,63 @@ def test_the_rule_changes_the_result():
                                       attention(q, k, v, full.joint, backend)), backend
 
 
+class KernelCalls(TorchDispatchMode):
+    """How many attention kernels the dispatcher runs (forward and backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += "attention" in func.name()
+        return func(*args, **kwargs or {})
+
+
+@pytest.mark.parametrize("asking", ["every row", "some rows"])
+def test_sdpa_runs_one_call_per_layout_with_each_segments_own_bits(asking):
+    # An AR batch repeats a few layouts (stage x unit): sdpa batches the segments of one layout into
+    # one call. Each segment must come out, forward and backward, exactly as a call of its own gives
+    # it (fp32: any other summation order would show), whatever the order of the samples.
+    layouts = [LAYOUTS[i] for i in (0, 2, 1, 0, 3, 2, 0, 1, 5, 4, 4)]
+    pack = PackInfo.from_layouts(layouts)
+    segments = pack.joint
+    q, k, v, w = (t.float() for t in random_qkv(segments.total))
+    asked = [tuple(range(n)) for n in segments.seqlens]
+    if asking == "some rows":
+        # A last layer's queries: every other row; sample 1 asks nothing (its layout's other sample
+        # does), and sample 6 as many rows as its layout's others but other ones (another mask).
+        asked = [tuple(range(0, n, 2)) if i != 1 else () for i, n in enumerate(segments.seqlens)]
+        asked[6] = tuple(range(segments.seqlens[6] - len(asked[6]), segments.seqlens[6]))
+        starts = segments.cu_seqlens.tolist()
+        rows = torch.tensor([starts[i] + r for i, a in enumerate(asked) for r in a])
+        segments = segments.with_queries(rows)
+        q, w = q[rows], w[rows]
+        assert segments.query_lens[6] == segments.query_lens[0] and asked[6] != asked[0]
+    distinct = len({(s, a) for s, a in zip(layouts, asked) if a})
+    ins = [t.clone().requires_grad_() for t in (q, k, v)]
+    with KernelCalls() as calls:
+        (attention(*ins, segments, "sdpa") * w).sum().backward()
+    assert len(segments.layout_batches.batches) == distinct and calls.count == 2 * distinct
+
+    alone = dataclasses.replace(segments)
+    alone.__dict__["layout_batches"] = None            # the segment-by-segment path
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    with KernelCalls() as calls:
+        (attention(*ref, alone, "sdpa") * w).sum().backward()
+    assert calls.count == 2 * sum(1 for n in (segments.query_lens or segments.seqlens) if n)
+    for name, a, b in zip("qkv", ins, ref):
+        assert torch.equal(a.grad, b.grad), f"grad {name}"
+    with torch.no_grad():
+        assert torch.equal(attention(q, k, v, segments, "sdpa"), attention(q, k, v, alone, "sdpa"))
+    # and the rule holds (float64 against the dense mask)
+    allowed = reference_mask(layouts)
+    rows = torch.arange(pack.joint.total) if segments.query_rows is None else segments.query_rows
+    q64, k64, v64 = (t.double() for t in (q, k, v))
+    with torch.no_grad():
+        torch.testing.assert_close(attention(q64, k64, v64, segments, "sdpa"),
+                                   naive_attention(q64, k64, v64, allowed[rows]), rtol=1e-10, atol=1e-10)
+
+
 class AttentionKernelCalls(TorchDispatchMode):
     """(query rows x key rows) of every attention kernel the dispatcher runs, each checked unmasked."""
 

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from pan.models.attention import InnerAttention
 from pan.models.norm import RMSNorm
-from pan.models.packing import PackInfo
+from pan.models.packing import PackInfo, permute_rows
 from pan.models.rope import apply_rope
 
 
@@ -163,20 +163,6 @@ def adaln_vectors(mod: Tensor, n: int) -> Tensor:
     return torch.cat(chunks, dim=-1)
 
 
-class _PermuteRows(torch.autograd.Function):
-    """rows[perm] whose backward is the inverse gather (index_select's backward is a scatter-add)."""
-
-    @staticmethod
-    def forward(ctx, rows: Tensor, perm: Tensor, inverse: Tensor) -> Tensor:
-        ctx.save_for_backward(inverse)
-        return rows.index_select(0, perm)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        (inverse,) = ctx.saved_tensors
-        return grad.index_select(0, inverse), None, None
-
-
 def to_joint(video_rows: Tensor, text_rows: Tensor, pack: PackInfo) -> Tensor:
     """Video rows [Nv, ...] and text rows [Nt, ...] -> joint order [L, ...] (one copy of each)."""
     out = video_rows.new_empty((video_rows.shape[0] + text_rows.shape[0], *video_rows.shape[1:]))
@@ -187,7 +173,7 @@ def to_joint(video_rows: Tensor, text_rows: Tensor, pack: PackInfo) -> Tensor:
 
 def from_joint(rows: Tensor, pack: PackInfo) -> tuple[Tensor, Tensor]:
     """Joint order [L, ...] -> (video rows [Nv, ...], text rows [Nt, ...])."""
-    stream = _PermuteRows.apply(rows, pack.stream_to_joint, pack.joint_to_stream)
+    stream = permute_rows(rows, pack.stream_to_joint, pack.joint_to_stream)
     return stream.split([pack.num_video_tokens, pack.num_text_tokens])
 
 
@@ -352,8 +338,8 @@ class SingleStreamBlock(nn.Module):
         q = torch.cat([apply_rope(q[:nv], rope), q[nv:]])
         k = torch.cat([apply_rope(k[:nv], rope), k[nv:]])
         q, k = like_v(v, q, k)
-        joint = [_PermuteRows.apply(t, pack.joint_to_stream, pack.stream_to_joint) for t in (q, k, v)]
-        attn = _PermuteRows.apply(self.inner_attention(*joint, pack.joint).flatten(1),
+        joint = [permute_rows(t, pack.joint_to_stream, pack.stream_to_joint) for t in (q, k, v)]
+        attn = permute_rows(self.inner_attention(*joint, pack.joint).flatten(1),
                                   pack.stream_to_joint, pack.joint_to_stream)       # [L, D] stream order
         out = linear_of_cat(self.linear2, attn, F.gelu(mlp, approximate="tanh"))
         return gated_residual(x, gate, out, samples)

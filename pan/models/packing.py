@@ -151,6 +151,12 @@ class AttnSegments:
         lens = torch.bincount(segment, minlength=len(self.seqlens))
         return dataclasses.replace(self, query_rows=rows, query_lens=tuple(lens.tolist()), frame_groups=groups)
 
+    @functools.cached_property
+    def layout_batches(self) -> LayoutBatches | None:
+        """The segments that ask something, grouped by layout (lengths and rule) for one batched
+        attention call per group; None when no two share one. Built once per pack."""
+        return LayoutBatches.of(self)
+
     def unsharded(self) -> AttnSegments:
         """The same segments as seen by a process that holds every row (after a CP all-to-all)."""
         return dataclasses.replace(self, local_index=None)
@@ -163,6 +169,103 @@ class AttnSegments:
             groups = tuple(None if g is None else g.moved(f) for g, f in zip(self.frame_groups, frames))
         return dataclasses.replace(self, cu_seqlens=self.cu_seqlens.to(device), local_index=move(self.local_index),
                                    frames=frames, frame_groups=groups, query_rows=move(self.query_rows))
+
+
+class _PermuteRows(torch.autograd.Function):
+    """rows[order] whose backward is the inverse gather (index_select's backward is a scatter-add)."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, order: Tensor, inverse: Tensor) -> Tensor:
+        ctx.save_for_backward(inverse)
+        return rows.index_select(0, order)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+def permute_rows(rows: Tensor, order: Tensor | None, inverse: Tensor | None) -> Tensor:
+    """rows[order] for a permutation `order` of rows' first axis and its `inverse`, differentiable
+    by the inverse gather; rows themselves when order is None (the identity)."""
+    return rows if order is None else _PermuteRows.apply(rows, order, inverse)
+
+
+@dataclass(frozen=True)
+class LayoutBatch:
+    """`count` segments of one layout, back to back in `LayoutBatches`' order: one attention call
+    with a batch dimension computes each of them exactly as a call of its own would."""
+    count: int
+    query_len: int
+    key_len: int
+    query_frames: Tensor | None  # [query_len] frame of each asking row (block-causal), else None
+    key_frames: Tensor | None    # [key_len] frame of each key row
+
+    def mask(self) -> Tensor | None:
+        """[query_len, key_len] bool: the block-causal rule (None: every key)."""
+        return None if self.key_frames is None else self.query_frames[:, None] >= self.key_frames[None, :]
+
+
+@dataclass(frozen=True)
+class LayoutBatches:
+    """The asking segments of an `AttnSegments` grouped by layout: a packed AR batch repeats a few
+    layouts (stage x unit), so one call per layout replaces one per segment (16 -> ~10 in the AR
+    demo). Rows are gathered batch by batch (`*_order`, None where already in that order); keys of
+    segments that ask nothing come last, read by no batch."""
+    batches: tuple[LayoutBatch, ...]
+    query_order: Tensor | None
+    query_inverse: Tensor | None
+    key_order: Tensor | None
+    key_inverse: Tensor | None
+
+    @classmethod
+    def of(cls, segments: AttnSegments) -> LayoutBatches | None:
+        asking = segments.query_lens or segments.seqlens
+        groups: dict[tuple, list[int]] = {}
+        for i, (keys, queries) in enumerate(zip(segments.seqlens, asking)):
+            if queries:
+                groups.setdefault((keys, queries, _rule_key(segments, i)), []).append(i)
+        if len(groups) == sum(1 for n in asking if n):
+            return None
+        key_starts, query_starts = [0, *accumulate(segments.seqlens)], [0, *accumulate(asking)]
+        batched = [i for members in groups.values() for i in members]
+        idle = [i for i, n in enumerate(asking) if not n]
+        query_order = _rows_of(batched, query_starts, asking)
+        key_order = _rows_of(batched + idle, key_starts, segments.seqlens)
+        device = segments.cu_seqlens.device
+        batches = tuple(_layout_batch(segments, members) for members in groups.values())
+        return cls(batches, *_permutation(query_order, device), *_permutation(key_order, device))
+
+
+def _rule_key(segments: AttnSegments, i: int) -> tuple | None:
+    """What decides segment i's mask: its rows' frames and its asking rows' frames (None: full)."""
+    groups = segments.frame_groups[i] if segments.frame_groups else None
+    if groups is None:
+        return None
+    return tuple(groups.frames.tolist()), tuple(groups.query_frames().tolist())
+
+
+def _layout_batch(segments: AttnSegments, members: list[int]) -> LayoutBatch:
+    first = members[0]
+    groups = segments.frame_groups[first] if segments.frame_groups else None
+    queries = (segments.query_lens or segments.seqlens)[first]
+    return LayoutBatch(len(members), queries, segments.seqlens[first],
+                       None if groups is None else groups.query_frames(), None if groups is None else groups.frames)
+
+
+def _rows_of(members: list[int], starts: list[int], lens) -> list[int]:
+    return [row for i in members for row in range(starts[i], starts[i] + lens[i])]
+
+
+def _permutation(order: list[int], device) -> tuple[Tensor | None, Tensor | None]:
+    """(order, its inverse) as tensors on `device`, or (None, None) for the identity. Host lists: the
+    preflight's memory check runs the model on fake tensors, where a tensor made here has no values."""
+    if order == list(range(len(order))):
+        return None, None
+    inverse = [0] * len(order)
+    for place, row in enumerate(order):
+        inverse[row] = place
+    return torch.tensor(order, device=device), torch.tensor(inverse, device=device)
 
 
 AttentionRule = Literal["full", "block_causal"]
