@@ -15,7 +15,7 @@ from pan.config.core import ConfigError, ConfigErrors
 from pan.config.loader import build_dataclass
 from pan.diffusion.flow import FlowConfig, sample_timesteps
 from pan.diffusion.pyramid import (LATENT_STATS, GeneratorDraws, PyramidConfig, PyramidSchedule,
-                                   column_stages, denormalize_latent, latent_pyramid,
+                                   column_stages, denormalize_latent, latent_pyramid, latent_pyramids,
                                    noise_full_sequence, noise_pyramid, noise_sample, noise_temporal_pyramid,
                                    clean_velocity, line_sigmas, normalize_latent, regression_target,
                                    stage_unit_counts)
@@ -230,6 +230,20 @@ def test_normalisation_uses_image_stats_on_frame_zero_and_inverts():
     torch.testing.assert_close(y[:, :, 0], (x[:, :, 0] - 0.1490) / 1.8415)
     torch.testing.assert_close(y[:, :, 1:], (x[:, :, 1:] + 0.2343) / 3.0986)
     torch.testing.assert_close(denormalize_latent(y, cfg), x)  # fp32 round trip
+
+
+def test_pyramids_of_a_batch_are_each_samples_own_to_the_bit():
+    # The AR task builds a held batch's pyramids together, a batch per clip shape: each must be what
+    # normalising and halving that clip alone gives, bit for bit (its draws and losses depend on it).
+    cfg = PyramidConfig(**LATENT_STATS["pyramid_mmdit"])
+    g = torch.Generator().manual_seed(0)
+    shapes = [(4, 3, 8, 8), (4, 2, 8, 8), (4, 3, 8, 8), (4, 3, 8, 16), (4, 3, 8, 8)]
+    latents = [torch.randn(1, *shape, generator=g) for shape in shapes]
+    together = latent_pyramids(latents, cfg)
+    for latent, levels in zip(latents, together):
+        alone = latent_pyramid(normalize_latent(latent, cfg), cfg.stages)
+        assert [tuple(t.shape) for t in levels] == [tuple(t.shape) for t in alone]
+        assert all(torch.equal(a, b) for a, b in zip(levels, alone))
 
 
 def test_noise_pyramid_keeps_unit_variance():

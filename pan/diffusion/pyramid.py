@@ -354,6 +354,22 @@ def latent_pyramid(latent: Tensor, stages: int) -> list[Tensor]:
     return levels[::-1]
 
 
+def latent_pyramids(latents: list[Tensor], cfg: PyramidConfig) -> list[list[Tensor]]:
+    """`latent_pyramid` of each normalised [1, C, T, H, W] latent (on the CPU), the latents of one
+    shape computed as one batch: the same values as one by one (elementwise ops and per-frame
+    resizes), in a few ops instead of ~30 per sample."""
+    by_shape: dict[tuple[int, ...], list[int]] = {}
+    for i, latent in enumerate(latents):
+        by_shape.setdefault(tuple(latent.shape), []).append(i)
+    pyramids: list[list[Tensor]] = [[] for _ in latents]
+    for members in by_shape.values():
+        stacked = normalize_latent(torch.cat([latents[i] for i in members]), cfg).cpu()
+        levels = latent_pyramid(stacked, cfg.stages)
+        for j, i in enumerate(members):
+            pyramids[i] = [level[j:j + 1] for level in levels]
+    return pyramids
+
+
 def noise_pyramid(noise: Tensor, stages: int) -> list[Tensor]:
     """Full-resolution noise -> `stages` levels, lowest first. Halving averages 2x2 blocks, which
     divides the variance by 4, so each level is scaled by 2 to keep unit variance."""

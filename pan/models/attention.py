@@ -6,7 +6,9 @@ segment: full, or block-causal over frames (`AttnSegments.frames`: a row attends
 changes the semantics.
 - `sdpa`: one `F.scaled_dot_product_attention` call per segment; a block-causal segment gets its own
   [Ls, Ls] mask, built when that segment runs. The reference, and the fast path for the full rule on
-  CPU (2.3-3.3x faster there than one call with a block-diagonal mask).
+  CPU (2.3-3.3x faster there than one call with a block-diagonal mask). Segments of one layout
+  (lengths and rule: an AR batch repeats a few, a batch of same-size images one) share a call with a
+  batch dimension (`AttnSegments.layout_batches`), which gives each the bits of its own call.
 - `blockwise`: full segments as in sdpa; a block-causal segment as unmasked SDPA calls, one per run
   of same-frame queries over exactly the keys of frames <= theirs (`FrameGroups`, built once per
   pack), so the masked part is never computed. `benchmarks/attention.py` on CPU (1 thread, forward +

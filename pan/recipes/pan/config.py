@@ -36,7 +36,7 @@ class PanModelConfig:
         True, "initialise the modulation projections, the text modulation table and the output "
               "projection to zero (AdaLN-Zero), so every block starts as the identity")
     attention_backend: Literal["auto", "sdpa", "blockwise", "flex", "varlen"] = knob(
-        "auto", "attention kernel: sdpa (one SDPA call per sample, CPU and reference), blockwise "
+        "auto", "attention kernel: sdpa (one SDPA call per sample layout, CPU and reference), blockwise "
                 "(block-causal samples: one call per frame over the keys it may see), flex (torch "
                 "flex_attention; trains on CUDA only), varlen (torch varlen kernel, CUDA), auto "
                 "(blockwise for block-causal packs, varlen on CUDA, sdpa otherwise)")

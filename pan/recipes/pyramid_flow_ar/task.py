@@ -53,9 +53,8 @@ from pan.diffusion.pyramid import (
     NoisedColumn,
     PyramidSchedule,
     history_spans,
-    latent_pyramid,
+    latent_pyramids,
     noise_unit,
-    normalize_latent,
     regression_target,
     stage_unit_counts,
     unit_frames,
@@ -228,13 +227,12 @@ class PyramidFlowARTask(PyramidTask):
         self.seed_draws_for(batch)
         stages = self.next_stages(len(batch.samples))
         feats = self.caption_features(batch.samples)
-        self.held = []
-        for sample, stage, text in zip(batch.samples, stages, feats):
-            raw = self.raw_latent(sample)[:, :self.window]                       # [C, T, H, W]
-            units = 1 + (raw.shape[1] - 1) // fpu
-            latent = normalize_latent(raw[None, :, :unit_frames(units, fpu)], self.job.pyramid)
-            self.held.append(HeldSample(sample.sample_id, latent_pyramid(latent.cpu(), self.job.pyramid.stages),
-                                        units, stage, text))
+        raws = [self.raw_latent(sample)[:, :self.window] for sample in batch.samples]   # [C, T, H, W] each
+        units = [1 + (raw.shape[1] - 1) // fpu for raw in raws]
+        pyramids = latent_pyramids([raw[None, :, :unit_frames(n, fpu)] for raw, n in zip(raws, units)],
+                                   self.job.pyramid)
+        self.held = [HeldSample(sample.sample_id, levels, n, stage, text)
+                     for sample, levels, n, stage, text in zip(batch.samples, pyramids, units, stages, feats)]
         self.held_packing = batch.packing_efficiency
         self.bad_samples += sum(batch.skipped.values())
 
