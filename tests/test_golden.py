@@ -26,15 +26,19 @@ What is compared (tests/golden/values.json):
   metadata holds paths), and of the inputs the runs start from (the clips' bytes, the released
   folder's tensors and tokenizer files), so that a changed input is told apart from a changed run.
 
-Exact or within rel 1e-5: the values are bit-identical only on the CPU type, torch build and kernel
+Exact or within a tolerance (`REL`): the values are bit-identical only on the CPU type, torch build and kernel
 choice they were recorded on: another CPU type (another SIMD width: torch.backends.cpu's capability,
 another BLAS kernel) sums floats in another order. So the recording keeps a `machine` fingerprint
 (torch's CPU capability, platform.machine(), the CPU model name of /proc/cpuinfo, torch's version).
 Where the running machine's fingerprint is the recorded one, every loss, grad norm and checksum must
-be EXACTLY equal; elsewhere losses and grad norms must agree within rel 1e-5 and the checksums
-(which cannot agree within a tolerance) are skipped, saying why. Tried on the recording machine with
-ATEN_CPU_CAPABILITY=avx2 (torch's AVX2 kernels instead of AVX512: another fingerprint): the values
-moved by up to rel 6e-7, the checksums changed (so were skipped), and the test passed.
+be EXACTLY equal; elsewhere losses and grad norms must agree within `REL` and the checksums
+(which cannot agree within a tolerance) are skipped, saying why. Tried on the recording machine (a
+2-core AMD EPYC) with ATEN_CPU_CAPABILITY=avx2 (torch's AVX2 kernels instead of AVX512: another
+fingerprint): the values moved by up to rel 6e-7, the checksums changed (so were skipped), and the
+test passed. On a 2-core Intel Xeon (AVX-512; 2026-12-03, `--record --out` there, compared): the
+DiT recipes' values within rel 1.5e-7 of the recording, the causal VAE's within 5.5e-6 (losses) and
+1.8e-5 (grad norms; 2.0e-5 with AVX2 kernels there), and within 2.8e-6 between that machine's AVX2
+and AVX-512 kernels. Hence `REL`: rel 1e-5 for the DiT recipes, 1e-4 for the causal VAE.
 
 Re-recording (only when the numbers are meant to change, and on the code that should define them):
 `python tests/test_golden.py --record` writes tests/golden/values.json (`--out FILE` elsewhere). The
@@ -82,7 +86,10 @@ VALUES = GOLDEN_DIR / "values.json"
 RECIPES = ("pan", "pyramid_flow", "pyramid_flow_ar", "causal_vae")
 LAYOUTS = ("1proc", "2ranks")
 STEPS = 10
-REL = 1e-5  # the tolerance on another machine type
+# The tolerance on another machine type, per recipe: ~5x or more the spread measured between CPU
+# types and kernel paths (module doc). The DiTs' values moved by up to rel 1.5e-7; the causal VAE's
+# (convolutions, a GAN loss whose gradients grow with small changes) by up to 2.0e-5.
+REL = {"pan": 1e-5, "pyramid_flow": 1e-5, "pyramid_flow_ar": 1e-5, "causal_vae": 1e-4}
 # Recipes that start from the tiny released Pyramid-Flow folder (--model_path).
 NEEDS_MODEL = ("pyramid_flow", "pyramid_flow_ar")
 # Per-layout additions to the command line.
@@ -177,27 +184,26 @@ def tensors_sha256(files: list[Path]) -> dict:
 VERSION_STAMPS = ("transformers_version", "_diffusers_version")
 
 
+def config_json_bytes(path: Path) -> bytes:
+    """A config.json as sorted JSON without VERSION_STAMPS: what the model's config says."""
+    config = {k: v for k, v in json.loads(path.read_text()).items() if k not in VERSION_STAMPS}
+    return json.dumps(config, sort_keys=True).encode()
+
+
 def files_sha256(root: Path, paths: list[Path]) -> str:
-    """sha256 over files' paths relative to `root` and their bytes (a config.json's without
-    VERSION_STAMPS), in sorted order."""
+    """sha256 over files' paths relative to `root` and their bytes (a config.json's as
+    `config_json_bytes`), in sorted order."""
     digest = hashlib.sha256()
     for path in sorted(paths):
         digest.update(f"{path.relative_to(root)}\0".encode())
-        if path.name == "config.json":
-            config = {k: v for k, v in json.loads(path.read_text()).items() if k not in VERSION_STAMPS}
-            digest.update(json.dumps(config, sort_keys=True).encode())
-        else:
-            digest.update(path.read_bytes())
+        digest.update(config_json_bytes(path) if path.name == "config.json" else path.read_bytes())
     return digest.hexdigest()
 
 
 def released_folder_sha256(folder: Path) -> dict:
-    """A released DiT folder: its tensors, and its config.json without diffusers' version stamp."""
+    """A released DiT folder: its tensors, and its config.json without the version stamps."""
     out = tensors_sha256(sorted(folder.glob("*.safetensors")))
-    config = json.loads((folder / "config.json").read_text())
-    for key in VERSION_STAMPS:
-        config.pop(key, None)
-    out["config_sha256"] = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+    out["config_sha256"] = hashlib.sha256(config_json_bytes(folder / "config.json")).hexdigest()
     return out
 
 
@@ -456,9 +462,8 @@ def live(tmp_path_factory) -> dict:
 def machine_note(golden: dict) -> str:
     here, there = machine_fingerprint(), golden["machine"]
     if here == there:
-        return f"same machine type as the recording ({here}), so compared exactly"
-    return (f"another machine type than the recording's (here {here}, recorded {there}), so compared "
-            f"within rel {REL}")
+        return f"same machine type as the recording ({here})"
+    return f"another machine type than the recording's (here {here}, recorded {there})"
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -471,12 +476,13 @@ def test_losses_and_grad_norms_are_the_golden_ones(live, golden, same_machine, r
         want = [float.fromhex(h) for h in want_run[key]]
         assert len(got[key]) == len(want) == STEPS, (recipe, layout, key, len(got[key]), len(want))
         for step, (g, w) in enumerate(zip(got[key], want), start=1):
-            ok = g.hex() == w.hex() if same_machine else abs(g - w) <= REL * abs(w)
+            ok = g.hex() == w.hex() if same_machine else abs(g - w) <= REL[recipe] * abs(w)
             if not ok:
                 problems.append(f"  {recipe} {layout} step {step} {key}: got {g!r} ({g.hex()}), golden {w!r} "
                                 f"({w.hex()}), rel diff {abs(g - w) / max(abs(w), 1e-300):.3g}")
+    compared = "exactly" if same_machine else f"within rel {REL[recipe]}"
     assert not problems, (f"{recipe} {layout}: {len(problems)} value(s) differ from tests/golden/values.json "
-                          f"({machine_note(golden)}); command: {' '.join(run['command'])}\n"
+                          f"({machine_note(golden)}, so compared {compared}); command: {' '.join(run['command'])}\n"
                           + "\n".join(problems) + inputs_note(live, golden))
 
 
