@@ -242,6 +242,8 @@ def test_frame_schedule_is_built_once_per_layout(monkeypatch):
     # context parallel: each shard derives it once; the copy its attention sees keeps it
     shard = pack.shard(1, 2)
     assert shard.joint.unsharded().frame_groups is shard.joint.frame_groups
+    # and every layer's call gets the same unsharded segments, so their layout batches are built once
+    assert shard.joint.unsharded() is shard.joint.unsharded()
     # new frames are never paired with a stale schedule: all frames 0 is one unmasked run
     frames = tuple(None if f is None else torch.zeros_like(f) for f in pack.joint.frames)
     replaced = dataclasses.replace(pack.joint, frames=frames)

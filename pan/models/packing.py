@@ -158,7 +158,13 @@ class AttnSegments:
         return LayoutBatches.of(self)
 
     def unsharded(self) -> AttnSegments:
-        """The same segments as seen by a process that holds every row (after a CP all-to-all)."""
+        """The same segments as seen by a process that holds every row (after a CP all-to-all); the
+        same object at every call, so what it builds once per pack (`layout_batches`) is built once,
+        not once per layer."""
+        return self._unsharded
+
+    @functools.cached_property
+    def _unsharded(self) -> AttnSegments:
         return dataclasses.replace(self, local_index=None)
 
     def to(self, device) -> AttnSegments:
@@ -209,7 +215,7 @@ class LayoutBatch:
 @dataclass(frozen=True)
 class LayoutBatches:
     """The asking segments of an `AttnSegments` grouped by layout: a packed AR batch repeats a few
-    layouts (stage x unit), so one call per layout replaces one per segment (16 -> ~10 in the AR
+    layouts (stage x unit), so one call per layout replaces one per segment (16 -> ~5 in the AR
     demo). Rows are gathered batch by batch (`*_order`, None where already in that order); keys of
     segments that ask nothing come last, read by no batch."""
     batches: tuple[LayoutBatch, ...]
