@@ -355,9 +355,9 @@ def latent_pyramid(latent: Tensor, stages: int) -> list[Tensor]:
 
 
 def latent_pyramids(latents: list[Tensor], cfg: PyramidConfig) -> list[list[Tensor]]:
-    """`latent_pyramid` of each normalised [1, C, T, H, W] latent (on the CPU), the latents of one
-    shape computed as one batch: the same values as one by one (elementwise ops and per-frame
-    resizes), in a few ops instead of ~30 per sample."""
+    """`latent_pyramid` of each [1, C, T, H, W] VAE latent after `normalize_latent`, on the CPU; the
+    latents of one shape computed as one batch: the same values as one by one (elementwise ops and
+    per-frame resizes), in a few ops instead of ~30 per sample."""
     by_shape: dict[tuple[int, ...], list[int]] = {}
     for i, latent in enumerate(latents):
         by_shape.setdefault(tuple(latent.shape), []).append(i)
