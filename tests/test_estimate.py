@@ -243,7 +243,8 @@ def assert_close(got: dict) -> None:
     ("--enable_gradient_checkpointing", "true"),
     ("--enable_gradient_checkpointing", "true", "--use_dedicated_gradient_checkpointing", "true",
      "--transformer_config_overrides.num_single_layers", "1", "--ema_decay", "0.99"),
-], ids=["plain", "full-checkpointing", "selective-checkpointing-single-blocks-ema"])
+    ("--adamw_implementation", "fused", "--use_muon", "false"),
+], ids=["plain", "full-checkpointing", "selective-checkpointing-single-blocks-ema", "fused-adamw"])
 def test_single_process_estimate_matches_a_real_step(tmp_path, extra):
     assert_close(estimated_and_measured(pan_job(tmp_path, *extra)))
 

@@ -433,6 +433,9 @@ def _trace_optimizer_step(model: nn.Module, optim) -> StepTrace:
     # Meta tensors, not fake ones: the step's thousands of small operations cost less. Frozen
     # parameters (a LoRA part's base) stay frozen: no gradient, not stepped.
     twin = copy.deepcopy(model)
+    if getattr(optim, "adamw_implementation", None) == "fused":
+        # torch's fused AdamW refuses meta tensors; tensor by tensor bounds its temporaries (it has none)
+        optim = dataclasses.replace(optim, adamw_implementation="for-loop")
     optimizer, _ = build_optimizer(twin, optim)
     # The implementation torch picks on the run's device: AdamW over every tensor at once (foreach:
     # temporaries of all of them) on CUDA, tensor by tensor on the CPU (meta tensors get the latter).
