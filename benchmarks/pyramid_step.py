@@ -15,8 +15,9 @@ draws); pan packs them (caption padding dropped, `PackInfo` built inside its ste
 builds its masks and positions inside its forward). The candidates run round-robin in one process
 (interleaved rounds, median), so the ratios do not depend on the machine's drift:
 - `original`: the original `PyramidFluxTransformer` (SDPA with its dense [L, L] mask per column);
-- `pan`: pan with its best CPU backend for the rule (`blockwise` for block-causal: masked blocks are
-  skipped, not computed then masked; what `attention_backend: auto` runs);
+- `pan`: pan with the backend `attention_backend: auto` chooses for this step, as the trainer
+  chooses it: sdpa, blockwise (and varlen on CUDA in bf16) timed forward and backward on the step's
+  own attention calls (`pan_backend` and `auto_ms` in the table);
 - `pan_sdpa`: pan with one masked SDPA call per sample (the original's algorithm, pan's code);
 - `pan_compiled`: `pan` with each block compiled as `compile_transformer: true` does (attention stays
   outside the graphs; the first round, which compiles, is not timed);
@@ -57,7 +58,7 @@ except ModuleNotFoundError:  # run as `python benchmarks/pyramid_step.py`: its f
     from common import import_original, interleaved_times, kernel_share, median, print_table, write_json
 from pan.diffusion.pyramid import (GeneratorDraws, PyramidConfig, PyramidSchedule, latent_pyramid,
                                    noise_full_sequence, noise_temporal_pyramid, stage_unit_counts)
-from pan.models.attention import set_attention_backend
+from pan.models.attention import auto_attention, fastest, measure_backends, set_attention_backend
 from pan.models.packing import PackInfo
 from pan.models.pyramid_flux import PyramidFluxConfig, PyramidFluxTransformer
 from pan.parallel.fsdp import declared_blocks
@@ -164,9 +165,13 @@ def with_full_resolution_history(inputs: StepInputs, levels: list[torch.Tensor],
 # The two steps
 # ------------------------------------------------------------------------------------------------
 
-def best_backend(pack: PackInfo) -> str:
-    """pan's fastest exact CPU backend for the pack's rule (what `auto` runs on CPU)."""
-    return "blockwise" if pack.joint.is_causal else "sdpa"
+def auto_choice(model: PyramidFluxTransformer, inputs: StepInputs, dtype: str) -> tuple[str, dict[str, float | str]]:
+    """The backend `attention_backend: auto` gives this step, as the trainer settles it: one step
+    records the attention calls, then the candidates are timed on them (forward and backward)."""
+    set_attention_backend(model, "auto")
+    pan_step(model, inputs, dtype)()
+    times = measure_backends([m.first_call for m in auto_attention(model)])
+    return fastest(times), times
 
 
 def autocast(model: torch.nn.Module, dtype: str):
@@ -267,15 +272,17 @@ def measure_mode(mode: str, state: dict, original, args) -> dict:
     inputs, levels = noised_inputs(mode, generator)
     pan = pan_model(state, "sdpa", args.device)
     pack = pack_of(pan, inputs)
-    backend = best_backend(pack)
-    set_attention_backend(pan, backend)
     inputs = on_device(inputs, args.device)
+    backend, auto_times = auto_choice(pan, inputs, args.dtype)
+    set_attention_backend(pan, backend)
     step = lambda model, batch=inputs: pan_step(model, batch, args.dtype)
     candidates = {"pan": step(pan), "pan_sdpa": step(pan_model(state, "sdpa", args.device))}
     if args.compile:
         compiled = pan_model(state, backend, args.device, compiled=True)
         candidates["pan_compiled"] = step(compiled)
     row = {"mode": mode, "pan_backend": backend, "video_tokens": inputs.video_tokens(),
+           "auto_ms": ", ".join(f"{n} {t * 1e3:.1f}" if isinstance(t, float) else f"{n} refused"
+                                for n, t in auto_times.items()),
            "text_tokens": f"{TEXT_LEN} (original) / {TEXT_LEN // 2} (pan: padding dropped)",
            "pan_step_gflop": 3 * pan.forward_flops(pack, trained_only=True) / 1e9}
     if original is not None:
@@ -317,7 +324,7 @@ def measure_mode(mode: str, state: dict, original, args) -> dict:
 
 
 def report(rows: list[dict], original_note: str | None, repeats: int) -> None:
-    print_table(rows, ["mode", "video_tokens", "pan_backend", "pan_step_gflop", "pan_kernel_share",
+    print_table(rows, ["mode", "video_tokens", "pan_backend", "auto_ms", "pan_step_gflop", "pan_kernel_share",
                        "pan_compiled_kernel_share", "original_kernel_share", "loss_rel_diff", "grad_max_rel_diff",
                        "compiled_loss_rel_diff", "compiled_grad_max_rel_diff"])
     for clock in ("wall", "cpu"):

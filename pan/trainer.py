@@ -8,7 +8,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Literal
 
@@ -26,6 +26,7 @@ from pan.data.sources import SourceError
 from pan.logging import get_logger, quiet_library_progress_bars
 from pan.lora_runs import base_with_adapters
 from pan.metrics import Metrics
+from pan.models.attention import auto_attention, auto_candidates, fastest, measure_backends
 from pan.optim.builder import build_optimizer, build_scheduler
 from pan.optim.ema import EMA
 from pan.parallel.context_parallel import ContextParallel
@@ -103,6 +104,8 @@ class TrainState:
     skipped_steps: int = 0
     samples_seen: int = 0
     tokens_seen: int = 0
+    # part name -> the backend its `attention_backend: auto` became (Trainer.settle_auto_attention)
+    attention_backends: dict[str, str] = field(default_factory=dict)
 
     def state_dict(self) -> dict:
         return dict(vars(self))
@@ -161,6 +164,7 @@ class Trainer:
         self._bad_logged = 0   # ... over all ranks, when last logged
         self.lease = None      # rank 0's RunLease of output_dir, when train() holds one
         self.watchdog = None   # this rank's Watchdog, when train() runs one
+        self._attention_settled = False   # no part's attention is left on `auto` (settle_auto_attention)
         self.log = get_logger()
 
     def close(self) -> None:
@@ -223,6 +227,7 @@ class Trainer:
         cfg = self.job.trainer
         ckpt_cfg = self.job.checkpoint
         self.metrics.start(self.state.step, cfg.max_steps)
+        self.settle_auto_attention(measure=False)   # a resumed run's choice, before its first step
         with sigterm_recorded(ckpt_cfg.save_on_sigterm) as signalled:
             while self.state.step < cfg.max_steps:
                 with self.watched("step", f"step {self.state.step + 1}"):
@@ -290,7 +295,65 @@ class Trainer:
             "packing": stats["packing"], **lrs,
             "step_time": time.perf_counter() - t0, "data_wait": data_wait,
             "skipped_steps": self.state.skipped_steps})
+        self.settle_auto_attention()
         return totals[4] > 0
+
+    # -- attention_backend: auto ---------------------------------------------------------------
+    def settle_auto_attention(self, measure: bool = True) -> None:
+        """Turn each part's `auto` attention into one backend for the rest of the run: the one the
+        run chose before (kept in the checkpoint, so that a resumed run computes with the same
+        kernels, to the bit), or else, once a step has run, the fastest on rank 0's first pack. Every
+        rank takes rank 0's choice: ranks on other kernels would compute other bits."""
+        if self._attention_settled:
+            return
+        settled = True
+        for name, part in self.parts.items():
+            modules = auto_attention(part.model)
+            if not modules:
+                continue
+            choice, how = self.state.attention_backends.get(name), "kept from the checkpoint"
+            if choice is not None and choice not in auto_candidates(self.world.device, self.compute_dtype):
+                self.log.warning("attention_backend auto: the checkpoint's choice for %s, %s, cannot run on "
+                                 "%s; measuring again (the kernels, and so the bits, change)", name, choice,
+                                 self.world.device)
+                choice = None
+            if choice is None and measure:
+                choice, how = self.measure_attention(modules)
+            if choice is None:
+                settled = False
+                continue
+            for module in modules:
+                module.backend, module.first_call = choice, None
+            self.state.attention_backends[name] = choice
+            self.log.info("attention_backend auto of %s: %s (%s)", name, choice, how)
+        self._attention_settled = settled
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.job.trainer.dtype == "bf16" else torch.float32
+
+    def measure_attention(self, modules: list) -> tuple[str | None, str]:
+        """Rank 0 times the exact backends on the attention calls its modules recorded in the last
+        step (forward and backward); every rank gets its choice (None: nothing was recorded)."""
+        result: tuple[str | None, str] = (None, "")
+        if self.world.is_main:
+            calls = [m.first_call for m in modules if m.first_call is not None]
+            if calls:
+                times = measure_backends(calls)
+                try:
+                    result = (fastest(times), "the fastest on rank 0's first pack, forward and backward of "
+                              f"its {len(calls)} attention calls: " + ", ".join(
+                                  f"{n} {t * 1e3:.2f} ms" if isinstance(t, float) else f"{n} refused ({t})"
+                                  for n, t in times.items()))
+                except RuntimeError as e:
+                    result = ("", str(e))
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            box = [result]
+            dist.broadcast_object_list(box, src=0)
+            result = box[0]
+        if result[0] == "":
+            raise RuntimeError(result[1])
+        return result
 
     def record_samples(self, micro_batches: list) -> None:
         """Append this step's sample ids to output_dir/consumed/<dp rank>.txt (one line per step).

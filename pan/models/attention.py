@@ -22,8 +22,12 @@ changes the semantics.
 - `varlen`: `torch.nn.attention.varlen.varlen_attn` (flash varlen; CUDA only): one call over all
   segments under the full rule; with block-causal segments, a call per segment and per run, as in
   blockwise.
-- `auto`: blockwise if any segment is block-causal; else varlen for fp16/bf16 CUDA tensors, sdpa
-  otherwise.
+- `auto`: chosen by measurement. Until a choice is made, the rule: blockwise if any segment is
+  block-causal; else varlen for fp16/bf16 CUDA tensors, sdpa otherwise. Each `InnerAttention` left on
+  `auto` records the shapes and segments of its first training call (`AttentionCall`); the trainer
+  then times every exact candidate on them, forward and backward (`measure_backends`), takes rank
+  0's fastest on every rank, keeps it in the checkpoint and logs it (pan/trainer.py). Outside
+  training (sampling) `auto` stays the rule.
 
 Segments asked by some rows only (`AttnSegments.with_queries`: a last layer whose other outputs
 nobody reads) take q and give outputs for those rows; every backend answers them exactly (sdpa,
@@ -38,9 +42,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import statistics
+import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from itertools import accumulate
 from typing import Literal, get_args
 
@@ -399,11 +405,14 @@ class InnerAttention(nn.Module):
     def __init__(self, backend: AttentionBackend = "auto"):
         super().__init__()
         self.backend = backend
+        self.first_call: AttentionCall | None = None   # while `auto`: what `measure_backends` times
 
     # Not traced by torch.compile (compile_transformer): the kernels are whole already, and the
     # per-segment loop (or varlen's max_seqlen) would make every new batch layout a recompilation.
     @torch.compiler.disable
     def forward(self, q: Tensor, k: Tensor, v: Tensor, segments: AttnSegments) -> Tensor:
+        if self.backend == "auto" and self.first_call is None and torch.is_grad_enabled():
+            self.first_call = AttentionCall(q.shape, k.shape, q.dtype, q.device, segments)
         return attention(q, k, v, segments, self.backend)
 
     def extra_repr(self) -> str:
@@ -416,4 +425,96 @@ def set_attention_backend(model: nn.Module, backend: AttentionBackend) -> None:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {ATTENTION_BACKENDS}.")
     for module in model.modules():
         if isinstance(module, InnerAttention):
-            module.backend = backend
+            module.backend, module.first_call = backend, None
+
+
+# ------------------------------------------------------------------------------------------------
+# auto: the backend chosen by measurement
+# ------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AttentionCall:
+    """What timing one attention call needs: the shapes, dtype and device of q and of k/v, and the
+    pack's segments (the cost depends on these, never on the values)."""
+    q_shape: torch.Size
+    kv_shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    segments: AttnSegments
+
+    @property
+    def key(self) -> tuple:
+        """Calls with equal keys cost the same (the blocks of one model share the pack's segments)."""
+        return self.q_shape, self.kv_shape, self.dtype, self.device, id(self.segments)
+
+
+def auto_attention(model: nn.Module) -> list[InnerAttention]:
+    """The model's attention modules still on `auto`."""
+    return [m for m in model.modules() if isinstance(m, InnerAttention) and m.backend == "auto"]
+
+
+def auto_candidates(device: torch.device, dtype: torch.dtype) -> list[str]:
+    """The backends `auto` chooses among: every exact one that trains any pack on this device in this
+    dtype. Not flex: it compiles (on CUDA) for every new pack shape."""
+    names = ["sdpa", "blockwise"]
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        names.append("varlen")
+    return names
+
+
+def measure_backends(calls: Sequence[AttentionCall], repeats: int = 3) -> dict[str, float | str]:
+    """Seconds of forward + backward of all `calls` (one per attention module; equal calls are timed
+    once and counted as often as they occur) for each candidate backend: per call the median of
+    `repeats` runs after a warm-up, the backends taking turns so that the machine's drift reaches all
+    alike. A backend that refuses a call, or fails on it, gets the reason instead of a time."""
+    counts: dict[tuple, int] = {}
+    distinct: dict[tuple, AttentionCall] = {}
+    for call in calls:
+        counts[call.key] = counts.get(call.key, 0) + 1
+        distinct.setdefault(call.key, call)
+    candidates = auto_candidates(calls[0].device, calls[0].dtype)
+    results: dict[str, float | str] = dict.fromkeys(candidates, 0.0)
+    for key, call in distinct.items():
+        inputs = _random_inputs(call)
+        runs: dict[str, list[float]] = {name: [] for name in candidates}
+        for _ in range(1 + repeats):
+            for name in candidates:
+                if isinstance(results[name], str):
+                    continue
+                try:
+                    runs[name].append(_forward_backward_seconds(name, call, *inputs))
+                except (ValueError, RuntimeError) as e:   # a refusal, or out of memory
+                    results[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        for name in candidates:
+            if not isinstance(results[name], str):
+                results[name] += counts[key] * statistics.median(runs[name][1:])   # the first warms up
+    return results
+
+
+def _random_inputs(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """q, k, v (leaves that want gradients) and an output gradient, from a generator of their own:
+    measuring draws nothing from the training's random streams."""
+    generator = torch.Generator(call.device).manual_seed(0)
+    def draw(shape):
+        return torch.randn(shape, generator=generator, device=call.device, dtype=call.dtype)
+    q, k, v = (draw(shape).requires_grad_() for shape in (call.q_shape, call.kv_shape, call.kv_shape))
+    return q, k, v, draw(call.q_shape)
+
+
+def _forward_backward_seconds(backend: str, call: AttentionCall, q: Tensor, k: Tensor, v: Tensor,
+                              grad: Tensor) -> float:
+    synchronize = torch.cuda.synchronize if call.device.type == "cuda" else (lambda: None)
+    synchronize()
+    start = time.perf_counter()
+    out = attention(q, k, v, call.segments, backend)
+    torch.autograd.grad(out, (q, k, v), grad)
+    synchronize()
+    return time.perf_counter() - start
+
+
+def fastest(results: dict[str, float | str]) -> str:
+    """The measured backend with the least time (a refusing one is never chosen)."""
+    timed = [(t, name) for name, t in results.items() if not isinstance(t, str)]
+    if not timed:
+        raise RuntimeError(f"no attention backend ran the first pack's attention calls: {results}")
+    return min(timed)[1]

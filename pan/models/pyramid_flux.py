@@ -56,7 +56,7 @@ class PyramidRuntimeKeys:
     """Keys of the released config.json that the original sets from its training command line
     (ignoring the file, quirk F2). pan reads them from the file and honours each one."""
     use_flash_attn: bool = knob(False, "attention backend the blocks start with: true = 'auto' (pan's "
-                                       "fastest exact kernels; the block-causal mask is never dropped, "
+                                       "fastest exact kernels, by measurement; the block-causal mask is never dropped, "
                                        "unlike the original's flash path), false = 'sdpa' (one masked "
                                        "SDPA call per sequence, the original's other path)")
     use_temporal_causal: bool = knob(True, "block-causal attention over latent frames (captions are frame "

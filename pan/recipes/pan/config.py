@@ -39,7 +39,8 @@ class PanModelConfig:
         "auto", "attention kernel: sdpa (one SDPA call per sample layout, CPU and reference), blockwise "
                 "(block-causal samples: one call per frame over the keys it may see), flex (torch "
                 "flex_attention; trains on CUDA only), varlen (torch varlen kernel, CUDA), auto "
-                "(blockwise for block-causal packs, varlen on CUDA, sdpa otherwise)")
+                "(the fastest exact one, measured on the first pack after step 1 and kept in the "
+                "checkpoint; the rule before: blockwise for block-causal packs, varlen on CUDA, sdpa)")
 
     def check(self, job) -> None:
         check_bucket_patches(job)

@@ -54,7 +54,8 @@ class PyramidModelConfig:
                               "diffusion_transformer_image)", non_empty=True)
     attention_backend: str | None = knob(
         None, "attention kernels: null = the variant's own choice (its use_flash_attn), or one of "
-              "auto, sdpa, blockwise, flex, varlen (every one honours the block-causal rule or refuses)")
+              "auto, sdpa, blockwise, flex, varlen (every one honours the block-causal rule or refuses; auto: "
+              "the fastest exact one, measured on the first pack and kept in the checkpoint)")
     use_temporal_causal: bool | None = knob(
         None, "block-causal attention over latent frames (captions are frame 0); null = the variant's "
               "config.json value (true as released; pan model: true)")
