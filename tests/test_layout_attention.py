@@ -150,6 +150,15 @@ class KernelCalls(TorchDispatchMode):
         return func(*args, **kwargs or {})
 
 
+def each_segment_alone(q, k, v, segments):
+    """Every asking segment through an SDPA call of its own, with its own mask."""
+    sizes = list(segments.seqlens)
+    groups = segments.frame_groups or (None,) * len(sizes)
+    return torch.cat([sdpa_rows(qs, ks, vs, None if g is None else g.query_frames()[:, None] >= g.frames[None, :])
+                      for qs, ks, vs, g in zip(q.split(list(segments.query_lens or sizes)), k.split(sizes),
+                                               v.split(sizes), groups) if qs.shape[0]])
+
+
 @pytest.mark.parametrize("asking", ["every row", "some rows"])
 def test_sdpa_runs_one_call_per_layout_with_each_segments_own_bits(asking):
     # An AR batch repeats a few layouts (stage x unit): sdpa batches the segments of one layout into
@@ -176,16 +185,14 @@ def test_sdpa_runs_one_call_per_layout_with_each_segments_own_bits(asking):
         (attention(*ins, segments, "sdpa") * w).sum().backward()
     assert len(segments.layout_batches.batches) == distinct and calls.count == 2 * distinct
 
-    alone = dataclasses.replace(segments)
-    alone.__dict__["layout_batches"] = None            # the segment-by-segment path
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
     with KernelCalls() as calls:
-        (attention(*ref, alone, "sdpa") * w).sum().backward()
+        (each_segment_alone(*ref, segments) * w).sum().backward()
     assert calls.count == 2 * sum(1 for n in (segments.query_lens or segments.seqlens) if n)
     for name, a, b in zip("qkv", ins, ref):
         assert torch.equal(a.grad, b.grad), f"grad {name}"
     with torch.no_grad():
-        assert torch.equal(attention(q, k, v, segments, "sdpa"), attention(q, k, v, alone, "sdpa"))
+        assert torch.equal(attention(q, k, v, segments, "sdpa"), each_segment_alone(q, k, v, segments))
     # and the rule holds (float64 against the dense mask)
     allowed = reference_mask(layouts)
     rows = torch.arange(pack.joint.total) if segments.query_rows is None else segments.query_rows

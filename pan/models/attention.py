@@ -4,11 +4,12 @@ All backends: scale 1/sqrt(head_dim), never crossing segments, and the same atte
 segment: full, or block-causal over frames (`AttnSegments.frames`: a row attends to the rows of frames
 <= its own in its segment). A backend that cannot apply a rule refuses with a ValueError; none
 changes the semantics.
-- `sdpa`: one `F.scaled_dot_product_attention` call per segment; a block-causal segment gets its own
-  [Ls, Ls] mask, built when that segment runs. The reference, and the fast path for the full rule on
-  CPU (2.3-3.3x faster there than one call with a block-diagonal mask). Segments of one layout
-  (lengths and rule: an AR batch repeats a few, a batch of same-size images one) share a call with a
-  batch dimension (`AttnSegments.layout_batches`), which gives each the bits of its own call.
+- `sdpa`: one `F.scaled_dot_product_attention` call per segment layout; a block-causal layout gets
+  its own [Lq, Ls] mask, built when its call runs. The reference, and the fast path for the full
+  rule on CPU (2.3-3.3x faster there than one call with a block-diagonal mask). Segments of one
+  layout (lengths and rule: an AR batch repeats a few, a batch of same-size images one) share the
+  call with a batch dimension (`AttnSegments.layout_batches`), which gives each the bits of a call
+  of its own.
 - `blockwise`: full segments as in sdpa; a block-causal segment as unmasked SDPA calls, one per run
   of same-frame queries over exactly the keys of frames <= theirs (`FrameGroups`, built once per
   pack), so the masked part is never computed. `benchmarks/attention.py` on CPU (1 thread, forward +
@@ -54,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pan.models.packing import AttnSegments, FrameGroups, LayoutBatches, permute_rows
+from pan.models.packing import AttnSegments, FrameGroups, permute_rows
 
 AttentionBackend = Literal["auto", "sdpa", "blockwise", "flex", "varlen"]
 ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
@@ -98,23 +99,11 @@ def sdpa_rows(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Te
 
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, segments: AttnSegments) -> Tensor:
     """Reference backend: one SDPA call per segment, with the segment's block-causal mask if any;
-    segments of one layout (`AttnSegments.layout_batches`) share a call, with a batch dimension."""
-    batches = segments.layout_batches
-    if batches is not None:
-        return _layout_batched_sdpa(q, k, v, batches)
-
-    def masked(qs, ks, vs, groups: FrameGroups) -> Tensor:
-        frame, asking = groups.frames.to(q.device), groups.query_frames().to(q.device)
-        # [nq, Ls], built for this segment only, never for the whole pack
-        return sdpa_rows(qs, ks, vs, asking[:, None] >= frame[None, :])
-
-    return _per_segment(q, k, v, segments, sdpa_rows, masked)
-
-
-def _layout_batched_sdpa(q: Tensor, k: Tensor, v: Tensor, plan: LayoutBatches) -> Tensor:
-    """One SDPA call per layout: its segments' rows gathered back to back, viewed as [count, H, n, d].
-    Each batch element is computed as its own call would compute it (the same values, to the bit, on
-    CPU's flash kernel), for a fraction of the per-call cost when segments are small."""
+    the segments of one layout (`AttnSegments.layout_batches`) share that call, their rows gathered
+    back to back and viewed as [count, H, n, d]. Each batch element is computed as its own call would
+    compute it (the same values, to the bit, on CPU's flash kernel), for a fraction of the per-call
+    cost when segments are small."""
+    plan = segments.layout_batches
     qs = permute_rows(q, plan.query_order, plan.query_inverse)
     ks, vs = (permute_rows(t, plan.key_order, plan.key_inverse) for t in (k, v))
     query_rows = [b.count * b.query_len for b in plan.batches]
@@ -122,10 +111,12 @@ def _layout_batched_sdpa(q: Tensor, k: Tensor, v: Tensor, plan: LayoutBatches) -
     key_rows.append(k.shape[0] - sum(key_rows))   # segments that ask nothing: read by no batch
     outs = []
     for b, qb, kb, vb in zip(plan.batches, qs.split(query_rows), ks.split(key_rows), vs.split(key_rows)):
-        mask = b.mask()
+        mask = b.mask()   # [query_len, key_len], this layout's only, never the whole pack's
         out = F.scaled_dot_product_attention(*(t.view(b.count, -1, *t.shape[1:]).transpose(1, 2) for t in (qb, kb, vb)),
                                              attn_mask=None if mask is None else mask.to(q.device))
         outs.append(out.transpose(1, 2).reshape(qb.shape))
+    if not outs:   # no segment asks anything
+        return torch.empty_like(q)
     return permute_rows(torch.cat(outs), plan.query_inverse, plan.query_order)
 
 

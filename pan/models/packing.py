@@ -152,9 +152,9 @@ class AttnSegments:
         return dataclasses.replace(self, query_rows=rows, query_lens=tuple(lens.tolist()), frame_groups=groups)
 
     @functools.cached_property
-    def layout_batches(self) -> LayoutBatches | None:
+    def layout_batches(self) -> LayoutBatches:
         """The segments that ask something, grouped by layout (lengths and rule) for one batched
-        attention call per group; None when no two share one. Built once per pack."""
+        attention call per group. Built once per pack."""
         return LayoutBatches.of(self)
 
     def unsharded(self) -> AttnSegments:
@@ -225,14 +225,12 @@ class LayoutBatches:
     key_inverse: Tensor | None
 
     @classmethod
-    def of(cls, segments: AttnSegments) -> LayoutBatches | None:
+    def of(cls, segments: AttnSegments) -> LayoutBatches:
         asking = segments.query_lens or segments.seqlens
         groups: dict[tuple, list[int]] = {}
         for i, (keys, queries) in enumerate(zip(segments.seqlens, asking)):
             if queries:
                 groups.setdefault((keys, queries, _rule_key(segments, i)), []).append(i)
-        if len(groups) == sum(1 for n in asking if n):
-            return None
         key_starts, query_starts = [0, *accumulate(segments.seqlens)], [0, *accumulate(asking)]
         batched = [i for members in groups.values() for i in members]
         idle = [i for i, n in enumerate(asking) if not n]
