@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dist_utils import run_distributed
 from pan.models import PanDiTConfig, PanVideoDiffusionTransformer
-from pan.models.attention import attention, sdpa_rows, set_attention_backend, varlen_packed
+from pan.models.attention import attention, frame_group_attention, sdpa_rows, set_attention_backend, varlen_packed
 from pan.models.packing import Clip, FrameGroups, PackInfo, SampleLayout, _sample_rows
 from pan.parallel.context_parallel import ContextParallel, attach_ulysses
 
@@ -150,20 +150,42 @@ class KernelCalls(TorchDispatchMode):
         return func(*args, **kwargs or {})
 
 
-def each_segment_alone(q, k, v, segments):
-    """Every asking segment through an SDPA call of its own, with its own mask."""
+def each_segment_alone(q, k, v, segments, backend):
+    """Every asking segment through calls of its own: one SDPA call with its own mask (sdpa), or its
+    own frame-group runs (blockwise); a full segment through one unmasked call."""
     sizes = list(segments.seqlens)
     groups = segments.frame_groups or (None,) * len(sizes)
-    return torch.cat([sdpa_rows(qs, ks, vs, None if g is None else g.query_frames()[:, None] >= g.frames[None, :])
-                      for qs, ks, vs, g in zip(q.split(list(segments.query_lens or sizes)), k.split(sizes),
-                                               v.split(sizes), groups) if qs.shape[0]])
+
+    def alone(qs, ks, vs, g):
+        if g is None:
+            return sdpa_rows(qs, ks, vs)
+        if backend == "blockwise":
+            return frame_group_attention(qs, ks, vs, g, sdpa_rows)
+        return sdpa_rows(qs, ks, vs, g.query_frames()[:, None] >= g.frames[None, :])
+
+    return torch.cat([alone(qs, ks, vs, g) for qs, ks, vs, g in zip(q.split(list(segments.query_lens or sizes)),
+                                                                     k.split(sizes), v.split(sizes), groups)
+                      if qs.shape[0]])
 
 
+def kernel_calls_of(segments, backend, batched: bool) -> int:
+    """Attention kernels of a forward and backward: one per call of a layout, or of each segment;
+    blockwise calls once per frame-group run of a block-causal one."""
+    if batched:
+        return 2 * sum(len(b.groups.runs) if backend == "blockwise" and b.groups else 1
+                       for b in segments.layout_batches.batches)
+    groups = segments.frame_groups or (None,) * len(segments.seqlens)
+    return 2 * sum(len(g.runs) if backend == "blockwise" and g else 1
+                   for g, n in zip(groups, segments.query_lens or segments.seqlens) if n)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "blockwise"])
 @pytest.mark.parametrize("asking", ["every row", "some rows"])
-def test_sdpa_runs_one_call_per_layout_with_each_segments_own_bits(asking):
-    # An AR batch repeats a few layouts (stage x unit): sdpa batches the segments of one layout into
-    # one call. Each segment must come out, forward and backward, exactly as a call of its own gives
-    # it (fp32: any other summation order would show), whatever the order of the samples.
+def test_one_call_per_layout_gives_each_segment_its_own_bits(asking, backend):
+    # An AR batch repeats a few layouts (stage x unit): sdpa and blockwise batch the segments of one
+    # layout into one call (one per frame-group run for blockwise). Each segment must come out,
+    # forward and backward, exactly as calls of its own give it (fp32: any other summation order
+    # would show), whatever the order of the samples.
     layouts = [LAYOUTS[i] for i in (0, 2, 1, 0, 3, 2, 0, 1, 5, 4, 4)]
     pack = PackInfo.from_layouts(layouts)
     segments = pack.joint
@@ -182,23 +204,24 @@ def test_sdpa_runs_one_call_per_layout_with_each_segments_own_bits(asking):
     distinct = len({(s, a) for s, a in zip(layouts, asked) if a})
     ins = [t.clone().requires_grad_() for t in (q, k, v)]
     with KernelCalls() as calls:
-        (attention(*ins, segments, "sdpa") * w).sum().backward()
-    assert len(segments.layout_batches.batches) == distinct and calls.count == 2 * distinct
+        (attention(*ins, segments, backend) * w).sum().backward()
+    assert len(segments.layout_batches.batches) == distinct
+    assert calls.count == kernel_calls_of(segments, backend, batched=True)
 
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
     with KernelCalls() as calls:
-        (each_segment_alone(*ref, segments) * w).sum().backward()
-    assert calls.count == 2 * sum(1 for n in (segments.query_lens or segments.seqlens) if n)
+        (each_segment_alone(*ref, segments, backend) * w).sum().backward()
+    assert calls.count == kernel_calls_of(segments, backend, batched=False)
     for name, a, b in zip("qkv", ins, ref):
         assert torch.equal(a.grad, b.grad), f"grad {name}"
     with torch.no_grad():
-        assert torch.equal(attention(q, k, v, segments, "sdpa"), each_segment_alone(q, k, v, segments))
+        assert torch.equal(attention(q, k, v, segments, backend), each_segment_alone(q, k, v, segments, backend))
     # and the rule holds (float64 against the dense mask)
     allowed = reference_mask(layouts)
     rows = torch.arange(pack.joint.total) if segments.query_rows is None else segments.query_rows
     q64, k64, v64 = (t.double() for t in (q, k, v))
     with torch.no_grad():
-        torch.testing.assert_close(attention(q64, k64, v64, segments, "sdpa"),
+        torch.testing.assert_close(attention(q64, k64, v64, segments, backend),
                                    naive_attention(q64, k64, v64, allowed[rows]), rtol=1e-10, atol=1e-10)
 
 

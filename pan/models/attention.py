@@ -12,7 +12,8 @@ changes the semantics.
   of its own.
 - `blockwise`: full segments as in sdpa; a block-causal segment as unmasked SDPA calls, one per run
   of same-frame queries over exactly the keys of frames <= theirs (`FrameGroups`, built once per
-  pack), so the masked part is never computed. `benchmarks/attention.py` on CPU (1 thread, forward +
+  pack), so the masked part is never computed; the segments of one layout share each run's call, as
+  in sdpa. `benchmarks/attention.py` on CPU (1 thread, forward +
   backward, 16 frames): 0.76x the cost of the full rule at 64 tokens per frame (CPU's flash kernel
   is less efficient on small query blocks), 0.59x at 256; sdpa with the mask costs 1.1-1.4x. Its
   many small calls suffer from OpenMP barriers on an oversubscribed CPU. On CUDA its unmasked calls
@@ -21,7 +22,7 @@ changes the semantics.
   rule) built once per pack. Compiled on CUDA. On CPU torch has no flex backward, so it refuses to
   train there, and runs eager (holding [heads, L, L] scores): compiling costs ~10 s per pack shape.
 - `varlen`: `torch.nn.attention.varlen.varlen_attn` (flash varlen; CUDA only): one call over all
-  segments under the full rule; with block-causal segments, a call per segment and per run, as in
+  segments under the full rule; with block-causal segments, a call per layout and per run, as in
   blockwise.
 - `auto`: chosen by measurement. Until a choice is made, the rule: blockwise if any segment is
   block-causal; else varlen for fp16/bf16 CUDA tensors, sdpa otherwise. Each `InnerAttention` left on
@@ -60,8 +61,10 @@ from pan.models.packing import AttnSegments, FrameGroups, permute_rows
 AttentionBackend = Literal["auto", "sdpa", "blockwise", "flex", "varlen"]
 ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
 
-# q, k, v [n_q or n_k, H, d] -> [n_q, H, d]: unmasked attention of every query over every key
+# q, k, v [n_q or n_k, H, d] -> [n_q, H, d]: unmasked attention of every query over every key (or
+# [count, n, H, d]: `count` segments of one layout, each its own attention)
 Kernel = Callable[[Tensor, Tensor, Tensor], Tensor]
+ROWS = -3   # the row (token) dimension of q/k/v, [(count,) n, H, d]
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, segments: AttnSegments,
@@ -88,21 +91,54 @@ def auto_backend(q: Tensor, segments: AttnSegments) -> str:
 
 
 # ------------------------------------------------------------------------------------------------
-# sdpa and blockwise: per segment
+# sdpa and blockwise: one call per segment layout
 # ------------------------------------------------------------------------------------------------
 
 def sdpa_rows(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
-    """One SDPA call on [n, H, d] rows (SDPA reads the [1, H, n, d] strided views without a copy)."""
-    qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-    return F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)[0].transpose(0, 1)
+    """One SDPA call on [n, H, d] rows, or on [count, n, H, d]: `count` segments of one layout (SDPA
+    reads the heads-first strided views without a copy)."""
+    out = F.scaled_dot_product_attention(*(_heads_first(t) for t in (q, k, v)), attn_mask=mask)
+    return _rows_first(out, q)
+
+
+def _heads_first(t: Tensor) -> Tensor:
+    """[n, H, d] -> [1, H, n, d], [count, n, H, d] -> [count, H, n, d] (views)."""
+    return (t if t.dim() == 4 else t.unsqueeze(0)).transpose(1, 2)
+
+
+def _rows_first(out: Tensor, like: Tensor) -> Tensor:
+    """`_heads_first`'s inverse, back to the layout of `like`."""
+    out = out.transpose(1, 2)
+    return out if like.dim() == 4 else out[0]
+
+
+def block_causal_mask(groups: FrameGroups, device) -> Tensor:
+    """[nq, Ls] bool: which keys each asking row of a block-causal segment sees (frames <= its own)."""
+    return groups.query_frames().to(device)[:, None] >= groups.frames.to(device)[None, :]
 
 
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, segments: AttnSegments) -> Tensor:
-    """Reference backend: one SDPA call per segment, with the segment's block-causal mask if any;
-    the segments of one layout (`AttnSegments.layout_batches`) share that call, their rows gathered
-    back to back and viewed as [count, H, n, d]. Each batch element is computed as its own call would
+    """Reference backend: one SDPA call per segment layout, with the layout's block-causal mask if
+    any (built for that call only, never for the whole pack)."""
+    return _per_layout(q, k, v, segments, sdpa_rows,
+                       lambda qs, ks, vs, groups: sdpa_rows(qs, ks, vs, block_causal_mask(groups, q.device)))
+
+
+def blockwise_attention(q: Tensor, k: Tensor, v: Tensor, segments: AttnSegments) -> Tensor:
+    """Block-causal layouts as unmasked SDPA calls, one per run of same-frame queries (see
+    `frame_group_attention`); full ones as in sdpa."""
+    return _per_layout(q, k, v, segments, sdpa_rows,
+                       lambda qs, ks, vs, groups: frame_group_attention(qs, ks, vs, groups, sdpa_rows))
+
+
+def _per_layout(q: Tensor, k: Tensor, v: Tensor, segments: AttnSegments, full: Kernel,
+                block_causal: Callable[[Tensor, Tensor, Tensor, FrameGroups], Tensor]) -> Tensor:
+    """Run the segments of each layout (`AttnSegments.layout_batches`) together through `full` or
+    `block_causal` (by the layout's rule) as [count, n, H, d] tensors: their rows gathered back to
+    back, one call where there were `count`. Each batch element is computed as its own call would
     compute it (the same values, to the bit, on CPU's flash kernel), for a fraction of the per-call
-    cost when segments are small."""
+    cost when segments are small. Rows are cut with `split`, whose backward is one concatenation
+    (slicing would give each piece a zero-filled gradient the size of the pack)."""
     plan = segments.layout_batches
     qs = permute_rows(q, plan.query_order, plan.query_inverse)
     ks, vs = (permute_rows(t, plan.key_order, plan.key_inverse) for t in (k, v))
@@ -111,26 +147,19 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, segments: AttnSegments) -> T
     key_rows.append(k.shape[0] - sum(key_rows))   # segments that ask nothing: read by no batch
     outs = []
     for b, qb, kb, vb in zip(plan.batches, qs.split(query_rows), ks.split(key_rows), vs.split(key_rows)):
-        mask = b.mask()   # [query_len, key_len], this layout's only, never the whole pack's
-        out = F.scaled_dot_product_attention(*(t.view(b.count, -1, *t.shape[1:]).transpose(1, 2) for t in (qb, kb, vb)),
-                                             attn_mask=None if mask is None else mask.to(q.device))
-        outs.append(out.transpose(1, 2).reshape(qb.shape))
+        batched = [t.view(b.count, -1, *t.shape[1:]) for t in (qb, kb, vb)]
+        out = full(*batched) if b.groups is None else block_causal(*batched, b.groups)
+        outs.append(out.reshape(qb.shape))
     if not outs:   # no segment asks anything
         return torch.empty_like(q)
     return permute_rows(torch.cat(outs), plan.query_inverse, plan.query_order)
 
 
-def blockwise_attention(q: Tensor, k: Tensor, v: Tensor, segments: AttnSegments) -> Tensor:
-    """Block-causal segments as unmasked SDPA calls, one per run of same-frame queries (see
-    `frame_group_attention`); full segments as in sdpa."""
-    return _per_segment(q, k, v, segments, sdpa_rows,
-                        lambda qs, ks, vs, groups: frame_group_attention(qs, ks, vs, groups, sdpa_rows))
-
-
 def frame_group_attention(q: Tensor, k: Tensor, v: Tensor, groups: FrameGroups, kernel: Kernel) -> Tensor:
-    """One block-causal segment, q/k/v [Ls, H, d], without a mask: each run of same-frame query rows
-    attends the prefix of the frame-sorted keys that holds exactly the rows of frames <= its own.
-    Cost sum over runs of n_run * visible instead of Ls^2 (about half at many frames)."""
+    """One block-causal segment, q/k/v [Ls, H, d] (or `count` segments of one layout, [count, Ls, H,
+    d]: the runs are theirs alike), without a mask: each run of same-frame query rows attends the
+    prefix of the frame-sorted keys that holds exactly the rows of frames <= its own. Cost sum over
+    runs of n_run * visible instead of Ls^2 (about half at many frames)."""
     # the CPU flash op is what SDPA runs on CPU unless the caller turned it off (sdpa_kernel(MATH))
     if kernel is sdpa_rows and q.device.type == "cpu" and torch.backends.cuda.flash_sdp_enabled():
         return _CpuFlashFrameGroups.apply(q, k, v, groups)
@@ -149,20 +178,21 @@ class _FrameGroupAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, groups: FrameGroups, kernel: Kernel) -> Tensor:
-        ks, vs = (k, v) if groups.keys_in_order else (t.index_select(0, groups.key_order) for t in (k, v))
-        runs = [(q[start:end], ks[:visible], vs[:visible]) for start, end, visible in groups.runs]
+        ks, vs = _keys_by_frame(k, v, groups)
+        runs = [(q.narrow(ROWS, start, end - start), ks.narrow(ROWS, 0, visible), vs.narrow(ROWS, 0, visible))
+                for start, end, visible in groups.runs]
         ctx.groups, ctx.graphs = groups, None
         if not any(ctx.needs_input_grad[:3]):
-            return torch.cat([kernel(*inputs) for inputs in runs])      # runs back to back: segment order
+            return torch.cat([kernel(*inputs) for inputs in runs], ROWS)   # runs back to back: segment order
         runs = [tuple(t.detach().requires_grad_() for t in inputs) for inputs in runs]
         # The runs' graphs belong to this node alone: plain saved tensors, out of reach of any
         # saved-tensor hooks around it (activation checkpointing would otherwise recompute the block
         # from inside this node's backward).
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
-            outs = [kernel(*inputs) for inputs in runs]                  # [n_run, H, d] each
+            outs = [kernel(*inputs) for inputs in runs]                  # [(count,) n_run, H, d] each
         ctx.graphs = (outs, runs)
         ctx.key_meta = ((k.shape, k.dtype), (v.shape, v.dtype))       # of the gradients to return
-        return torch.cat([out.detach() for out in outs])
+        return torch.cat([out.detach() for out in outs], ROWS)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -170,14 +200,14 @@ class _FrameGroupAttention(torch.autograd.Function):
         (outs, runs), ctx.graphs = ctx.graphs, None                     # each run's graph is used once
         def run_grads(i: int) -> tuple[Tensor, Tensor, Tensor]:
             start, end, _ = ctx.groups.runs[i]
-            return torch.autograd.grad(outs[i], runs[i], grad[start:end])
+            return torch.autograd.grad(outs[i], runs[i], grad.narrow(ROWS, start, end - start))
 
         return *_gather_run_gradients(ctx.groups, ctx.key_meta, grad, run_grads), None, None
 
 
 def _gather_run_gradients(groups: FrameGroups, key_meta, grad: Tensor,
                           run_grads: Callable[[int], tuple[Tensor, Tensor, Tensor]]) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) of a segment from its runs' (gq, gk, gv) [n_run or visible, H, d], `run_grads(i)`
+    """(dq, dk, dv) of a segment from its runs' (gq, gk, gv) [(count,) n_run or visible, H, d], `run_grads(i)`
     of run i, taken one run at a time (only one run's key/value gradients exist at once: O(Ls)
     memory), the runs that see more keys first: the first one's key/value gradients are the sums'
     buffers when it sees every key (no zero-filled buffer to add them into), the others' are added
@@ -187,18 +217,25 @@ def _gather_run_gradients(groups: FrameGroups, key_meta, grad: Tensor,
     for i in sorted(range(len(groups.runs)), key=lambda i: -groups.runs[i][2]):
         visible = groups.runs[i][2]
         dqs[i], gk, gv = run_grads(i)
-        if dk is None and visible == key_meta[0][0][0]:
+        if dk is None and visible == key_meta[0][0][ROWS]:
             dk, dv = gk, gv
             continue
         if dk is None:
             dk, dv = (grad.new_zeros(shape, dtype=dtype) for shape, dtype in key_meta)
-        dk[:visible] += gk
-        dv[:visible] += gv
+        dk.narrow(ROWS, 0, visible).add_(gk)
+        dv.narrow(ROWS, 0, visible).add_(gv)
     if dk is None:   # no runs: no row asks
         dk, dv = (grad.new_zeros(shape, dtype=dtype) for shape, dtype in key_meta)
     if not groups.keys_in_order:
-        dk, dv = (t.index_select(0, groups.key_inverse) for t in (dk, dv))
-    return torch.cat(dqs), dk, dv                                       # dq: runs back to back, segment order
+        dk, dv = (t.index_select(ROWS, groups.key_inverse) for t in (dk, dv))
+    return torch.cat(dqs, ROWS), dk, dv                                 # dq: runs back to back, segment order
+
+
+def _keys_by_frame(k: Tensor, v: Tensor, groups: FrameGroups) -> tuple[Tensor, Tensor]:
+    """k and v with their rows sorted by frame (the schedule's key order)."""
+    if groups.keys_in_order:
+        return k, v
+    return k.index_select(ROWS, groups.key_order), v.index_select(ROWS, groups.key_order)
 
 
 def _as_is(t: Tensor) -> Tensor:
@@ -207,10 +244,6 @@ def _as_is(t: Tensor) -> Tensor:
 
 _CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _CPU_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-
-
-def _heads_first(t: Tensor) -> Tensor:
-    return t.transpose(0, 1).unsqueeze(0)                               # [n, H, d] -> [1, H, n, d] view
 
 
 class _CpuFlashFrameGroups(torch.autograd.Function):
@@ -223,14 +256,15 @@ class _CpuFlashFrameGroups(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, groups: FrameGroups) -> Tensor:
-        ks, vs = (k, v) if groups.keys_in_order else (t.index_select(0, groups.key_order) for t in (k, v))
+        ks, vs = _keys_by_frame(k, v, groups)
         qh, kh, vh = (_heads_first(t) for t in (q, ks, vs))              # one view each, sliced per run
         runs = [(qh[:, :, start:end], kh[:, :, :visible], vh[:, :, :visible]) for start, end, visible in groups.runs]
-        results = [_CPU_FLASH(*run) for run in runs]                    # (out [1, H, n, d], lse [1, H, n])
+        results = [_CPU_FLASH(*run) for run in runs]                    # (out [c, H, n, d], lse [c, H, n])
         if any(ctx.needs_input_grad[:3]):
             ctx.groups, ctx.runs, ctx.results = groups, runs, results
             ctx.key_meta = ((k.shape, k.dtype), (v.shape, v.dtype))   # of the gradients to return
-        return torch.cat([out[0].transpose(0, 1) for out, _ in results])  # runs back to back: segment order
+        # runs back to back: segment order
+        return torch.cat([_rows_first(out, q) for out, _ in results], ROWS)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -241,23 +275,9 @@ class _CpuFlashFrameGroups(torch.autograd.Function):
         def run_grads(i: int) -> tuple[Tensor, Tensor, Tensor]:
             (start, end, _), (out, lse) = ctx.groups.runs[i], results[i]
             grads = _CPU_FLASH_BACKWARD(grad_h[:, :, start:end], *runs[i], out, lse, 0.0, False)
-            return tuple(g[0].transpose(0, 1) for g in grads)
+            return tuple(_rows_first(g, grad) for g in grads)
 
         return *_gather_run_gradients(ctx.groups, ctx.key_meta, grad, run_grads), None
-
-
-def _per_segment(q: Tensor, k: Tensor, v: Tensor, segments: AttnSegments, full: Kernel,
-                 block_causal: Callable[[Tensor, Tensor, Tensor, FrameGroups], Tensor]) -> Tensor:
-    """Run each segment through `full` or `block_causal` (by its rule) and concatenate the outputs.
-
-    Segments are cut with `split`, whose backward is one concatenation of their gradients (slicing
-    would give each segment a zero-filled gradient the size of the pack, summed per tensor)."""
-    groups = segments.frame_groups or (None,) * len(segments.seqlens)
-    sizes = list(segments.seqlens)
-    asking = list(segments.query_lens or sizes)
-    outs = [full(qs, ks, vs) if group is None else block_causal(qs, ks, vs, group)
-            for qs, ks, vs, group in zip(q.split(asking), k.split(sizes), v.split(sizes), groups) if qs.shape[0]]
-    return torch.cat(outs) if outs else torch.empty_like(q)   # all segments empty: no rows
 
 
 # ------------------------------------------------------------------------------------------------
@@ -372,13 +392,15 @@ def varlen_packed(q: Tensor, k: Tensor, v: Tensor, segments: AttnSegments, varle
         cu_q = torch.tensor([0, *accumulate(segments.query_lens)], dtype=cu.dtype, device=q.device)
         return varlen(q, k, v, cu_q, cu, max(segments.query_lens), segments.max_seqlen)
 
-    def one_sequence(qs: Tensor, ks: Tensor, vs: Tensor) -> Tensor:
-        cu_q = torch.tensor([0, qs.shape[0]], dtype=torch.int32, device=q.device)
-        cu_k = torch.tensor([0, ks.shape[0]], dtype=torch.int32, device=q.device)
-        return varlen(qs, ks, vs, cu_q, cu_k, qs.shape[0], ks.shape[0])
+    def equal_sequences(qs: Tensor, ks: Tensor, vs: Tensor) -> Tensor:
+        """[count, nq or nk, H, d]: `count` sequences of one length, one call."""
+        count, nq, nk = qs.shape[0], qs.shape[1], ks.shape[1]
+        cu_q, cu_k = (torch.arange(0, (count + 1) * n, n, dtype=torch.int32, device=q.device) for n in (nq, nk))
+        out = varlen(*(t.flatten(0, 1) for t in (qs, ks, vs)), cu_q, cu_k, nq, nk)
+        return out.view(qs.shape)
 
-    return _per_segment(q, k, v, segments, one_sequence,
-                        lambda qs, ks, vs, groups: frame_group_attention(qs, ks, vs, groups, one_sequence))
+    return _per_layout(q, k, v, segments, equal_sequences,
+                       lambda qs, ks, vs, groups: frame_group_attention(qs, ks, vs, groups, equal_sequences))
 
 
 _BACKENDS: dict[str, Callable[[Tensor, Tensor, Tensor, AttnSegments], Tensor]] = {

@@ -48,6 +48,9 @@ class FrameGroups:
     keys_in_order: bool                     # key_order is the identity (no gather needed)
     runs: tuple[tuple[int, int, int], ...]  # (start, end, visible keys) of each run of same-frame queries
     queries: Tensor | None = None           # [nq] int64 segment rows that query (None: every row)
+    # the frames of the rows and of the asking rows, as host bytes: segments with equal ones have
+    # the same mask (what groups them into one call, `LayoutBatches`), whatever device `frames` is on
+    rule: tuple[bytes, bytes] = (b"", b"")
 
     @classmethod
     def of(cls, frames: Tensor, queries: Tensor | None = None) -> FrameGroups:
@@ -62,8 +65,9 @@ class FrameGroups:
         visible = visible_of_value[torch.searchsorted(values, run_values)]
         runs = tuple(zip((run_ends - run_lengths).tolist(), run_ends.tolist(), visible.tolist()))
         in_order = bool(torch.equal(order, torch.arange(len(order))))
+        rule = tuple(t.to(torch.int32).numpy().tobytes() for t in (cpu, asking))
         return cls(frames, order.to(frames.device), torch.argsort(order).to(frames.device), in_order, runs,
-                   None if queries is None else queries.to(frames.device))
+                   None if queries is None else queries.to(frames.device), rule)
 
     def moved(self, frames: Tensor) -> FrameGroups:
         """The same schedule beside `frames` (this schedule's frames on another device)."""
@@ -204,12 +208,7 @@ class LayoutBatch:
     count: int
     query_len: int
     key_len: int
-    query_frames: Tensor | None  # [query_len] frame of each asking row (block-causal), else None
-    key_frames: Tensor | None    # [key_len] frame of each key row
-
-    def mask(self) -> Tensor | None:
-        """[query_len, key_len] bool: the block-causal rule (None: every key)."""
-        return None if self.key_frames is None else self.query_frames[:, None] >= self.key_frames[None, :]
+    groups: FrameGroups | None   # the block-causal rule of each of them (None: full)
 
 
 @dataclass(frozen=True)
@@ -241,20 +240,17 @@ class LayoutBatches:
         return cls(batches, *_permutation(query_order, device), *_permutation(key_order, device))
 
 
-def _rule_key(segments: AttnSegments, i: int) -> tuple | None:
+def _rule_key(segments: AttnSegments, i: int) -> tuple[bytes, bytes] | None:
     """What decides segment i's mask: its rows' frames and its asking rows' frames (None: full)."""
     groups = segments.frame_groups[i] if segments.frame_groups else None
-    if groups is None:
-        return None
-    return tuple(groups.frames.tolist()), tuple(groups.query_frames().tolist())
+    return None if groups is None else groups.rule
 
 
 def _layout_batch(segments: AttnSegments, members: list[int]) -> LayoutBatch:
     first = members[0]
     groups = segments.frame_groups[first] if segments.frame_groups else None
     queries = (segments.query_lens or segments.seqlens)[first]
-    return LayoutBatch(len(members), queries, segments.seqlens[first],
-                       None if groups is None else groups.query_frames(), None if groups is None else groups.frames)
+    return LayoutBatch(len(members), queries, segments.seqlens[first], groups)
 
 
 def _rows_of(members: list[int], starts: list[int], lens) -> list[int]:
