@@ -15,7 +15,7 @@ import yaml
 
 from dist_utils import run_distributed
 from pan.data.synth import synth_dataset
-from pan.models.attention import (AttentionCall, InnerAttention, fastest, measure_backends,
+from pan.models.attention import (AttentionCall, InnerAttention, auto_candidates, fastest, measure_backends,
                                   set_attention_backend)
 from pan.models.packing import AttnSegments
 from pyramid_tiny import final_weights, load, released_fixture  # noqa: F401
@@ -92,6 +92,9 @@ def test_a_real_measurement_times_every_exact_candidate_without_touching_the_tra
     assert set(times) == {"sdpa", "blockwise"}       # varlen: CUDA with fp16/bf16 only; flex: never
     assert all(isinstance(t, float) and t > 0 for t in times.values()), times
     assert torch.equal(torch.get_rng_state(), rng)
+    # On full segments blockwise makes sdpa's own calls: only sdpa is timed, so noise decides nothing
+    assert set(measure_backends([call_of(AttnSegments.from_lengths([12, 20]))], repeats=1)) == {"sdpa"}
+    assert auto_candidates(torch.device("cuda"), torch.bfloat16, causal=False) == ["sdpa", "varlen"]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -466,10 +466,12 @@ def auto_attention(model: nn.Module) -> list[InnerAttention]:
     return [m for m in model.modules() if isinstance(m, InnerAttention) and m.backend == "auto"]
 
 
-def auto_candidates(device: torch.device, dtype: torch.dtype) -> list[str]:
+def auto_candidates(device: torch.device, dtype: torch.dtype, causal: bool = True) -> list[str]:
     """The backends `auto` chooses among: every exact one that trains any pack on this device in this
-    dtype. Not flex: it compiles (on CUDA) for every new pack shape."""
-    names = ["sdpa", "blockwise"]
+    dtype. blockwise only for packs with block-causal segments (on full ones it makes sdpa's own
+    calls: timing both would pick one of two equal things by noise). Not flex: it compiles (on CUDA)
+    for every new pack shape."""
+    names = ["sdpa", "blockwise"] if causal else ["sdpa"]
     if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
         names.append("varlen")
     return names
@@ -485,7 +487,7 @@ def measure_backends(calls: Sequence[AttentionCall], repeats: int = 3) -> dict[s
     for call in calls:
         counts[call.key] = counts.get(call.key, 0) + 1
         distinct.setdefault(call.key, call)
-    candidates = auto_candidates(calls[0].device, calls[0].dtype)
+    candidates = auto_candidates(calls[0].device, calls[0].dtype, any(c.segments.is_causal for c in calls))
     results: dict[str, float | str] = dict.fromkeys(candidates, 0.0)
     for key, call in distinct.items():
         inputs = _random_inputs(call)

@@ -351,8 +351,8 @@ def attention_flops(segments: AttnSegments, hidden: int, backend: str) -> int:
     """QK^T and AV of every joint sequence, summed over heads: 4 * D per (query, key) pair computed.
 
     All pairs under the full rule, and under the block-causal rule for `sdpa` (it evaluates the
-    masked pairs too). Backends that skip masked blocks (`blockwise`, `varlen`, and `auto`, which runs
-    blockwise there) compute only the allowed pairs; `flex` is counted the same, a lower bound (its
+    masked pairs too). Backends that skip masked blocks (`blockwise`, `varlen`, and `auto` until the
+    trainer measures its choice: it runs blockwise there) compute only the allowed pairs; `flex` is counted the same, a lower bound (its
     tiles compute partly masked blocks whole). Segments asked by some rows only count their queries.
     """
     count = len(segments.seqlens)
