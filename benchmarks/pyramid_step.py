@@ -17,7 +17,7 @@ builds its masks and positions inside its forward). The candidates run round-rob
 - `original`: the original `PyramidFluxTransformer` (SDPA with its dense [L, L] mask per column);
 - `pan`: pan with the backend `attention_backend: auto` chooses for this step, as the trainer
   chooses it: sdpa, blockwise (and varlen on CUDA in bf16) timed forward and backward on the step's
-  own attention calls (`pan_backend` and `auto_ms` in the table);
+  own attention calls (`pan_backend` and `auto_times` in the table);
 - `pan_sdpa`: pan with one masked SDPA call per sample (the original's algorithm, pan's code);
 - `pan_compiled`: `pan` with each block compiled as `compile_transformer: true` does (attention stays
   outside the graphs; the first round, which compiles, is not timed);
@@ -58,7 +58,7 @@ except ModuleNotFoundError:  # run as `python benchmarks/pyramid_step.py`: its f
     from common import import_original, interleaved_times, kernel_share, median, print_table, write_json
 from pan.diffusion.pyramid import (GeneratorDraws, PyramidConfig, PyramidSchedule, latent_pyramid,
                                    noise_full_sequence, noise_temporal_pyramid, stage_unit_counts)
-from pan.models.attention import auto_attention, fastest, measure_backends, set_attention_backend
+from pan.models.attention import auto_attention, describe, fastest, measure_backends, set_attention_backend
 from pan.models.packing import PackInfo
 from pan.models.pyramid_flux import PyramidFluxConfig, PyramidFluxTransformer
 from pan.parallel.fsdp import declared_blocks
@@ -281,8 +281,7 @@ def measure_mode(mode: str, state: dict, original, args) -> dict:
         compiled = pan_model(state, backend, args.device, compiled=True)
         candidates["pan_compiled"] = step(compiled)
     row = {"mode": mode, "pan_backend": backend, "video_tokens": inputs.video_tokens(),
-           "auto_ms": ", ".join(f"{n} {t * 1e3:.1f}" if isinstance(t, float) else f"{n} refused"
-                                for n, t in auto_times.items()),
+           "auto_times": describe(auto_times),
            "text_tokens": f"{TEXT_LEN} (original) / {TEXT_LEN // 2} (pan: padding dropped)",
            "pan_step_gflop": 3 * pan.forward_flops(pack, trained_only=True) / 1e9}
     if original is not None:
@@ -324,7 +323,7 @@ def measure_mode(mode: str, state: dict, original, args) -> dict:
 
 
 def report(rows: list[dict], original_note: str | None, repeats: int) -> None:
-    print_table(rows, ["mode", "video_tokens", "pan_backend", "auto_ms", "pan_step_gflop", "pan_kernel_share",
+    print_table(rows, ["mode", "video_tokens", "pan_backend", "auto_times", "pan_step_gflop", "pan_kernel_share",
                        "pan_compiled_kernel_share", "original_kernel_share", "loss_rel_diff", "grad_max_rel_diff",
                        "compiled_loss_rel_diff", "compiled_grad_max_rel_diff"])
     for clock in ("wall", "cpu"):

@@ -26,7 +26,7 @@ from pan.data.sources import SourceError
 from pan.logging import get_logger, quiet_library_progress_bars
 from pan.lora_runs import base_with_adapters
 from pan.metrics import Metrics
-from pan.models.attention import auto_attention, auto_candidates, fastest, measure_backends
+from pan.models.attention import auto_attention, auto_candidates, describe, fastest, measure_backends
 from pan.optim.builder import build_optimizer, build_scheduler
 from pan.optim.ema import EMA
 from pan.parallel.context_parallel import ContextParallel
@@ -312,7 +312,8 @@ class Trainer:
             if not modules:
                 continue
             choice, how = self.state.attention_backends.get(name), "kept from the checkpoint"
-            if choice is not None and choice not in auto_candidates(self.world.device, self.compute_dtype):
+            dtype = torch.bfloat16 if self.job.trainer.dtype == "bf16" else torch.float32   # autocast's
+            if choice is not None and choice not in auto_candidates(self.world.device, dtype):
                 self.log.warning("attention_backend auto: the checkpoint's choice for %s, %s, cannot run on "
                                  "%s; measuring again (the kernels, and so the bits, change)", name, choice,
                                  self.world.device)
@@ -328,10 +329,6 @@ class Trainer:
             self.log.info("attention_backend auto of %s: %s (%s)", name, choice, how)
         self._attention_settled = settled
 
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.job.trainer.dtype == "bf16" else torch.float32
-
     def measure_attention(self, modules: list) -> tuple[str | None, str]:
         """Rank 0 times the exact backends on the attention calls its modules recorded in the last
         step (forward and backward); every rank gets its choice (None: nothing was recorded)."""
@@ -342,9 +339,7 @@ class Trainer:
                 times = measure_backends(calls)
                 try:
                     result = (fastest(times), "the fastest on rank 0's first pack, forward and backward of "
-                              f"its {len(calls)} attention calls: " + ", ".join(
-                                  f"{n} {t * 1e3:.2f} ms" if isinstance(t, float) else f"{n} refused ({t})"
-                                  for n, t in times.items()))
+                              f"its {len(calls)} attention calls: {describe(times)}")
                 except RuntimeError as e:
                     result = ("", str(e))
         if dist.is_initialized() and dist.get_world_size() > 1:

@@ -352,8 +352,9 @@ def attention_flops(segments: AttnSegments, hidden: int, backend: str) -> int:
 
     All pairs under the full rule, and under the block-causal rule for `sdpa` (it evaluates the
     masked pairs too). Backends that skip masked blocks (`blockwise`, `varlen`, and `auto` until the
-    trainer measures its choice: it runs blockwise there) compute only the allowed pairs; `flex` is counted the same, a lower bound (its
-    tiles compute partly masked blocks whole). Segments asked by some rows only count their queries.
+    trainer measures its choice: it runs blockwise there) compute only the allowed pairs; `flex` is
+    counted the same, a lower bound (its tiles compute partly masked blocks whole). Segments asked by
+    some rows only count their queries.
     """
     count = len(segments.seqlens)
     frames, groups = segments.frames or (None,) * count, segments.frame_groups or (None,) * count
