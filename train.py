@@ -2,11 +2,11 @@
 
 import sys
 
-from pan.watchdog import watch_launcher  # the standard library only: nothing heavy is imported yet
+from pan.runtime.watchdog import watch_launcher  # the standard library only: nothing heavy is imported yet
 
 if __name__ == "__main__":
     watch_launcher()  # first: torchrun can die while this rank imports torch or waits to rendezvous
-    from pan.cli import cmd_train
+    from pan.cli import main
     from pan.parallel.world import exit_process
 
-    exit_process(cmd_train(sys.argv[1:]))
+    exit_process(main(["train", *sys.argv[1:]]))

@@ -6,7 +6,7 @@ different (t, h, w), each with a caption), gradient clipping, then AdamW or Muon
 `pan.optim.builder.build_optimizer`. Each mode (optimizer / activation checkpointing / attention
 backend) gets a fresh model; a mode that fails (out of memory, a kernel refusing its inputs) is
 reported with its error, the next one runs, and the script exits 1 at the end. MFU is the model's
-FLOPs (3 x `model.forward_flops`) over the datasheet peak of the GPU (`pan.metrics.peak_flops`). The
+FLOPs (3 x `model.forward_flops`) over the datasheet peak of the GPU (`pan.runtime.metrics.peak_flops`). The
 dtypes of q/k/v reaching the first attention call are recorded (varlen needs bf16 for all three).
 
     python -m benchmarks.gpu_step [--steps 8] [--out benchmarks/results/gpu_step.json]   # a GPU box
@@ -28,7 +28,7 @@ try:
     from benchmarks.common import median, print_table, time_call, write_json
 except ModuleNotFoundError:  # run as `python benchmarks/gpu_step.py`: its folder is on the path
     from common import median, print_table, time_call, write_json
-from pan.metrics import peak_flops
+from pan.runtime.metrics import peak_flops
 from pan.models import PackInfo, PanDiTConfig, PanVideoDiffusionTransformer
 from pan.models.attention import InnerAttention
 from pan.optim.builder import build_optimizer

@@ -6,7 +6,8 @@ import argparse
 import sys
 
 from pan.config import EXIT_CONFIG_ERROR, load_config_or_exit  # noqa: F401 - the commands' exit code
-from pan.watchdog import watch_launcher
+from pan.recipe import RegistryError
+from pan.runtime.watchdog import watch_launcher
 
 
 def cmd_train(argv: list[str]) -> int:
@@ -53,11 +54,11 @@ COMMANDS = {
     "launch-command": (_delegate("pan.launch_command", "main_launch_command"),
                        "print a validated torchrun/srun command for a workflow"),
     "data": (cmd_data, "data tools: synth (the demo dataset), precompute (latents + text features)"),
-    "eval": (_delegate("pan.eval"), "score generated videos against their prompts (the demo's analyser)"),
+    "eval": (_delegate("pan.demo.analyser"), "score generated videos against their prompts (the demo's analyser)"),
     "sample": (_delegate("pan.sampling"), "generate videos from a checkpoint"),
     "export": (_delegate("pan.export", "main_export"),
                "write consolidated safetensors weights from a checkpoint"),
-    "inspect": (_delegate("pan.checkpoint.export", "main_inspect"),
+    "inspect": (_delegate("pan.checkpoint.consolidate", "main_inspect"),
                 "list a run's checkpoints with step, completeness and size"),
     "demo": (_delegate("pan.demo"), "the tiny end-to-end CPU demo (make demo)"),
 }
@@ -78,7 +79,7 @@ a refusal, an error or a run that stops: docs/troubleshooting.md (by symptom: th
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
-        prog="pan", description="pan: train video diffusion transformers. New here? `make demo`, then "
+        prog=__package__, description="pan: train video diffusion transformers. New here? `make demo`, then "
                                 "the commands below.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="commands:\n" + "\n".join(f"  {n:<15} {h}" for n, (_, h) in COMMANDS.items())
@@ -89,7 +90,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     args, rest = parser.parse_known_args(argv[:1])
     fn, _ = COMMANDS[args.command]
-    return fn(argv[1:]) or 0
+    try:
+        return fn(argv[1:]) or 0
+    except RegistryError as e:  # two installed recipes claim one name: an installation to fix, not a bug
+        print(f"pan: {e}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
 
 
 def run() -> None:

@@ -2,8 +2,8 @@
 peft folder (`--format peft`) or merged into its base (`--merge`), or a format a recipe writes.
 
 Runs on one process, without a process group: DCP reads every shard into full tensors, whatever
-world size wrote them (pan/checkpoint/export.py); a LoRA checkpoint's base is rebuilt as the trainer
-built it (pan/lora_runs.py).
+world size wrote them (pan/checkpoint/consolidate.py); a LoRA checkpoint's base is rebuilt as the trainer
+built it (pan/lora/runs.py).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 from pan.checkpoint import dcp as layout
-from pan.checkpoint.adapters import write_peft
-from pan.checkpoint.export import export_checkpoint, honour_umask, part_source, write_weights
-from pan.lora_runs import merged_weights
+from pan.lora.files import write_peft
+from pan.checkpoint.consolidate import export_checkpoint, honour_umask, part_source, write_weights
+from pan.lora.runs import merged_weights
 from pan.recipe import get_recipe, recipe_names, resolve
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -86,7 +86,7 @@ def export_merged(ckpt_dir: Path, out: Path, part: str | None, ema: bool, dtype)
 
 
 def export_peft(args) -> int:
-    """`--format peft`: a LoRA part's adapters as a peft folder (pan/checkpoint/adapters.py)."""
+    """`--format peft`: a LoRA part's adapters as a peft folder (pan/lora/files.py)."""
     if args.merge or args.dtype:
         print("pan export: --format peft writes the adapters as saved (fp32; no --merge or --dtype)",
               file=sys.stderr)

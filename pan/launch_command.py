@@ -43,7 +43,7 @@ from pan.config.core import require
 from pan.parallel.dims import ParallelDims
 from pan.parallel.world import planned_task
 from pan.recipe import Workflow, all_workflows, resolve
-from pan.watchdog import HANG_EXIT_CODE
+from pan.runtime.watchdog import HANG_EXIT_CODE
 
 EXIT_INVALID = 2
 DEFAULT_MASTER_PORT = 29500

@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 
-_LOGGER_NAME = "pan"
+_LOGGER_NAME = __package__  # "pan": the package's own logger (a name, not a recipe)
 
 
 class _CurrentStderr(logging.StreamHandler):

@@ -46,7 +46,7 @@ from pan.config.core import split_fix
 from pan.data.sources import AnnotationSource, scan_annotations
 from pan.estimate import FP32_BYTES, estimate_run, fitting_changes, probe_of, state_bytes
 from pan.logging import get_logger
-from pan.lora import LORA_KEY, add_adapters, base_names, reference_differences
+from pan.lora.adapters import LORA_KEY, add_adapters, base_names, reference_differences
 from pan.parallel.dims import ParallelDims
 from pan.parallel.fsdp import FULL_INIT_MAX_PARAMS
 from pan.parallel.names import unwrapped_name
@@ -120,7 +120,7 @@ class Preflight:
     def models(self) -> dict[str, torch.nn.Module]:
         """The recipe's parts on the meta device (shapes only, no memory), as the trainer builds them:
         a LoRA part (`spec.lora`) with its adapters injected, its base frozen at the base's dtype
-        (`pan.lora.add_adapters`; meta tensors have no fingerprint). The task is made first,
+        (`pan.lora.adapters.add_adapters`; meta tensors have no fingerprint). The task is made first,
         outside the meta device: its constructor may compute real values."""
         specs = self.part_specs
         trainer = self.job.trainer
@@ -647,7 +647,7 @@ def check_memory(ctx: Preflight) -> list[Row]:
 
 
 def lora_base_too_large(ctx: Preflight) -> str | None:
-    """LoRA loads a part's frozen base whole on every rank before sharding (`pan.lora_runs.
+    """LoRA loads a part's frozen base whole on every rank before sharding (`pan.lora.runs.
     base_with_adapters`), which pan does for models of up to FULL_INIT_MAX_PARAMS; with several
     processes a larger one is initialised shard by shard and cannot take adapters."""
     if ctx.world_size == 1:

@@ -86,18 +86,34 @@ def resolve(spec: str) -> Any:
     return getattr(obj, attribute) if attribute else obj
 
 
+class RegistryError(ValueError):
+    """Two recipes (or two workflows) under one name: which one a config means is undecidable."""
+
+
 _modules: dict[str, str] | None = None
+
+
+def _register(found: dict[str, str], name: str, module: str, source: str, sources: dict[str, str]) -> None:
+    """Add `name -> module`, refusing a name already taken (a plugin never silently replaces a recipe)."""
+    if name in found and found[name] != module:
+        raise RegistryError(f"two recipes are named {name!r}: {sources[name]} ({found[name]}) and {source} "
+                            f"({module}). Rename one (its RECIPE.name and its entry point), or uninstall it.")
+    found[name], sources[name] = module, source
 
 
 def _discover() -> dict[str, str]:
     """name -> module of every recipe: built in, entry points, then PAN_RECIPE_MODULES."""
     global _modules
     if _modules is None:
-        found = dict(BUILT_IN)
+        found: dict[str, str] = {}
+        sources: dict[str, str] = {}
+        for name, module in BUILT_IN.items():
+            _register(found, name, module, "pan's built-in recipes", sources)
         for ep in entry_points(group=ENTRY_POINT_GROUP):
-            found[ep.name] = ep.value.partition(":")[0]
+            _register(found, ep.name, ep.value.partition(":")[0],
+                      f"the entry point {ep.name!r} of {ep.dist.name if ep.dist else 'an installed package'}", sources)
         for module in filter(None, (m.strip() for m in os.environ.get(ENV_MODULES, "").split(","))):
-            found[importlib.import_module(module).RECIPE.name] = module
+            _register(found, importlib.import_module(module).RECIPE.name, module, f"{ENV_MODULES}", sources)
         _modules = found
     return _modules
 
@@ -109,11 +125,19 @@ def recipe_names() -> list[str]:
 def get_recipe(name: str) -> Recipe:
     recipe = importlib.import_module(_discover()[name]).RECIPE
     if recipe.name != name:
-        raise ValueError(f"recipe {name!r} is registered for {_discover()[name]}, whose RECIPE is "
-                         f"named {recipe.name!r}")
+        raise RegistryError(f"recipe {name!r} is registered for {_discover()[name]}, whose RECIPE is "
+                            f"named {recipe.name!r}")
     return recipe
 
 
 def all_workflows() -> dict[str, Workflow]:
-    """Every recipe's launch workflows by name."""
-    return {w.name: w for name in recipe_names() for w in get_recipe(name).workflows}
+    """Every recipe's launch workflows by name; a name two recipes give is refused."""
+    found: dict[str, Workflow] = {}
+    for name in recipe_names():
+        for workflow in get_recipe(name).workflows:
+            if workflow.name in found:
+                raise RegistryError(f"two launch workflows are named {workflow.name!r}: one of recipe "
+                                    f"{found[workflow.name].recipe!r} and one of recipe {workflow.recipe!r} "
+                                    f"({_discover()[name]}). Rename one of them.")
+            found[workflow.name] = workflow
+    return found

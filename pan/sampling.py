@@ -13,12 +13,12 @@ import torch
 from torch import Tensor
 
 from pan.checkpoint import dcp as layout
-from pan.checkpoint.adapters import apply_lora
+from pan.lora.files import apply_lora
 from pan.checkpoint.dcp import is_lora_checkpoint
-from pan.checkpoint.export import consolidated_weights
-from pan.config import EXIT_CONFIG_ERROR, ConfigError, load_config_or_exit
-from pan.lora_runs import merged_weights
-from pan.media import to_uint8_frames, write_gif, write_mp4
+from pan.checkpoint.consolidate import consolidated_weights
+from pan.config import DEFAULT_RECIPE, EXIT_CONFIG_ERROR, ConfigError, load_config_or_exit
+from pan.lora.runs import merged_weights
+from pan.data.media import to_uint8_frames, write_gif, write_mp4
 from pan.recipe import get_recipe
 
 
@@ -42,7 +42,7 @@ def resolve_weights(path: Path, use_ema: bool, lora: Path | None = None) -> tupl
     """Transformer weights from an exported .safetensors, a checkpoint-N/ (or its transformer/), or a
     run's output_dir (its latest complete checkpoint); a LoRA run's checkpoint gives its base with
     the adapters merged in, and `lora` (`--lora PATH`: a peft folder or a LoRA run's checkpoint)
-    merges its adapters into the weights (pan/lora_runs.py). Returns the weights and the
+    merges its adapters into the weights (pan/lora/runs.py). Returns the weights and the
     run dir, if known."""
     weights, run_dir = _resolve_weights(path, use_ema)
     if lora is not None:
@@ -98,9 +98,6 @@ def load_condition(path: str, given_frames: int, settings: SampleSettings, vae, 
                       for f in container.decode(video=0)]
         frames = torch.stack(frames[:given_frames])
     return vae.encode(frames.to(device).float().div(127.5).sub(1.0))
-
-
-DEFAULT_RECIPE = "pan"  # what a bare exported .safetensors is sampled as (its --config may say otherwise)
 
 
 class HelpWithDefaults(argparse.HelpFormatter):

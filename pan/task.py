@@ -73,7 +73,7 @@ class PartSpec:
     # loaded strictly after sharding; None: the model's own init_weights().
     pretrained: Callable[[], dict[str, Tensor]] | None = None
     pretrained_from: str | None = None  # where `pretrained` reads from (a LoRA checkpoint records it)
-    lora: object | None = None          # pan.lora.LoraConfig: adapters on this part's frozen base
+    lora: object | None = None          # pan.lora.adapters.LoraConfig: adapters on this part's frozen base
 
 
 @dataclass
@@ -85,7 +85,7 @@ class Part:
     scheduler: object                  # pan.optim.schedule.LRSchedulers
     ema: object | None = None          # pan.optim.ema.EMA
     optim: OptimConfig | None = None   # its keys (clipping); None: no clipping
-    lora: dict | None = None           # a LoRA part's reference (pan.lora.add_adapters): only its
+    lora: dict | None = None           # a LoRA part's reference (pan.lora.adapters.add_adapters): only its
                                        # adapters train and are saved; None: every weight
 
 

@@ -24,8 +24,8 @@ from pan.config.job import dump_sections, job_to_sections
 from pan.data.packed import DataResumeError
 from pan.data.sources import SourceError
 from pan.logging import get_logger, quiet_library_progress_bars
-from pan.lora_runs import base_with_adapters
-from pan.metrics import Metrics
+from pan.lora.runs import base_with_adapters
+from pan.runtime.metrics import Metrics
 from pan.models.attention import auto_attention, auto_candidates, describe, fastest, measure_backends
 from pan.optim.builder import build_optimizer, build_scheduler
 from pan.optim.ema import EMA
@@ -37,7 +37,7 @@ from pan.parallel.threads import set_cpu_threads
 from pan.parallel.world import close_world, init_world, is_main_process
 from pan.recipe import get_recipe
 from pan.task import Part, PartSpec, StepContext, global_sums
-from pan.watchdog import STARTUP, exit_if_launcher_gone, stop_watching_launcher, watch_launcher, watchdog_running
+from pan.runtime.watchdog import STARTUP, exit_if_launcher_gone, stop_watching_launcher, watch_launcher, watchdog_running
 
 
 @dataclass(kw_only=True)
@@ -63,7 +63,7 @@ class TrainerConfig:
            "such step is skipped)", ge=1)
     watchdog: bool = knob(
         True, "declare a hang when a step, save or validation runs far longer than usual: every rank "
-              "then writes its Python stacks to the log and the run exits 3 (pan/watchdog.py)")
+              "then writes its Python stacks to the log and the run exits 3 (pan/runtime/watchdog.py)")
     watchdog_factor: float = knob(
         10.0, "a phase (step, save, validation) is hung after this many times the median of its "
               "recent runs (never before watchdog_min_timeout)", gt=1)
@@ -447,12 +447,11 @@ def build_trainer(job) -> Trainer:
     dims = ParallelDims.from_config(job.parallel, world.size, world.local_size)
     cfg = job.trainer
     if cfg.gradient_accumulation_steps > 1:
-        # A note, not a warning: accumulation is exact; only the Pan recipe's production runs, which
-        # validated its eager mode with 1, make it worth a warning (other recipes ship YAMLs with more).
-        (log.warning if job.recipe == "pan" else log.info)(
+        # A note, not a warning: accumulation is exact; a recipe says why it warns (ACCUMULATION_WARNING).
+        reason = job.ACCUMULATION_WARNING
+        (log.warning if reason else log.info)(
             "gradient_accumulation_steps is %d: pan accumulates exactly (tested against one large "
-            "batch)%s.", cfg.gradient_accumulation_steps,
-            "; Pan's production runs validated the eager mode with 1" if job.recipe == "pan" else "")
+            "batch)%s.", cfg.gradient_accumulation_steps, f"; {reason}" if reason else "")
     output_dir = Path(job.checkpoint.output_dir)
     sections = job_to_sections(job)  # the resolved config, once: config.yaml and the metrics backend
     if world.is_main:

@@ -115,3 +115,133 @@ def test_the_lazy_import_rule_finds_one(tmp_path):
     (package / "a.py").write_text("def f():\n    from pan import b\n\n\ndef g():\n"
                                   "    import pan.c  # lazy: why\n    import json\n")
     assert lazy_imports_without_reason(package) == ["pan/a.py:2: from pan import b"]
+
+
+# ------------------------------------------------------------------------------------------------
+# No recipe's name steers shared code: a behaviour a recipe needs arrives as a field of its config
+# or record, so a new family is a new package and nothing else.
+# ------------------------------------------------------------------------------------------------
+
+# The one place outside the recipes that names one: the recipe a config without `recipe:` means.
+DEFAULT_RECIPE_HOME = ("pan/config/job.py", "DEFAULT_RECIPE")
+
+
+def recipe_name_literals(root: Path, names: set[str]) -> list[str]:
+    """String constants equal to a recipe's name in the modules of `root` (a package folder) outside
+    its recipes/ and recipe.py, but the default recipe's one assignment."""
+    import ast
+
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root.parent).as_posix()
+        if rel.startswith(f"{root.name}/recipes/") or rel == f"{root.name}/recipe.py":
+            continue
+        tree = ast.parse(path.read_text())
+        allowed = set()
+        for node in ast.walk(tree):
+            if (rel == DEFAULT_RECIPE_HOME[0] and isinstance(node, ast.Assign)
+                    and [getattr(t, "id", None) for t in node.targets] == [DEFAULT_RECIPE_HOME[1]]):
+                allowed.add(id(node.value))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and node.value in names and id(node) not in allowed:
+                found.append(f"{rel}:{node.lineno}: {node.value!r}")
+    return found
+
+
+def test_no_recipe_name_is_written_in_shared_code():
+    from pan.recipe import recipe_names
+
+    found = recipe_name_literals(ROOT / "pan", set(recipe_names()))
+    assert not found, ("recipe names in shared code (give the recipe a config field or a record hook "
+                       "instead):\n" + "\n".join(found))
+
+
+def test_the_recipe_name_rule_finds_one(tmp_path):
+    package = tmp_path / "pan"
+    (package / "config").mkdir(parents=True)
+    (package / "recipes" / "pan").mkdir(parents=True)
+    (package / "config" / "job.py").write_text('DEFAULT_RECIPE = "pan"\nOTHER = "pan"\n')
+    (package / "trainer.py").write_text('"""pan trains."""\nif job.recipe == "wan":\n    pass\n')
+    (package / "recipes" / "pan" / "config.py").write_text('NAME = "pan"\n')
+    (package / "recipe.py").write_text('BUILT_IN = {"pan": "pan.recipes.pan"}\n')
+    assert recipe_name_literals(package, {"pan", "wan"}) == ["pan/config/job.py:2: 'pan'",
+                                                             "pan/trainer.py:2: 'wan'"]
+
+
+# ------------------------------------------------------------------------------------------------
+# The registry refuses a second recipe or workflow under a name already taken.
+# ------------------------------------------------------------------------------------------------
+
+def test_a_plugin_cannot_take_a_built_in_recipes_name(monkeypatch, tmp_path):
+    import pan.recipe as registry
+
+    (tmp_path / "impostor.py").write_text(
+        "from pan.recipe import Recipe\nfrom pan.config import JobConfig\n"
+        "RECIPE = Recipe(name='pan', job_config=JobConfig, task='impostor:Task', description='')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv(registry.ENV_MODULES, "impostor")
+    monkeypatch.setattr(registry, "_modules", None)
+    try:
+        import pytest
+
+        with pytest.raises(registry.RegistryError) as err:
+            registry.recipe_names()
+        message = str(err.value)
+        assert "'pan'" in message and "built-in" in message and registry.ENV_MODULES in message
+        assert "impostor" in message and "pan.recipes.pan" in message
+    finally:
+        registry._modules = None
+
+
+def test_two_workflows_of_one_name_are_refused(monkeypatch, tmp_path):
+    import pytest
+
+    import pan.recipe as registry
+    from pan.config import DEFAULT_RECIPE
+
+    taken = registry.get_recipe(DEFAULT_RECIPE).workflows[0].name
+    (tmp_path / "twin.py").write_text(
+        "from pan.recipe import Recipe, Workflow\nfrom pan.config import JobConfig\n"
+        "RECIPE = Recipe(name='twin', job_config=JobConfig, task='twin:Task', description='',\n"
+        f"                workflows=(Workflow({taken!r}, 'twin', 'x.yaml', 'x.sh', 'a twin'),))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv(registry.ENV_MODULES, "twin")
+    monkeypatch.setattr(registry, "_modules", None)
+    try:
+        with pytest.raises(registry.RegistryError) as err:
+            registry.all_workflows()
+        assert "'twin'" in str(err.value) and repr(DEFAULT_RECIPE) in str(err.value)
+    finally:
+        registry._modules = None
+
+
+def test_the_cli_refuses_a_name_conflict_without_a_traceback(tmp_path):
+    (tmp_path / "impostor.py").write_text(
+        "from pan.recipe import Recipe\nfrom pan.config import JobConfig\n"
+        "RECIPE = Recipe(name='pan', job_config=JobConfig, task='impostor:Task', description='')\n")
+    import os
+
+    env = {**os.environ, "PAN_RECIPE_MODULES": "impostor", "PYTHONPATH": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-m", "pan.cli", "check", "--config", "config/tiny_cpu.yaml"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "two recipes are named 'pan'" in done.stderr and "Traceback" not in done.stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# The layer contract catches an engine importing a sibling of its layer.
+# ------------------------------------------------------------------------------------------------
+
+def test_the_layer_contract_catches_a_sibling_import(tmp_path):
+    import os
+
+    shutil.copytree(ROOT / "pan", tmp_path / "pan", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    flow = tmp_path / "pan" / "diffusion" / "flow.py"
+    flow.write_text(flow.read_text() + "\nimport pan.runtime.metrics  # planted: a sibling of its layer\n")
+    lint = shutil.which("lint-imports", path=str(Path(sys.executable).parent)) or "lint-imports"
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    done = subprocess.run([lint, "--no-cache"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode != 0
+    assert "pan.diffusion.flow -> pan.runtime.metrics" in done.stdout, done.stdout[-3000:]

@@ -28,13 +28,13 @@ import yaml
 from pyramid_reference import REFERENCE, decompressed, load_fixture, needs_reference
 
 from pan.checkpoint import dcp as layout
-from pan.checkpoint.export import consolidated_weights
+from pan.checkpoint.consolidate import consolidated_weights
 from pan.config import ConfigError, load_job_config
 from pan.data.config import DataConfig
 from pan.data.plan import Ref
 from pan.data.reader import SampleReader, rules_of
 from pan.data.sources import read_video_csv
-from pan.eval import psnr, ssim
+from pan.recipes.causal_vae.quality import psnr, ssim
 from pan.models.causal_vae import CausalVideoVAE
 from pan.models.lpips import LPIPS
 from pan.models.vae_discriminator import NLayerDiscriminator

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from dist_utils import run_distributed
 from pan.checkpoint import dcp as layout
-from pan.checkpoint.export import export_checkpoint
+from pan.checkpoint.consolidate import export_checkpoint
 from pan.export import main_export
 from pan.checkpoint.manager import CheckpointConfig, Checkpointer
 from pan.checkpoint.warm_start import load_checkpoint_weights, load_state_dict_weights

@@ -16,7 +16,7 @@ import pytest
 
 from dist_utils import run_distributed
 from pan.checkpoint import dcp as layout
-from pan.checkpoint.export import main_inspect
+from pan.checkpoint.consolidate import main_inspect
 from pan.checkpoint.manager import CheckpointConfig, Checkpointer
 from pan.parallel.dims import ParallelConfig, ParallelDims
 from pan.parallel.world import init_world

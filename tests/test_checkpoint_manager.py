@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from pan.checkpoint import dcp as layout
-from pan.checkpoint.export import format_inspection, inspect_run, main_inspect
+from pan.checkpoint.consolidate import format_inspection, inspect_run, main_inspect
 from pan.checkpoint.manager import CheckpointConfig, Checkpointer, UnreadableRunError
 from pan.optim.builder import build_optimizer
 from pan.optim.config import OptimConfig

@@ -8,7 +8,7 @@ from PIL import Image
 
 from pan.demo import DEFAULT_CONFIG, main, make_data
 from pan.demo.main import QUICK_PROMPTS, SAMPLES_PER_PROMPT
-from pan.eval import load_video
+from pan.demo.analyser import load_video
 
 OUTPUT = yaml.safe_load(DEFAULT_CONFIG.read_text())["output"]
 GEOMETRY = (OUTPUT["sample_num_frames"], OUTPUT["sample_height"], OUTPUT["sample_width"], 3)

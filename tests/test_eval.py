@@ -11,7 +11,7 @@ from scipy import ndimage
 
 from pan.data.synth import DIRECTIONS, PALETTE, synth_dataset
 from pan.demo import DEFAULT_CONFIG, SHAPE_SIZE
-from pan.eval import (STATIC, UNKNOWN, analyse_video, format_table, load_video, main, score_videos,
+from pan.demo.analyser import (STATIC, UNKNOWN, analyse_video, format_table, load_video, main, score_videos,
                       to_unit_frames)
 
 OPPOSITE = {"left": "right", "right": "left", "up": "down", "down": "up"}

@@ -158,7 +158,7 @@ def test_selective_policy_keeps_every_cuda_sdpa_kernel():
     ("NVIDIA H200 NVL", 835e12), ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA A100 80GB PCIe", 312e12),
     ("NVIDIA L40S", 362e12), ("NVIDIA L4", 121e12), ("NVIDIA A10", 125e12), ("Tesla V100-SXM2-32GB", None)])
 def test_peak_flops_lookup_names_the_exact_part(name, peak):
-    from pan.metrics import datasheet_bf16_peak
+    from pan.runtime.metrics import datasheet_bf16_peak
 
     assert datasheet_bf16_peak(name) == peak
 
@@ -174,7 +174,7 @@ def tf32_flags():
 
 
 def test_fp32_peak_follows_tf32(monkeypatch, tf32_flags):
-    import pan.metrics as metrics
+    import pan.runtime.metrics as metrics
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 PCIe")
     monkeypatch.setattr(metrics, "measured_matmul_peak", lambda device, n=0: 60e12)

@@ -30,7 +30,7 @@ import yaml
 from dist_utils import free_port
 from launch_utils import assert_continues_the_run
 from pan.checkpoint import dcp as layout
-from pan.checkpoint.export import consolidated_weights
+from pan.checkpoint.consolidate import consolidated_weights
 from pan.data.synth import synth_dataset
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""LoRA fine-tuning (`lora_rank` > 0, pan/lora.py) of the DiT recipes on CPU.
+"""LoRA fine-tuning (`lora_rank` > 0, pan/lora/adapters.py) of the DiT recipes on CPU.
 
 - The fixture miniFLUX and SD3 DiTs (../shared/reference/pyramid_flow, as released folders, through
   the fixture causal VAE), the AR recipe's block-causal path on the fixture miniFLUX, and a tiny Pan
@@ -31,7 +31,7 @@ import yaml
 from dist_utils import run_distributed
 from launch_utils import assert_continues_the_run, consumed, kill_after_step, launch, run_to_end
 from pan.checkpoint import dcp as layout
-from pan.lora import LORA_KEY, base_names
+from pan.lora.adapters import LORA_KEY, base_names
 from pan.models.pan_dit import PanDiTConfig, PanVideoDiffusionTransformer
 from pan.models.pyramid_io import read_weights
 from pyramid_reference import REFERENCE, needs_reference, read_json
@@ -444,7 +444,7 @@ def refused_at_load(capsys, config: Path, *extra: str) -> str:
 
 
 def test_a_wrong_target_name_exits_2_listing_the_valid_names(pan_setup, tmp_path, capsys):
-    from pan.lora import candidate_names
+    from pan.lora.adapters import candidate_names
 
     config = pan_config(pan_setup, "wrong", root=tmp_path)
     arch = load(config).model.transformer_config_overrides
@@ -459,7 +459,7 @@ def test_a_wrong_target_name_exits_2_listing_the_valid_names(pan_setup, tmp_path
 @needs_reference
 def test_a_wrong_target_name_of_a_fixture_dit_exits_2_listing_its_names(tmp_path, sd3_model_path, vae_videos,
                                                                         capsys):
-    from pan.lora import candidate_names
+    from pan.lora.adapters import candidate_names
     from pan.models.pyramid_io import load_pretrained
     from pan.models.pyramid_mmdit import PyramidMMDiT
 

@@ -1,4 +1,4 @@
-"""Export and sampling of LoRA runs (pan/checkpoint/adapters.py): `pan export --merge` writes the base
+"""Export and sampling of LoRA runs (pan/lora/files.py): `pan export --merge` writes the base
 with W + scale * B @ A exactly (fp32), also as a released Pyramid-Flow folder that pan's loader
 reads; `pan export --format peft` loads with `peft.PeftModel.from_pretrained` onto the same model
 class and gives pan's LoRA model's outputs; `pan sample` of a LoRA checkpoint (or `--lora` over its
@@ -37,7 +37,7 @@ from pyramid_tiny import (  # noqa: F401
 from safetensors.torch import load_file
 from test_pyramid_dit import CASES, TOL, Batch
 
-from pan.checkpoint.export import consolidated_weights
+from pan.checkpoint.consolidate import consolidated_weights
 from pan.data.synth import synth_dataset
 from pan.export import main_export
 from pan.models.packing import PackInfo
@@ -113,7 +113,7 @@ def test_merge_is_the_base_plus_scale_times_b_a_exactly(pan_runs, tmp_path, ema)
 def test_the_peft_export_loads_with_peft_and_gives_pan_s_outputs(pan_runs, tmp_path):
     from peft import PeftModel
 
-    from pan.lora_runs import lora_model
+    from pan.lora.runs import lora_model
     from pan.models.pan_dit import PanVideoDiffusionTransformer
 
     out = tmp_path / "peft"

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from pan.cli import main as pan_main
-from pan.eval import load_video
+from pan.demo.analyser import load_video
 
 REPO = Path(__file__).resolve().parents[1]
 SECTION = "## Train on your own videos"

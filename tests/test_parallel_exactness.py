@@ -26,7 +26,7 @@ from pan.parallel.fsdp import clip_grad_norm, materialize_and_init, parallelize_
 from pan.parallel.mesh import build_mesh, cp_group, cp_rank
 from pan.parallel.world import init_world
 from pan.diffusion.flow import FlowConfig
-from pan.lora import LoraConfig, add_adapters
+from pan.lora.adapters import LoraConfig, add_adapters
 from pan.task import autocast_context
 from pan.recipes.pan.task import loss_sum
 from pan.trainer import TrainerConfig
@@ -56,7 +56,7 @@ class Layout:
                                   # under the trainer's bf16 autocast
     prediction: str = "velocity"  # the model's output (FlowConfig.prediction_type): sample reads each
                                   # row's sigma through the cp share's pack
-    lora: bool = False            # rank-4 adapters on the default targets, the base frozen (pan.lora)
+    lora: bool = False            # rank-4 adapters on the default targets, the base frozen (pan.lora.adapters)
 
 
 def make_samples(step: int) -> list[dict]:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pan.checkpoint.export import export_checkpoint
+from pan.checkpoint.consolidate import export_checkpoint
 from pan.config import load_job_config
 from pan.data.synth import synth_dataset
 from pan.trainer import build_trainer

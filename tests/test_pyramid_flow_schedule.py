@@ -300,7 +300,8 @@ def test_generator_draws_resume_exactly_and_ignore_the_global_rng(schedule):
 # ----------------------------------------------------------------------------------------------
 
 def job_with(cfg: PyramidConfig, recipe: str = "pyramid_flow_ar", **extra):
-    return SimpleNamespace(pyramid=cfg, explicit_keys=set(), recipe=recipe, **extra)
+    return SimpleNamespace(pyramid=cfg, explicit_keys=set(), recipe=recipe,
+                           HISTORY_CLIPS=recipe == "pyramid_flow_ar", **extra)
 
 
 @pytest.mark.parametrize("kwargs, key", [

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from pan.checkpoint import dcp as layout
-from pan.checkpoint.export import consolidated_weights
+from pan.checkpoint.consolidate import consolidated_weights
 from pan.export import main_export
 from pan.config import load_job_config
 from pan.preflight import main_check

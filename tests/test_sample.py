@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pan.checkpoint.export import export_checkpoint
+from pan.checkpoint.consolidate import export_checkpoint
 from pan.config import load_job_config
 from pan.data.synth import synth_dataset
 from pan.sampling import add_batch_size_option, prompt_batches, sample_parser

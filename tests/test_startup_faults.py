@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from launch_utils import ROOT, TESTS
-from pan.watchdog import LAUNCHER_GONE_EXIT_CODE
+from pan.runtime.watchdog import LAUNCHER_GONE_EXIT_CODE
 
 PLUGIN = {"PAN_RECIPE_MODULES": "pan_toy_gan"}
 GONE_WITHIN_S = 8.0  # the watch looks 4 times a second; the rest is slack for a loaded 2-core machine

@@ -1,4 +1,4 @@
-"""The hang watchdog (pan/watchdog.py): its limits, and real 2-rank runs of the tests' toy recipe in
+"""The hang watchdog (pan/runtime/watchdog.py): its limits, and real 2-rank runs of the tests' toy recipe in
 which rank 1 hangs inside a step, or in the resume before the first step (frozen by SIGSTOP, or stuck
 as on a dead file system). Rank 0 (and a rank 1 that can) must write its Python stacks to the log
 and exit with the watchdog's code within the configured time, instead of waiting for rank 1 forever
@@ -18,7 +18,7 @@ import yaml
 
 from dist_utils import free_port
 from launch_utils import ROOT, TESTS, last_logged_step, run_to_end
-from pan.watchdog import HANG_EXIT_CODE, POLL_S, STARTUP, WAIT_FOR_PEERS_S, Watchdog
+from pan.runtime.watchdog import HANG_EXIT_CODE, POLL_S, STARTUP, WAIT_FOR_PEERS_S, Watchdog
 
 MIN_TIMEOUT = 2.0  # the test run's watchdog_min_timeout: its toy steps take milliseconds
 HANG_AT_STEP = 4
@@ -129,12 +129,12 @@ PEERS_WAIT_S = 3.0     # the relaunch's wait for the other ranks' dumps (WAIT_FO
 # writes its stacks) reading its own files of the checkpoint. A test-only hook, as RUNNER above.
 STARTUP_RUNNER = f"""
 import os, signal, sys, time
-import pan.watchdog
+import pan.runtime.watchdog
 from pan.checkpoint.manager import Checkpointer
 from pan.cli import cmd_train
 from pan.parallel.world import exit_process
 
-pan.watchdog.WAIT_FOR_PEERS_S = {PEERS_WAIT_S}
+pan.runtime.watchdog.WAIT_FOR_PEERS_S = {PEERS_WAIT_S}
 how, where = os.environ["HANG_HOW"], os.environ["HANG_WHERE"]
 real = getattr(Checkpointer, where)
 

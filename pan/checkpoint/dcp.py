@@ -596,7 +596,7 @@ def describe(path: Path) -> CheckpointInfo:
                           folder_size(path), problem, parts)
 
 
-# A LoRA run's checkpoint (pan/lora.py): meta.json records each LoRA part's reference.
+# A LoRA run's checkpoint (pan/lora/adapters.py): meta.json records each LoRA part's reference.
 
 def checkpoint_folder(path: Path) -> tuple[Path, str | None, bool | None]:
     """(checkpoint-N/, part, ema) of a checkpoint-N/ folder or one of its DCP folders (then the part

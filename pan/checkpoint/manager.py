@@ -28,8 +28,8 @@ from torch.distributed.checkpoint.state_dict import (
 from pan.checkpoint import dcp as layout
 from pan.config.core import ConfigError, knob
 from pan.logging import get_logger
-from pan.lora import LORA_KEY
-from pan.lora import reference_differences as lora_reference_differences
+from pan.lora.adapters import LORA_KEY
+from pan.lora.adapters import reference_differences as lora_reference_differences
 
 
 @dataclass(kw_only=True)

@@ -4,7 +4,7 @@ Every clip shows a single shape (square, circle, triangle) of one palette colour
 speed in one direction (left, right, up, down), fully inside the frame in every frame. Captions read
 "a red square moving left". A fixed set of (colour, direction) pairs never appears in training; those
 combinations form the held-out prompts, so a model that scores well on them has composed colour and
-motion rather than memorised captions. `pan.eval` scores generated videos against these prompts.
+motion rather than memorised captions. `pan.demo.analyser` scores generated videos against these prompts.
 
     synth_dataset("demo_data", num_train=480, num_heldout=60, size=32, num_frames=9, fps=8, seed=0)
     python -m pan.data.synth --out demo_data
@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from pan.media import write_mp4
+from pan.data.media import write_mp4
 
-# Saturated colours that stay apart after brightness normalisation (see pan.eval), survive yuv420p
+# Saturated colours that stay apart after brightness normalisation (see pan.demo.analyser), survive yuv420p
 # chroma subsampling at 32x32, and are easy for a person to name. Blue is lifted off pure (0,0,255)
 # because pure blue has so little luma that compression smears it into the black background.
 PALETTE: dict[str, tuple[int, int, int]] = {

@@ -24,7 +24,7 @@ from pan.config import load_config_or_exit
 from pan.data.precompute import PrecomputeError, precompute
 from pan.data.synth import synth_dataset
 from pan.demo.report import accuracy_line, announced, draw_loss_curve, write_contact_sheet
-from pan.eval import format_table, score_videos
+from pan.demo.analyser import format_table, score_videos
 from pan.logging import quiet_library_progress_bars
 from pan.parallel.threads import set_cpu_threads
 from pan.recipe import get_recipe, recipe_names

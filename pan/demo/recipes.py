@@ -1,5 +1,5 @@
 """`pan demo --recipe causal_vae | pyramid_flow_ar`: the CPU demo for the other recipes, on the same
-synthetic clips (pan.data.synth) and scored by the same analyser (pan.eval) as the Pan demo.
+synthetic clips (pan.data.synth) and scored by the same analyser (pan.demo.analyser) as the Pan demo.
 
     python -m pan.demo.recipes --recipe causal_vae [--out demo_causal_vae] [--steps N] [--seed N] [--quick]
     python -m pan.demo.recipes --recipe pyramid_flow_ar [--out demo_pyramid_flow_ar] [--steps N] [--seed N] [--quick]
@@ -30,9 +30,10 @@ from pan.data.precompute import precompute
 from pan.data.synth import DIRECTIONS, PALETTE, SHAPES, caption_for, heldout_combinations, synth_dataset
 from pan.demo.main import PIX_FMT, SHAPE_SIZE
 from pan.demo.report import accuracy_line, announced, draw_loss_curve, files_section, write_contact_sheet
-from pan.eval import format_table, psnr, score_videos, ssim
+from pan.demo.analyser import format_table, score_videos
+from pan.recipes.causal_vae.quality import psnr, ssim
 from pan.logging import quiet_library_progress_bars
-from pan.media import to_uint8_frames, write_mp4
+from pan.data.media import to_uint8_frames, write_mp4
 from pan.models.pyramid_flux import PyramidFluxConfig, PyramidFluxTransformer
 from pan.models.pyramid_io import save_pretrained
 from pan.models.vae_loss import frames_of

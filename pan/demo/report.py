@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from pan.eval import load_video
-from pan.media import write_gif
+from pan.demo.analyser import load_video
+from pan.data.media import write_gif
 
 
 @contextlib.contextmanager

@@ -49,9 +49,6 @@ MIX_LOGNORM_PROB = 0.7
 # f'(u) = -1 - s + s * pi/2 * sin(pi u) <= 0 for all u  <=>  -1 <= s <= 2 / (pi - 2).
 MODE_SCALE_MAX = 2.0 / (math.pi - 2.0)
 
-# The recipes whose task and sampler read `prediction_type` (the others' models predict the velocity).
-SAMPLE_PREDICTION_RECIPES = ("pan", "pyramid_flow", "pyramid_flow_ar")
-
 
 @dataclass(kw_only=True)
 class FlowConfig:
@@ -95,7 +92,7 @@ class FlowConfig:
         reject_unused(self, job, "train_timestep_shift_ref_tokens",
                        self.train_timestep_shift_mode == "dynamic",
                        "applies only with train_timestep_shift_mode dynamic")
-        reject_unused(self, job, "prediction_type", job.recipe in SAMPLE_PREDICTION_RECIPES,
+        reject_unused(self, job, "prediction_type", job.READS_PREDICTION_TYPE,
                       f"the {job.recipe} recipe's models predict the velocity")
         reject_unused(self, job, "prediction_sigma_min", self.prediction_type == "sample",
                       "applies only with prediction_type sample")

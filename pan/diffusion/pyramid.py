@@ -60,9 +60,6 @@ LATENT_STATS: dict[str, dict[str, float]] = {
 # The flow keys a pyramid recipe reads whichever way it draws stage positions (what the DiT outputs).
 STAGE_SAMPLING_FREE_FLOW_KEYS = ("prediction_type", "prediction_sigma_min")
 
-# Recipes that train without history clips, where `corrupt_ratio` changes nothing.
-FULL_SEQUENCE_RECIPES = ("pyramid_flow",)
-
 
 @dataclass(kw_only=True)
 class PyramidConfig:
@@ -140,8 +137,8 @@ class PyramidConfig:
                                        "stage_timestep_sampling: flow.")
 
     def _check_corruption(self, job) -> None:
-        full_sequence = getattr(job, "recipe", None) in FULL_SEQUENCE_RECIPES
-        if full_sequence and "corrupt_ratio" in _changed_keys(self, job):
+        # A recipe without history clips (its job's HISTORY_CLIPS) has nothing for corrupt_ratio to corrupt.
+        if not job.HISTORY_CLIPS and "corrupt_ratio" in _changed_keys(self, job):
             raise ConfigError("corrupt_ratio", f"only applies to autoregressive training (history "
                                                f"clips); recipe {job.recipe} has none, so it would "
                                                "be ignored. Remove it.")

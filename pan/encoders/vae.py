@@ -350,7 +350,7 @@ class CausalVideoVAEEncoder(FrozenVAE):
         super().__init__(vae_geometry(cfg))
         path = Path(cfg.vae_path).expanduser()
         if (path / "vae" / ".metadata").is_file():
-            from pan.checkpoint.export import consolidated_weights  # lazy: only a causal_vae run's folder
+            from pan.checkpoint.consolidate import consolidated_weights  # lazy: only a causal_vae run's folder
             state = consolidated_weights(path / "vae")
             state.pop("logvar", None)   # the loss's log-variance, trained with the VAE
             with torch.device("meta"):

@@ -17,7 +17,7 @@ from torch import nn
 
 from pan.estimate.probe import FP32_BYTES, Probe, run_device, unit_sizes
 from pan.estimate.trace import Layout, StepTrace, TracedStep, Work, aten
-from pan.metrics import peak_flops
+from pan.runtime.metrics import peak_flops
 from pan.optim.builder import split_parameters
 
 
@@ -188,7 +188,7 @@ def muon_traffic(model: nn.Module, graded: set[str], optim, layout: Layout, dims
 # ================================================================================================
 
 def device_peak(dtype: str) -> tuple[float, str]:
-    """The peak MFU is measured against (pan.metrics: datasheet on a GPU, measured on the CPU)."""
+    """The peak MFU is measured against (pan.runtime.metrics: datasheet on a GPU, measured on the CPU)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return _cached_peak(device, dtype)
 

@@ -543,7 +543,8 @@ def trace_cache_dir() -> Path | None:
     none), else $XDG_CACHE_HOME/pan/traces, else ~/.cache/pan/traces."""
     root = os.environ.get("PAN_CACHE_DIR")
     if root is None:
-        root = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pan")
+        package = __name__.partition(".")[0]  # ~/.cache/pan
+        root = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / package)
     return Path(root) / "traces" if root else None
 
 

@@ -21,7 +21,7 @@ from pan.checkpoint.manager import CheckpointConfig
 from pan.config import JobConfig
 from pan.config.core import ConfigError, knob, reject_unused, require
 from pan.data.config import DataConfig
-from pan.metrics import MetricsConfig
+from pan.runtime.metrics import MetricsConfig
 from pan.models.causal_vae import CONFIG_NAME, WEIGHTS_NAME, CausalVAEConfig
 from pan.models.lpips import LPIPS, LPIPSFileError, check_keys
 from pan.models.vae_discriminator import DiscriminatorConfig

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from pan.checkpoint.export import consolidated_weights
+from pan.checkpoint.consolidate import consolidated_weights
 from pan.models.causal_vae import CausalVAEConfig, CausalVideoVAE, check_state_dict
 from pan.recipes.causal_vae.config import VAE, VAE_CONFIG_FILE
 

@@ -20,7 +20,7 @@ from pan.data.fit import SampleFit
 from pan.data.plan import Ref, seed_draws
 from pan.data.reader import SampleReader, rules_of
 from pan.data.sources import SourceError, read_video_csv
-from pan.media import to_uint8_frames, write_mp4
+from pan.data.media import to_uint8_frames, write_mp4
 from pan.models.causal_vae import WEIGHTS_NAME, CausalVideoVAE, check_state_dict, renamed_legacy_attention_keys
 from pan.models.lpips import LPIPS
 from pan.models.vae_discriminator import NLayerDiscriminator
@@ -36,6 +36,7 @@ from pan.recipes.causal_vae.model import (
     vae_forward_flops,
 )
 from pan.recipes.causal_vae.objective import Objective
+from pan.recipes.causal_vae.quality import psnr, ssim
 from pan.task import PartSpec, StepContext, Task, global_sums
 
 
@@ -299,8 +300,6 @@ class CausalVAETask(Task):
     def validate(self, parts, step: int, output_dir) -> dict[str, float]:
         """PSNR, SSIM and LPIPS of the held-out clips' reconstructions (posterior mean), and the
         reconstructions as video (input | reconstruction) in output_dir/reconstructions/step-N/."""
-        from pan.eval import psnr, ssim  # lazy: pan.eval loads scipy, needed only when validating
-
         clips = self.heldout_clips()
         model = parts[VAE].model
         scores = {"psnr": [], "ssim": [], "lpips": []}

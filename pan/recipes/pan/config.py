@@ -15,14 +15,14 @@ from pan.data.config import DataConfig, parse_bucket
 from pan.diffusion.flow import FlowConfig
 from pan.encoders.text import TextEncoderConfig, text_feature_width
 from pan.encoders.vae import VAEConfig, vae_geometry
-from pan.lora import LoraConfig, candidate_names
-from pan.metrics import MetricsConfig
+from pan.lora.adapters import LoraConfig, candidate_names
+from pan.runtime.metrics import MetricsConfig
 from pan.models.pan_dit import PanDiTConfig, PanVideoDiffusionTransformer
 from pan.optim.config import OptimConfig
 from pan.parallel.dims import ParallelConfig
 from pan.parallel.world import ProcessConfig
 from pan.trainer import TrainerConfig
-from pan.validation import ValidationConfig
+from pan.recipes.pan.validation import ValidationConfig
 
 
 @dataclass(kw_only=True)
@@ -126,6 +126,9 @@ class TaskConfig:
 
 @dataclass(kw_only=True)
 class PanJobConfig(JobConfig):
+    READS_PREDICTION_TYPE: ClassVar[bool] = True
+    # Pan's production runs, which validated the eager mode with 1, make accumulation worth a warning.
+    ACCUMULATION_WARNING: ClassVar[str | None] = "Pan's production runs validated the eager mode with 1"
     model: PanModelConfig = knob(PanModelConfig(), "")
     warm_start: WarmStartConfig = knob(WarmStartConfig(), "")
     text_encoder: TextEncoderConfig = knob(TextEncoderConfig(), "")

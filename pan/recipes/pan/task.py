@@ -16,7 +16,7 @@ from pan.diffusion.conditioning import condition_frames, model_input_latent
 from pan.diffusion.flow import FlowConfig, add_noise, output_velocity, sample_timesteps, velocity_target
 from pan.encoders.text import TextEncoder, frozen_dtype
 from pan.encoders.vae import build_vae
-from pan.media import to_uint8_frames, write_gif, write_mp4
+from pan.data.media import to_uint8_frames, write_gif, write_mp4
 from pan.models.packing import PackInfo, patchify
 from pan.models.pan_dit import PanVideoDiffusionTransformer
 from pan.recipes.packed import PackedInputs, PackedTask, to_device

@@ -24,8 +24,8 @@ from pan.diffusion.flow import FlowConfig
 from pan.diffusion.pyramid import PyramidConfig
 from pan.encoders.pyramid_text import PyramidTextConfig
 from pan.encoders.vae import VAEConfig
-from pan.lora import LoraConfig, candidate_names
-from pan.metrics import MetricsConfig
+from pan.lora.adapters import LoraConfig, candidate_names
+from pan.runtime.metrics import MetricsConfig
 from pan.models.attention import ATTENTION_BACKENDS
 from pan.models.pan_dit import PanDiTConfig, PanVideoDiffusionTransformer
 from pan.optim.config import OptimConfig
@@ -121,6 +121,8 @@ class PyramidValidationConfig:
 @dataclass(kw_only=True)
 class PyramidJobConfig(JobConfig):
     recipe: str = "pyramid_flow"
+    READS_PREDICTION_TYPE: ClassVar[bool] = True
+    HISTORY_CLIPS: ClassVar[bool] = False  # full-sequence training: no history clips (PyramidConfig)
     model: PyramidModelConfig = knob(PyramidModelConfig(), "")
     warm_start: WarmStartConfig = knob(WarmStartConfig(), "")
     text: PyramidTextConfig = knob(PyramidTextConfig(), "")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pan.lora_runs import part_weights
+from pan.lora.runs import part_weights
 from pan.config import load_job_config
 from pan.models.pyramid_io import save_pretrained
 from pan.recipes.pyramid_flow.model import build_dit

@@ -41,7 +41,7 @@ from pan.diffusion.pyramid import (
 )
 from pan.encoders.pyramid_text import PyramidTextEncoder, TextFeatures, build_text_encoder, load_features
 from pan.encoders.vae import build_vae
-from pan.media import to_uint8_frames, write_gif, write_mp4
+from pan.data.media import to_uint8_frames, write_gif, write_mp4
 from pan.models.packing import PackInfo
 from pan.models.pyramid_flux import trained_rows
 from pan.recipes.packed import PackedInputs, PackedTask

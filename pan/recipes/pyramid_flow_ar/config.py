@@ -110,6 +110,7 @@ class PyramidARValidationConfig(PyramidValidationConfig):
 @dataclass(kw_only=True)
 class PyramidARJobConfig(PyramidJobConfig):
     recipe: str = "pyramid_flow_ar"
+    HISTORY_CLIPS: ClassVar[bool] = True
     model: PyramidARModelConfig = knob(PyramidARModelConfig(), "")
     ar: AutoregressiveConfig = knob(AutoregressiveConfig(), "")
     validation: PyramidARValidationConfig = knob(PyramidARValidationConfig(), "")

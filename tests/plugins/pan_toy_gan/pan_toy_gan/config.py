@@ -8,7 +8,7 @@ from typing import ClassVar
 from pan.checkpoint.manager import CheckpointConfig
 from pan.config import JobConfig
 from pan.config.core import knob
-from pan.metrics import MetricsConfig
+from pan.runtime.metrics import MetricsConfig
 from pan.optim import OptimConfig, prefixed_optim_config
 from pan.parallel.dims import ParallelConfig
 from pan.trainer import TrainerConfig

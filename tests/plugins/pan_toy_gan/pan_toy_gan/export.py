@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pan.checkpoint.export import consolidated_weights, part_source
+from pan.checkpoint.consolidate import consolidated_weights, part_source
 
 
 def export_npz(ckpt_dir: Path, out: Path, *, ema: bool = False) -> Path:

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from pan.checkpoint import dcp as layout
-from pan.checkpoint.export import consolidated_weights, part_source
+from pan.checkpoint.consolidate import consolidated_weights, part_source
 from pan_toy_gan.task import NOISE, MLP
 
 

@@ -1,7 +1,7 @@
 """A LoRA part's base, as the trainer builds it and as export and sampling rebuild it.
 
 A LoRA checkpoint holds the adapters only; its meta.json records each LoRA part's reference
-(`pan.lora.add_adapters`: rank, alpha, targets, base source and fingerprint). The trainer loads the
+(`pan.lora.adapters.add_adapters`: rank, alpha, targets, base source and fingerprint). The trainer loads the
 base on every launch (`base_with_adapters`); `pan export --merge` and `pan sample` rebuild it from the
 run's config.yaml beside its checkpoints with that same function, check its fingerprint against the
 recorded one (adapters only mean something on the base they were trained on), then load the adapters
@@ -16,13 +16,13 @@ import torch
 from torch import Tensor, nn
 
 from pan.checkpoint import dcp as layout
-from pan.checkpoint.adapters import read_adapters, scale_of
+from pan.lora.files import read_adapters, scale_of
 from pan.checkpoint.dcp import checkpoint_folder, is_lora_checkpoint, lora_reference
-from pan.checkpoint.export import consolidated_weights, part_source
+from pan.checkpoint.consolidate import consolidated_weights, part_source
 from pan.checkpoint.warm_start import plan_warm_start
 from pan.config import ConfigError, load_job_config
 from pan.logging import get_logger
-from pan.lora import LORA_KEY, add_adapters, base_names, merged_state, reference_differences
+from pan.lora.adapters import LORA_KEY, add_adapters, base_names, merged_state, reference_differences
 from pan.parallel.dims import ParallelDims
 from pan.parallel.fsdp import FULL_INIT_MAX_PARAMS, materialize_and_init
 from pan.parallel.world import ONE_PROCESS, planned_task

@@ -3,8 +3,8 @@ read back from a peft folder or another run (`pan sample --lora`).
 
 A LoRA run's checkpoint holds the adapters only (`transformer/`, and `ema/` with an EMA: pan's names
 `<module>.lora_A.default.weight`); its meta.json records, per LoRA part, the reference the trainer
-returned (`pan.lora.add_adapters`: rank, alpha, targets, base source and fingerprint). The base they
-merge into is rebuilt in pan/lora_runs.py.
+returned (`pan.lora.adapters.add_adapters`: rank, alpha, targets, base source and fingerprint). The base they
+merge into is rebuilt in pan/lora/runs.py.
 
     pan export CKPT --format peft --out folder       write_peft(): adapter_config.json + adapters
     pan sample --checkpoint BASE --lora PATH         apply_lora(): PATH a peft folder or a LoRA run
@@ -21,8 +21,8 @@ from torch import Tensor
 
 from pan.checkpoint import dcp as layout
 from pan.checkpoint.dcp import checkpoint_folder, lora_reference
-from pan.checkpoint.export import consolidated_weights, part_source
-from pan.lora import LORA_KEY, adapter_pairs, from_peft_names, merged_state, peft_names, state_fingerprint
+from pan.checkpoint.consolidate import consolidated_weights, part_source
+from pan.lora.adapters import LORA_KEY, adapter_pairs, from_peft_names, merged_state, peft_names, state_fingerprint
 
 PEFT_CONFIG = "adapter_config.json"
 PEFT_WEIGHTS = "adapter_model.safetensors"
