@@ -1,4 +1,4 @@
-"""The `pan` command: train, check, launch-command, data, sample, export, inspect, demo."""
+"""The `pan` command: train, check, launch-command, data, sample, export, inspect, plot, demo."""
 
 from __future__ import annotations
 
@@ -60,6 +60,7 @@ COMMANDS = {
                "write consolidated safetensors weights from a checkpoint"),
     "inspect": (_delegate("pan.checkpoint.consolidate", "main_inspect"),
                 "list a run's checkpoints with step, completeness and size"),
+    "plot": (_delegate("pan.runtime.plot"), "draw a run's loss, grad norm, LR and step time (metrics.jsonl) to a PNG"),
     "demo": (_delegate("pan.demo"), "the tiny end-to-end CPU demo (make demo)"),
 }
 
