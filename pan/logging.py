@@ -37,13 +37,14 @@ def get_logger() -> logging.Logger:
     return logger
 
 
-def quiet_library_progress_bars() -> None:
+def quiet_library_progress_bars(on_a_terminal_too: bool = False) -> None:
     """Off a terminal (a pipe, Slurm's output file, tee), the progress bars of transformers and
     diffusers (loading and writing weights) would interleave their carriage returns with pan's log
-    lines: switch them off there. On a terminal they stay."""
+    lines: switch them off there. On a terminal they stay, unless `on_a_terminal_too` (`pan sample`:
+    the bars while loading its frozen encoders say nothing its own lines do not)."""
     import sys
 
-    if sys.stderr.isatty():
+    if sys.stderr.isatty() and not on_a_terminal_too:
         return
     import importlib.util
 

@@ -6,45 +6,38 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
+import av
+import numpy as np
 import torch
+from PIL import Image
+from safetensors.torch import load_file
 from torch import Tensor
 
 from pan.checkpoint import dcp as layout
-from pan.lora.files import apply_lora
+from pan.checkpoint.consolidate import consolidated_weights, part_source
 from pan.checkpoint.dcp import is_lora_checkpoint
-from pan.checkpoint.consolidate import consolidated_weights
 from pan.config import DEFAULT_RECIPE, EXIT_CONFIG_ERROR, ConfigError, load_config_or_exit
-from pan.lora.runs import merged_weights
 from pan.data.media import to_uint8_frames, write_gif, write_mp4
+from pan.logging import quiet_library_progress_bars
+from pan.lora.files import apply_lora
+from pan.lora.runs import merged_weights
 from pan.recipe import get_recipe
-
-
-@dataclass
-class SampleSettings:
-    num_frames: int
-    height: int
-    width: int
-    steps: int = 30
-    guidance_scale: float = 2.5
-    shift: float = 9.0
-    seed: int = 0
-    fresh_noise: float = 0.0  # 0: Euler; see pan.diffusion.sampler.renoise_step
 
 
 # ------------------------------------------------------------------------------------------------
 # `pan sample`
 # ------------------------------------------------------------------------------------------------
 
-def resolve_weights(path: Path, use_ema: bool, lora: Path | None = None) -> tuple[dict[str, Tensor], Path | None]:
-    """Transformer weights from an exported .safetensors, a checkpoint-N/ (or its transformer/), or a
-    run's output_dir (its latest complete checkpoint); a LoRA run's checkpoint gives its base with
-    the adapters merged in, and `lora` (`--lora PATH`: a peft folder or a LoRA run's checkpoint)
-    merges its adapters into the weights (pan/lora/runs.py). Returns the weights and the
-    run dir, if known."""
-    weights, run_dir = _resolve_weights(path, use_ema)
+def resolve_weights(path: Path, use_ema: bool, lora: Path | None = None,
+                    part: str | None = None) -> tuple[dict[str, Tensor], Path | None]:
+    """A part's weights (`part`: its name; None: the run's main part, e.g. the transformer) from an
+    exported .safetensors, a checkpoint-N/ (or one of its part folders), or a run's output_dir (its
+    latest complete checkpoint); a LoRA run's checkpoint gives its base with the adapters merged in,
+    and `lora` (`--lora PATH`: a peft folder or a LoRA run's checkpoint) merges its adapters into
+    the weights (pan/lora/runs.py). Returns the weights and the run dir, if known."""
+    weights, run_dir = _resolve_weights(path, use_ema, part)
     if lora is not None:
         try:
             weights = apply_lora(weights, lora, use_ema)
@@ -63,38 +56,32 @@ def _checkpoint_weights(source: Path, use_ema: bool = False) -> dict[str, Tensor
         raise SystemExit(f"pan sample: {e}") from e
 
 
-def _resolve_weights(path: Path, use_ema: bool) -> tuple[dict[str, Tensor], Path | None]:
-    from safetensors.torch import load_file
-
-
+def _resolve_weights(path: Path, use_ema: bool, part: str | None) -> tuple[dict[str, Tensor], Path | None]:
     if path.suffix == ".safetensors":
         return load_file(str(path)), None
-    if (path / layout.DCP_METADATA).is_file():  # a transformer/ (or ema/) DCP folder
+    if (path / layout.DCP_METADATA).is_file():  # one part's (or its EMA's) DCP folder
         return _checkpoint_weights(path), path.parent.parent
-    if not (path / layout.TRANSFORMER).is_dir():  # a run dir: take its latest complete checkpoint
+    if not (path / layout.META).is_file():  # a run dir: take its latest complete checkpoint
         done = layout.complete_checkpoints(path)
         if not done:
             raise SystemExit(f"pan sample: {path} holds no complete checkpoint.")
         path = done[-1]
-    source = path / (layout.EMA if use_ema else layout.TRANSFORMER)
-    if not source.is_dir():
-        raise SystemExit(f"pan sample: {path} has no {source.name}/ weights.")
+    try:
+        _, source = part_source(path, part, use_ema)
+    except ValueError as e:
+        raise SystemExit(f"pan sample: {e}") from e
     return _checkpoint_weights(source), path.parent
 
 
-def load_condition(path: str, given_frames: int, settings: SampleSettings, vae, device) -> Tensor:
-    """Pixels of an image (first frame) or a video (first frames) -> latent with the given frames."""
-    import numpy as np
-    from PIL import Image
-
+def load_condition(path: str, given_frames: int, height: int, width: int, vae, device) -> Tensor:
+    """Pixels of an image (first frame) or a video (first frames), resized to width x height ->
+    latent with the given frames."""
     if Path(path).suffix.lower() in (".png", ".jpg", ".jpeg", ".webp"):
-        image = Image.open(path).convert("RGB").resize((settings.width, settings.height))
+        image = Image.open(path).convert("RGB").resize((width, height))
         frames = torch.from_numpy(np.array(image)).permute(2, 0, 1)[None]
     else:
-        import av
         with av.open(path) as container:
-            frames = [torch.from_numpy(f.to_ndarray(format="rgb24", width=settings.width,
-                                                    height=settings.height)).permute(2, 0, 1)
+            frames = [torch.from_numpy(f.to_ndarray(format="rgb24", width=width, height=height)).permute(2, 0, 1)
                       for f in container.decode(video=0)]
         frames = torch.stack(frames[:given_frames])
     return vae.encode(frames.to(device).float().div(127.5).sub(1.0))
@@ -128,6 +115,23 @@ def sample_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--prompt", action="append", required=True, help="caption (repeatable)")
     parser.add_argument("--out", required=True, type=Path, help="output .mp4 (a .gif is written beside)")
     return parser
+
+
+def add_placement_options(parser: argparse.ArgumentParser) -> None:
+    """`--dtype` and `--offload`: how the transformer is placed (`place_model`); under torchrun it is
+    sharded over the launch's processes instead of offloaded."""
+    parser.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                        help="transformer weights and compute: auto = bf16 on a GPU, fp32 on the CPU")
+    parser.add_argument("--offload", action="store_true",
+                        help="keep the transformer's blocks in host memory, each moved to the GPU for "
+                             "its forward (a model larger than the GPU, on one GPU; slower)")
+
+
+def placement_problem(args: argparse.Namespace, world) -> str | None:
+    """What the placement options cannot do in this launch (a parser error), None when they can."""
+    if args.offload and world.size > 1:
+        return "--offload is for one process; under torchrun the weights are sharded instead"
+    return None
 
 
 def add_batch_size_option(parser: argparse.ArgumentParser, default: int) -> None:
@@ -172,16 +176,13 @@ def run_config_of(checkpoint: Path) -> Path | None:
 
 def main(argv: list[str] | None = None) -> int:
     """`pan sample`: find the run's recipe from its config and hand the command to its sampler."""
-    import argparse
-
-
     argv = list(argv or [])
     probe = argparse.ArgumentParser(add_help=False)
     probe.add_argument("--checkpoint", type=Path)
     probe.add_argument("--config")
     known, _ = probe.parse_known_args(argv)
     config = known.config or (run_config_of(known.checkpoint) if known.checkpoint else None)
-    quiet_loading_bars()
+    quiet_library_progress_bars(on_a_terminal_too=True)
     try:
         if config is None:  # no run to read the recipe from: the default recipe's sampler says what it needs
             return get_recipe(DEFAULT_RECIPE).hook("sample")(None, argv)
@@ -195,16 +196,6 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # what the sampler needs and the run's config does not give (encoders, VAE)
         print(f"pan sample: refused: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-
-
-def quiet_loading_bars() -> None:
-    """transformers' and diffusers' bars while loading the frozen encoders say nothing `pan sample`'s
-    own lines do not: off, on a terminal too."""
-    import importlib.util
-
-    for name in ("transformers", "diffusers"):
-        if importlib.util.find_spec(name) is not None:
-            __import__(f"{name}.utils.logging", fromlist=["disable_progress_bar"]).disable_progress_bar()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -309,6 +300,15 @@ def place_model(model: torch.nn.Module, weights: dict[str, Tensor], world, dtype
     else:
         model.to(device)
     return model.eval()
+
+
+def forward_activation_bytes(model: torch.nn.Module, tokens: int, dtype: torch.dtype) -> int:
+    """Rough peak of one forward without gradients over `tokens` rows, for a model without an estimate
+    of its own: every output row of its first block's matrices alive at once, twice over (the
+    residual streams and the next op's output), in `dtype`."""
+    block = model.fsdp_blocks()[0]
+    width = sum(p.shape[0] for p in block.parameters() if p.ndim == 2)
+    return int(2 * tokens * width * dtype.itemsize)
 
 
 def compute_dtype(dtype: torch.dtype, device: torch.device):

@@ -7,7 +7,10 @@ fixture causal VAE and exports as it was given; the same recipe trains pan's own
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -176,6 +179,29 @@ def test_pan_sample_generates_from_a_pyramid_checkpoint(tmp_path, released, data
                                                 for fr in f.decode(video=0)]).float())
     assert all((a - b).abs().max() <= 2 for a, b in zip(clips[1], clips[2]))
     assert (clips[1][0] - clips[1][1]).abs().max() > 20
+
+    # The placements Pan's sampler has: blocks offloaded (the same clip), bf16 (the DiT's forward
+    # under autocast: a clip near the fp32 one), and sharded over the processes of a torchrun launch
+    # (every process samples, rank 0 writes: the same clip as one process).
+    common = ["--checkpoint", str(run / "checkpoint-2"), "--prompt", "a red square moving left",
+              "--num-frames", "5", "--height", "16", "--width", "16", "--steps", "2", "--guidance-scale", "3"]
+    placed = {}
+    for name, extra in {"fp32": [], "offload": ["--offload"], "bf16": ["--dtype", "bf16"]}.items():
+        assert sample_main([*common, "--out", str(tmp_path / name / "v.mp4"), *extra]) == 0
+        placed[name] = decoded(tmp_path / name / "v.mp4")
+    done = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", "2",
+                           "-m", "pan.cli", "sample", *common, "--out", str(tmp_path / "sharded" / "v.mp4")],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert torch.equal(placed["offload"], placed["fp32"])
+    assert torch.equal(decoded(tmp_path / "sharded" / "v.mp4"), placed["fp32"])
+    assert 0 < (placed["bf16"] - placed["fp32"]).abs().mean() < 8
+
+
+def decoded(path: Path) -> torch.Tensor:
+    import av
+    with av.open(str(path)) as f:
+        return torch.stack([torch.from_numpy(fr.to_ndarray(format="rgb24")) for fr in f.decode(video=0)]).float()
 
 
 def test_x_prediction_trains_on_x0_samples_and_refuses_the_released_export(tmp_path, released, data, capsys):

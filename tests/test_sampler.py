@@ -111,8 +111,7 @@ def test_a_model_predicting_the_clean_sample_lands_on_it():
     same clean latent x0 (as a perfectly trained one on a single clip) samples exactly x0, with CFG."""
     from pan.diffusion.flow import FlowConfig
     from pan.models.packing import patchify
-    from pan.recipes.pan.sample import sample_latent
-    from pan.sampling import SampleSettings
+    from pan.recipes.pan.sample import SampleSettings, sample_latent
 
     x0 = torch.randn(3, 2, 4, 4, generator=torch.Generator().manual_seed(1))
     patch = (1, 2, 2)

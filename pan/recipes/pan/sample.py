@@ -3,6 +3,8 @@ classifier-free guidance on packed inputs."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -17,15 +19,29 @@ from pan.models.packing import PackInfo, patchify, unpatchify
 from pan.models.pan_dit import PanVideoDiffusionTransformer
 from pan.parallel.world import close_world, init_world
 from pan.sampling import (
-    SampleSettings,
+    add_placement_options,
     compute_dtype,
     load_condition,
     place_model,
+    placement_problem,
     resolve_weights,
     sample_dtype,
     sample_parser,
     write_video,
 )
+
+
+@dataclass
+class SampleSettings:
+    """One Pan sample's geometry and sampler; the defaults are the released model's inference ones."""
+    num_frames: int
+    height: int
+    width: int
+    steps: int = 30
+    guidance_scale: float = 2.5
+    shift: float = 9.0
+    seed: int = 0
+    fresh_noise: float = 0.0  # 0: Euler; see pan.diffusion.sampler.renoise_step
 
 
 def latent_velocity(model, schema: str, patch, texts: list[Tensor], given: int,
@@ -114,11 +130,7 @@ def _sample_pan(job, argv: list[str]) -> int:
                                                             "ones count up)")
     parser.add_argument("--fps", type=float, default=8.0, help="frame rate of the videos written")
     parser.add_argument("--ema", action="store_true", help="use the EMA weights of the checkpoint")
-    parser.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
-                        help="transformer weights and compute: auto = bf16 on a GPU, fp32 on the CPU")
-    parser.add_argument("--offload", action="store_true",
-                        help="keep the transformer's blocks in host memory, each moved to the GPU for "
-                             "its forward (a model larger than the GPU, on one GPU; slower)")
+    add_placement_options(parser)
     args = parser.parse_args(argv)
     if args.image and args.video:
         parser.error("give --image or --video, not both")
@@ -126,8 +138,8 @@ def _sample_pan(job, argv: list[str]) -> int:
         parser.error(f"--fresh-noise must be in [0, 1], got {args.fresh_noise}")
 
     world = init_world()
-    if args.offload and world.size > 1:
-        parser.error("--offload is for one process; under torchrun the weights are sharded instead")
+    if placement_problem(args, world):
+        parser.error(placement_problem(args, world))
     # Sharded: rank 0 alone reads the weights and sends every rank its shard.
     weights, run_dir = resolve_weights(args.checkpoint, args.ema, args.lora) if world.rank == 0 else ({}, None)
     if job is None:
@@ -160,7 +172,7 @@ def _sample_pan(job, argv: list[str]) -> int:
     known, given = None, 0
     if args.image or args.video:
         cond = load_condition(args.image or args.video, 1 if args.image else args.video_frames,
-                              settings, vae, device)
+                              settings.height, settings.width, vae, device)
         given = cond.shape[1]
         known = torch.zeros(shape, device=device)
         known[:, :given] = cond

@@ -21,8 +21,7 @@ from pan.models.packing import PackInfo, patchify
 from pan.models.pan_dit import PanVideoDiffusionTransformer
 from pan.recipes.packed import PackedInputs, PackedTask, to_device
 from pan.recipes.pan.config import PanJobConfig
-from pan.recipes.pan.sample import sample_latent
-from pan.sampling import SampleSettings
+from pan.recipes.pan.sample import SampleSettings, sample_latent
 from pan.task import PartSpec, autocast_context, global_sums
 
 # ------------------------------------------------------------------------------------------------

@@ -5,17 +5,34 @@ recipe's `sample` hook).
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import math
+
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from pan.diffusion.pyramid import PerSampleDraws, denormalize_latent
 from pan.diffusion.pyramid_sampler import sample_full_sequence
 from pan.encoders.pyramid_text import TextFeatures
 from pan.models.packing import PackInfo
-from pan.parallel.world import planned_task
+from pan.parallel.fsdp import autocast_forward
+from pan.parallel.world import close_world, init_world, planned_task
 from pan.recipes.pyramid_flow.config import PyramidJobConfig
 from pan.recipes.pyramid_flow.model import build_dit
-from pan.sampling import add_batch_size_option, prompt_batches, resolve_weights, sample_parser, write_video
+from pan.sampling import (
+    add_batch_size_option,
+    add_placement_options,
+    forward_activation_bytes,
+    place_model,
+    placement_problem,
+    prompt_batches,
+    resolve_weights,
+    sample_dtype,
+    sample_parser,
+    write_video,
+)
 
 
 def velocity_fn(model: nn.Module, features: list[TextFeatures]):
@@ -57,6 +74,41 @@ def sample_videos(task, model: nn.Module, prompts: list[str], *, num_frames: int
     return videos
 
 
+@contextlib.contextmanager
+def sampling_world():
+    """The launch's processes for `pan sample` (one without torchrun), closed after it when opened here."""
+    started_here = not dist.is_initialized()
+    try:
+        yield init_world()
+    finally:
+        if started_here:
+            close_world()
+
+
+def placed_for_sampling(job: PyramidJobConfig, args: argparse.Namespace, parser: argparse.ArgumentParser,
+                        world, *, num_frames: int, height: int, width: int):
+    """What both Pyramid recipes' `pan sample` start from: the run's task of one process with its
+    encoders loaded, and its DiT with the checkpoint's weights placed as `--dtype` and `--offload`
+    say (pan.sampling.place_model; sharded over the processes under torchrun, where rank 0 alone
+    reads the weights; bf16 weights compute under bf16 autocast, the DiT's forward alone). Returns
+    (task, model); the recipe's task comes through the registry (this module is what the task
+    imports for its validation samples)."""
+    problem = placement_problem(args, world)
+    if problem:
+        parser.error(problem)
+    dtype = sample_dtype(args.dtype, world.device)
+    task = planned_task(job, device=world.device)
+    weights, _ = resolve_weights(args.checkpoint, args.ema, args.lora) if world.rank == 0 else ({}, None)
+    model = build_dit(job)
+    tokens = args.batch_size * math.prod(model.patch_grid(task.geometry.latent_shape(num_frames, height, width)))
+    model = place_model(model, weights, world, dtype, args.offload, forward_activation_bytes(model, tokens, dtype))
+    del weights
+    if dtype == torch.bfloat16:
+        autocast_forward(model, world.device.type)
+    task.load_encoders()
+    return task, model
+
+
 def sample_main(job: PyramidJobConfig, argv: list[str]) -> int:
     """`pan sample` for a pyramid_flow run: text-to-video with the stage-by-stage sampler and CFG."""
     v = job.validation
@@ -73,20 +125,15 @@ def sample_main(job: PyramidJobConfig, argv: list[str]) -> int:
     parser.add_argument("--fps", type=float, default=v.sample_fps, help="frame rate of the videos written")
     add_batch_size_option(parser, v.sample_batch_size)
     parser.add_argument("--ema", action="store_true", help="use the EMA weights of the checkpoint")
+    add_placement_options(parser)
     args = parser.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    # The recipe's task (PyramidFlowTask) of one process, through the registry: this module is what
-    # the task imports for its validation samples, so it does not import the task back.
-    task = planned_task(job, device=device)
-    weights, _ = resolve_weights(args.checkpoint, args.ema, args.lora)
-    model = build_dit(job)
-    model.to_empty(device="cpu")
-    model.load_state_dict(weights)
-    model.to(device).eval()
-    task.load_encoders()
-    videos = sample_videos(task, model, args.prompt, num_frames=args.num_frames, height=args.height,
-                           width=args.width, steps=args.steps if len(args.steps) > 1 else args.steps[0],
-                           guidance_scale=args.guidance_scale, seed=args.seed, batch_size=args.batch_size)
-    for i, (prompt, video) in enumerate(zip(args.prompt, videos)):
-        write_video(args.out, i, len(args.prompt), video, prompt, args.fps)
+    with sampling_world() as world:
+        task, model = placed_for_sampling(job, args, parser, world, num_frames=args.num_frames,
+                                          height=args.height, width=args.width)
+        videos = sample_videos(task, model, args.prompt, num_frames=args.num_frames, height=args.height,
+                               width=args.width, steps=args.steps if len(args.steps) > 1 else args.steps[0],
+                               guidance_scale=args.guidance_scale, seed=args.seed, batch_size=args.batch_size)
+        if world.is_main:  # every process sampled (a sharded forward needs them all); rank 0 writes
+            for i, (prompt, video) in enumerate(zip(args.prompt, videos)):
+                write_video(args.out, i, len(args.prompt), video, prompt, args.fps)
     return 0

@@ -15,11 +15,10 @@ from pan.diffusion.pyramid import PerSampleDraws, denormalize_latent, normalize_
 from pan.diffusion.pyramid_sampler import sample_autoregressive
 from pan.encoders.pyramid_text import TextFeatures
 from pan.models.packing import PackInfo
-from pan.parallel.world import planned_task
-from pan.recipes.pyramid_flow.model import build_dit
+from pan.recipes.pyramid_flow.sample import placed_for_sampling, sampling_world
 from pan.recipes.pyramid_flow_ar.config import PyramidARJobConfig
-from pan.sampling import (SampleSettings, add_batch_size_option, load_condition, prompt_batches, resolve_weights,
-                          sample_parser, write_video)
+from pan.sampling import (add_batch_size_option, add_placement_options, load_condition,
+                          prompt_batches, sample_parser, write_video)
 
 
 def history_velocity(model: nn.Module, features: list[TextFeatures]):
@@ -82,8 +81,7 @@ def decode(task, latent: Tensor) -> Tensor:
 def context_latent(task, path: str, *, frames: int, height: int, width: int) -> Tensor:
     """An image (first frame) or the first `frames` frames of a video -> normalised latent
     [1, C, Tc, H, W] cut to whole units."""
-    settings = SampleSettings(num_frames=frames, height=height, width=width)
-    encoded = load_condition(path, frames, settings, task.vae, task.world.device)     # pan-normalised
+    encoded = load_condition(path, frames, height, width, task.vae, task.world.device)     # pan-normalised
     raw = task.vae.unnormalize(encoded)
     fpu = task.job.ar.frame_per_unit
     units = 1 + (raw.shape[1] - 1) // fpu
@@ -115,22 +113,23 @@ def sample_main(job: PyramidARJobConfig, argv: list[str]) -> int:
     parser.add_argument("--fps", type=float, default=v.sample_fps, help="frame rate of the videos written")
     add_batch_size_option(parser, v.sample_batch_size)
     parser.add_argument("--ema", action="store_true", help="use the EMA weights of the checkpoint")
+    add_placement_options(parser)
     args = parser.parse_args(argv)
     if args.image and args.video:
         parser.error("give --image or --video, not both")
     if args.max_history_units is not None and args.max_history_units < 1:
         parser.error("--max-history-units must be >= 1")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    # The recipe's task (PyramidFlowARTask) of one process, through the registry: this module is what
-    # the task imports for its validation samples, so it does not import the task back.
-    task = planned_task(dataclasses.replace(job, ar=dataclasses.replace(job.ar, video_sync_group=1)),
-                        device=device)
-    weights, _ = resolve_weights(args.checkpoint, args.ema, args.lora)
-    model = build_dit(job)
-    model.to_empty(device="cpu")
-    model.load_state_dict(weights)
-    model.to(device).eval()
-    task.load_encoders()
+    with sampling_world() as world:
+        # One clip per sync group: sampling draws each prompt's own noise.
+        job = dataclasses.replace(job, ar=dataclasses.replace(job.ar, video_sync_group=1))
+        task, model = placed_for_sampling(job, args, parser, world, num_frames=args.num_frames,
+                                          height=args.height, width=args.width)
+        sample_to_files(task, model, args, write=world.is_main)
+    return 0
+
+
+def sample_to_files(task, model: nn.Module, args, *, write: bool) -> None:
+    """`pan sample`'s clips of every prompt batch, written as videos when `write` (rank 0)."""
     context = None
     if args.image or args.video:
         frames = 1 if args.image else (args.video_frames or 1 + task.geometry.temporal_factor)
@@ -145,5 +144,6 @@ def sample_main(job: PyramidARJobConfig, argv: list[str]) -> int:
                                     video_guidance_scale=args.video_guidance_scale,
                                     max_history_units=args.max_history_units)
         for i, (prompt, latent) in enumerate(zip(prompts, latents.split(1))):
-            write_video(args.out, first + i, len(args.prompt), decode(task, latent), prompt, args.fps)
-    return 0
+            video = decode(task, latent)
+            if write:
+                write_video(args.out, first + i, len(args.prompt), video, prompt, args.fps)
