@@ -36,7 +36,8 @@ try:
     from benchmarks.common import write_json
 except ModuleNotFoundError:  # run as `python benchmarks/checkpoint_io.py`: its folder is on the path
     from common import write_json
-from pan.checkpoint.dcp import CRC32_LIBRARY, HASH_THREADS, crc32_parallel, folder_size
+from pan.checkpoint.checksums import CRC32_LIBRARY, HASH_THREADS, crc32_parallel
+from pan.checkpoint.layout import folder_size
 from pan.checkpoint.manager import CheckpointConfig, Checkpointer
 from pan.parallel.dims import ParallelConfig, ParallelDims
 from pan.parallel.world import World

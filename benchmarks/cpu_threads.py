@@ -48,7 +48,7 @@ def settings(cores: int, quick: bool) -> dict[str, dict[str, str]]:
 def pan_demo_job(work: Path, steps: int, quick: bool):
     """`pan demo`'s job (its command line), on its data and precomputed clips, for `steps` steps."""
     from pan.config import load_config_or_exit
-    from pan.demo.main import job_argv, make_data, parse_args, precompute_clips
+    from pan.recipes.pan.demo import job_argv, make_data, parse_args, precompute_clips
 
     args = parse_args(["--out", str(work), "--steps", str(steps), *(["--quick"] if quick else [])])
     data = make_data(work / "data", Path(args.config), args.quick)
@@ -59,32 +59,30 @@ def pan_demo_job(work: Path, steps: int, quick: bool):
 
 def causal_vae_demo_job(work: Path, steps: int, quick: bool):
     """`pan demo --recipe causal_vae`'s job (no validation: only its training steps are timed)."""
-    from pan.demo import recipes
+    from pan.demo import kit
+    from pan.recipes.causal_vae import demo
 
-    args = recipes.parse_args(["--recipe", "causal_vae", "--out", str(work), "--steps", str(steps),
-                               *(["--quick"] if quick else [])])
-    data = recipes.make_data(work / "data-vae", args.quick)
-    config = recipes.CONFIG_DIR / "causal_vae_tiny.yaml"
+    args = demo.parse_args(["--out", str(work), "--steps", str(steps), *(["--quick"] if quick else [])])
+    data = kit.make_data(work / "data-vae", args.quick, demo.SIZE, demo.NUM_FRAMES)
 
     def job(run: Path) -> list[str]:
-        overrides = recipes.vae_job_overrides(args, data, run)
+        overrides = demo.vae_job_overrides(args, data, run)
         for key in ("validation_interval", "validation_csv", "validation_clips"):
             overrides.pop(key)
-        return recipes.job_argv(config, overrides)
+        return kit.job_argv(demo.VAE_CONFIG, overrides)
     return job
 
 
 def pyramid_flow_ar_demo_job(work: Path, steps: int, quick: bool):
     """`pan demo --recipe pyramid_flow_ar`'s job, on its clips (encoded once) and tiny released-layout
     model folder."""
-    from pan.demo import recipes
+    from pan.recipes.pyramid_flow_ar import demo
 
-    args = recipes.parse_args(["--recipe", "pyramid_flow_ar", "--out", str(work), "--steps", str(steps),
-                               *(["--quick"] if quick else [])])
-    data, model = recipes.make_ar_inputs(work / "data-ar", work / "model-ar", args.quick)
+    args = demo.parse_args(["--out", str(work), "--steps", str(steps), *(["--quick"] if quick else [])])
+    data, model = demo.make_ar_inputs(work / "data-ar", work / "model-ar", args.quick)
 
     def job(run: Path):
-        return ["--config", str(recipes.write_ar_config(args, data, model, run, run.parent / f"{run.name}.yaml"))]
+        return ["--config", str(demo.write_ar_config(args, data, model, run, run.parent / f"{run.name}.yaml"))]
     return job
 
 

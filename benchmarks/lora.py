@@ -59,7 +59,7 @@ def write_model(folder: Path, hidden: int, blocks: int) -> Path:
     miniFLUX of `hidden` width (heads of 64, or 32 below 128) with `blocks` double- and `blocks`
     single-stream blocks, every weight random and non-zero (an init's zero AdaLN gates would give
     the adapters no gradient)."""
-    from pan.demo.recipes import TINY_DIT, write_tiny_pyramid_model
+    from pan.recipes.pyramid_flow_ar.demo import TINY_DIT, write_tiny_pyramid_model
     from pan.models.pyramid_flux import PyramidFluxConfig, PyramidFluxTransformer
     from pan.models.pyramid_io import save_pretrained
 

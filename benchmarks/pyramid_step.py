@@ -10,7 +10,7 @@ sample each; 128 caption tokens, half of them padding; fp32), in both of its mod
   `use_temporal_causal` applies to it, quirk F5);
 - `ar`: the autoregressive temporal pyramid, 16 latent frames, sync group 8, rank 0, first step:
   units [8, 8, 9], history at decreasing resolution (README section 7).
-The clips come from pan's noising (`pan.diffusion.pyramid`, equal to the original's given the same
+The clips come from pan's noising (`pan.diffusion.pyramid_noising`, equal to the original's given the same
 draws); pan packs them (caption padding dropped, `PackInfo` built inside its step, as the original
 builds its masks and positions inside its forward). The candidates run round-robin in one process
 (interleaved rounds, median), so the ratios do not depend on the machine's drift:
@@ -56,8 +56,11 @@ try:
     from benchmarks.common import import_original, interleaved_times, kernel_share, median, print_table, write_json
 except ModuleNotFoundError:  # run as `python benchmarks/pyramid_step.py`: its folder is on the path
     from common import import_original, interleaved_times, kernel_share, median, print_table, write_json
-from pan.diffusion.pyramid import (GeneratorDraws, PyramidConfig, PyramidSchedule, latent_pyramid,
-                                   noise_full_sequence, noise_temporal_pyramid, stage_unit_counts)
+from pan.diffusion.pyramid_draws import GeneratorDraws
+from pan.diffusion.pyramid_latents import latent_pyramid
+from pan.diffusion.pyramid_noising import noise_full_sequence, noise_temporal_pyramid
+from pan.diffusion.pyramid_schedule import PyramidConfig, PyramidSchedule
+from pan.diffusion.pyramid_units import stage_unit_counts
 from pan.models.attention import auto_attention, describe, fastest, measure_backends, set_attention_backend
 from pan.models.packing import PackInfo
 from pan.models.pyramid_flux import PyramidFluxConfig, PyramidFluxTransformer

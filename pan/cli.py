@@ -20,7 +20,7 @@ def cmd_train(argv: list[str]) -> int:
         return 0
     watch_launcher()  # before the config and torch load (train.py has started it already)
     job = load_config_or_exit(argv)
-    from pan.preflight import refuse_at_start  # lazy, as the trainer
+    from pan.preflight.core import refuse_at_start  # lazy, as the trainer
     from pan.trainer import train  # lazy: `pan --help` and the other commands never load the trainer
     # What `pan check` fails for this launch's world is refused before anything is built (exit 2).
     return train(job, preflight=refuse_at_start)
@@ -49,7 +49,7 @@ def _delegate(module: str, function: str = "main"):
 
 COMMANDS = {
     "train": (cmd_train, "train a model from a YAML config (same as train.py)"),
-    "check": (_delegate("pan.preflight", "main_check"),
+    "check": (_delegate("pan.preflight.command", "main_check"),
               "preflight: validate a config and the environment without training"),
     "launch-command": (_delegate("pan.launch_command", "main_launch_command"),
                        "print a validated torchrun/srun command for a workflow"),

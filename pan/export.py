@@ -14,9 +14,12 @@ from pathlib import Path
 
 import torch
 
-from pan.checkpoint import dcp as layout
+from pan.checkpoint import layout
 from pan.lora.files import write_peft
-from pan.checkpoint.consolidate import export_checkpoint, honour_umask, part_source, write_weights
+from pan.checkpoint.consolidate import (CONFIG_METADATA_KEY, export_checkpoint, honour_umask, part_source,
+                                       write_weights)
+from pan.config import ConfigError, load_job_config
+from pan.config.job import dump_sections, job_to_sections
 from pan.lora.runs import merged_weights
 from pan.recipe import get_recipe, recipe_names, resolve
 
@@ -29,7 +32,8 @@ def main_export(argv: list[str]) -> int:
         prog="pan export", description="Write one trained part's weights of a checkpoint (the main "
                                        "part by default: the transformer) as one .safetensors file "
                                        "(usable as pretrained_transformer_path).")
-    parser.add_argument("checkpoint", help="a checkpoint-N/ folder, or its transformer/ folder")
+    parser.add_argument("checkpoint", help="a run's output_dir (its latest complete checkpoint), a "
+                                           "checkpoint-N/ folder, or one of its part folders")
     parser.add_argument("--out", help="the .safetensors file to write (may also follow the checkpoint "
                                       "without --out)")
     parser.add_argument("out_file", nargs="?", help=argparse.SUPPRESS)
@@ -49,16 +53,23 @@ def main_export(argv: list[str]) -> int:
     if (args.out is None) == (args.out_file is None):
         parser.error("name the .safetensors file to write once: --out model.safetensors")
     args.out = args.out or args.out_file
+    try:
+        args.checkpoint = str(checkpoint_of(Path(args.checkpoint)))
+    except ValueError as e:
+        print(f"pan export: {e}", file=sys.stderr)
+        return 2
     if args.format == PEFT:
         return export_peft(args)
     if args.format != "safetensors":
         return export_format(args, args.format, formats[args.format])
     dtype = DTYPES[args.dtype] if args.dtype else None
     try:
+        metadata = sampling_metadata(Path(args.checkpoint))
         if args.merge:
-            weights = export_merged(Path(args.checkpoint), Path(args.out), args.part, args.ema, dtype)
+            weights = export_merged(Path(args.checkpoint), Path(args.out), args.part, args.ema, dtype, metadata)
         else:
-            weights = export_checkpoint(args.checkpoint, args.out, ema=args.ema, part=args.part, dtype=dtype)
+            weights = export_checkpoint(args.checkpoint, args.out, ema=args.ema, part=args.part, dtype=dtype,
+                                        metadata=metadata)
     except (ValueError, FileNotFoundError) as e:
         print(f"pan export: {e}", file=sys.stderr)
         return 2
@@ -71,7 +82,44 @@ def main_export(argv: list[str]) -> int:
     return 0
 
 
-def export_merged(ckpt_dir: Path, out: Path, part: str | None, ema: bool, dtype) -> dict[str, torch.Tensor]:
+def checkpoint_of(path: Path) -> Path:
+    """What to export from `path`: a run's output_dir gives its latest complete checkpoint (as `pan
+    sample --checkpoint` takes it); a checkpoint-N/ or a part's folder is itself."""
+    if not path.exists():
+        raise ValueError(f"{path} does not exist: give a run's output_dir, a checkpoint-N/ folder or "
+                         "one of its part folders.")
+    if not path.is_dir():
+        raise ValueError(f"{path} is a file: give a run's output_dir, a checkpoint-N/ folder or one of its "
+                         "part folders (an exported .safetensors is already exported).")
+    if (path / layout.META).is_file() or (path / layout.DCP_METADATA).is_file() or layout.step_of(path) is not None:
+        return path
+    done = layout.complete_checkpoints(path)
+    if not done:
+        raise ValueError(f"{path} holds no complete checkpoint (no checkpoint-N/ folder whose save finished): "
+                         "give a run's output_dir after its first save, or a checkpoint-N/ folder.")
+    return done[-1]
+
+
+def sampling_metadata(ckpt_dir: Path) -> dict[str, str]:
+    """What `pan sample` needs beside the weights, for the exported file's metadata: the run's config
+    without the paths only training reads (pan.config.job.job_to_sections), so the one file samples
+    without its run. Nothing when the run's config.yaml is not beside its checkpoints or does not load here
+    (the export still goes on, and says so)."""
+    folder = ckpt_dir if layout.step_of(ckpt_dir) is not None else ckpt_dir.parent
+    config = folder.parent / "config.yaml"
+    if not config.is_file():
+        return {}
+    try:
+        job = load_job_config(["--config", str(config)], warn=lambda msg: None, use_only=True)
+    except ConfigError as e:
+        print(f"pan export: the run's {config} does not load here, so the file carries no config "
+              f"(pan sample will need --config): {e}", file=sys.stderr)
+        return {}
+    return {CONFIG_METADATA_KEY: dump_sections(job_to_sections(job, use_only=True))}
+
+
+def export_merged(ckpt_dir: Path, out: Path, part: str | None, ema: bool, dtype,
+                  metadata: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
     """`--merge`: a LoRA part's base with its adapters (or their EMA) merged in, as one file."""
     problem = lora_merge_problem(ckpt_dir, True, part)
     if problem:
@@ -81,7 +129,8 @@ def export_merged(ckpt_dir: Path, out: Path, part: str | None, ema: bool, dtype)
         weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()}
     ckpt, part_name, own_ema = layout.checkpoint_folder(ckpt_dir)
     source = ckpt_dir if part_name else part_source(ckpt, part, ema or bool(own_ema))[1]
-    write_weights(weights, out, {"source": str(source), "part": part_name or part or "", "lora": "merged"})
+    write_weights(weights, out, {**(metadata or {}), "source": str(source), "part": part_name or part or "",
+                                 "lora": "merged"})
     return weights
 
 

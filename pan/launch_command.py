@@ -107,7 +107,7 @@ def refuse_failed_rows(job, nodes: int, gpus_per_node: int, device_memory: float
     elsewhere, where train.py checks it): a failed row refuses the launch, a warning is printed.
     Without a GPU here and without --device-memory, the memory row can only plan for this machine's
     host memory, so there it warns instead of refusing (`Preflight.elsewhere`)."""
-    from pan.preflight import Preflight, format_refusal, job_rows, one_line  # lazy: the torchrun wrapper
+    from pan.preflight.core import Preflight, format_refusal, job_rows, one_line  # lazy: the torchrun wrapper
     # (`python -m pan.launch_command torchrun`) loads no checks
 
     ctx = Preflight(job, nodes, gpus_per_node, device_memory=device_memory, previous_stage=previous, elsewhere=True)

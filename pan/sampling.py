@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,17 +13,19 @@ import av
 import numpy as np
 import torch
 from PIL import Image
+from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import Tensor
 
-from pan.checkpoint import dcp as layout
-from pan.checkpoint.consolidate import consolidated_weights, part_source
-from pan.checkpoint.dcp import is_lora_checkpoint
+from pan.checkpoint import layout
+from pan.checkpoint.consolidate import CONFIG_METADATA_KEY, consolidated_weights, part_source
+from pan.checkpoint.layout import is_lora_checkpoint
 from pan.config import DEFAULT_RECIPE, EXIT_CONFIG_ERROR, ConfigError, load_config_or_exit
 from pan.data.media import to_uint8_frames, write_gif, write_mp4
 from pan.logging import quiet_library_progress_bars
 from pan.lora.files import apply_lora
 from pan.lora.runs import merged_weights
+from pan.parallel.precision import compute_precision
 from pan.recipe import get_recipe
 
 
@@ -165,6 +168,23 @@ def write_video(out: Path, index: int, count: int, video: Tensor, prompt: str, f
     return path
 
 
+def embedded_config(checkpoint: Path) -> str | None:
+    """The config an exported .safetensors carries (`pan export` writes it into the file's metadata),
+    None for anything else; a .safetensors that cannot be read is refused here (ValueError)."""
+    if checkpoint.suffix != ".safetensors" or checkpoint.is_dir():
+        return None
+    if not checkpoint.is_file():
+        raise ValueError(f"--checkpoint {checkpoint} does not exist: give a run's output_dir, a "
+                         "checkpoint-N/ folder or an exported .safetensors file.")
+    try:
+        with safe_open(str(checkpoint), "pt") as f:
+            metadata = f.metadata() or {}
+    except Exception as e:  # safetensors raises its own error types for a file that is not one
+        raise ValueError(f"--checkpoint {checkpoint} is not a readable .safetensors file ({e}): "
+                         "export it again with `pan export`.") from None
+    return metadata.get(CONFIG_METADATA_KEY)
+
+
 def run_config_of(checkpoint: Path) -> Path | None:
     """The config.yaml of the run a checkpoint path belongs to (a run dir, checkpoint-N/, or one of
     its DCP folders); None for an exported file."""
@@ -181,12 +201,27 @@ def main(argv: list[str] | None = None) -> int:
     probe.add_argument("--checkpoint", type=Path)
     probe.add_argument("--config")
     known, _ = probe.parse_known_args(argv)
-    config = known.config or (run_config_of(known.checkpoint) if known.checkpoint else None)
     quiet_library_progress_bars(on_a_terminal_too=True)
     try:
-        if config is None:  # no run to read the recipe from: the default recipe's sampler says what it needs
+        embedded = embedded_config(known.checkpoint) if known.checkpoint else None
+    except ValueError as e:
+        print(f"pan sample: {e}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    config = known.config or (run_config_of(known.checkpoint) if known.checkpoint and embedded is None else None)
+    with tempfile.TemporaryDirectory() as scratch:
+        under = None
+        if embedded is not None:  # an exported model's own config, under a --config given (key by key)
+            under = Path(scratch) / "exported.yaml"
+            under.write_text(embedded)
+        return sample_with(config, under, argv)
+
+
+def sample_with(config: str | Path | None, under: Path | None, argv: list[str]) -> int:
+    """Load the model's config (only what using it reads is checked) and run its recipe's sampler."""
+    try:
+        if config is None and under is None:  # nothing to read the recipe from: its sampler says what it needs
             return get_recipe(DEFAULT_RECIPE).hook("sample")(None, argv)
-        job = load_config_or_exit(["--config", str(config)])
+        job = load_config_or_exit(["--config", str(config)] if config else [], use_only=True, under=under)
         recipe = get_recipe(job.recipe)
         if recipe.sample is None:
             print(f"pan sample: the {job.recipe} recipe has no sampler ({recipe.description}).",
@@ -313,5 +348,4 @@ def forward_activation_bytes(model: torch.nn.Module, tokens: int, dtype: torch.d
 
 def compute_dtype(dtype: torch.dtype, device: torch.device):
     """bf16 weights compute under bf16 autocast (inputs, latents and the sampler stay fp32)."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16,
-                          cache_enabled=False)
+    return compute_precision(dtype, device.type, fp32_disables=True)

@@ -27,7 +27,7 @@ the LR schedules work exactly as for the default step.
 from __future__ import annotations
 
 import abc
-import contextlib
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,8 +36,10 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
+from pan.checkpoint.warm_start import WarmStartConfig
 from pan.optim.config import OptimConfig
 from pan.parallel.fsdp import clip_grad_norm, set_gradient_sync
+from pan.parallel.precision import compute_precision
 
 
 @runtime_checkable
@@ -66,7 +68,7 @@ class TrainableModel(Protocol):
 class PartSpec:
     """One trainable part as a recipe declares it (built by the trainer, in declaration order)."""
     name: str                          # "transformer", "vae", "discriminator": names checkpoint folders
-    build: Callable[[], nn.Module]     # the model on the meta device (or real weights to start from)
+    build: Callable[[], TrainableModel]  # the model on the meta device (or real weights to start from)
     optim: OptimConfig                 # its optimizer, LR schedule, clipping and EMA keys
     warm_start: bool = False           # whether the run's warm-start keys load into this part
     # The full state dict the part starts from when the run starts fresh (a released checkpoint),
@@ -107,11 +109,9 @@ def global_sum(value: float, group=None) -> float:
 
 
 def autocast_context(dtype: str, device: torch.device):
-    if dtype == "fp32":
-        return contextlib.nullcontext()
-    # Autocast's weight-cast cache is off in the validated eager mode: FSDP frees the unsharded
-    # weights after each block, so a cached cast would keep a stale copy alive.
-    return torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False)
+    """The train step's precision on `device` (pan/parallel/precision.py): bf16 autocast without
+    its weight cache under `dtype: bf16`, nothing under fp32."""
+    return compute_precision(dtype, device.type)
 
 
 class StepContext:
@@ -158,7 +158,8 @@ class StepContext:
 
 
 class Task(abc.ABC):
-    """A recipe's side of the loop. Subclasses set `reads_data` and `dp_rank` in `__init__`."""
+    """A recipe's side of the loop. Subclasses call `Task.__init__` and set `reads_data` and
+    `dp_rank` in their own `__init__`."""
 
     reads_data: bool = True   # whether this process runs a data loader (cp rank 0 of its group)
     dp_rank: int = 0          # which share of the data this process reads
@@ -170,9 +171,13 @@ class Task(abc.ABC):
     # checkpoint keeps one cursor per shard.
     sharded_micro_batches: bool = False
 
-    @abc.abstractmethod
     def __init__(self, job, world, dims, cp=None):
-        """Keep what the other members need; build nothing heavy (no model, no encoder)."""
+        """Keep what the other members need; build nothing heavy (no model, no encoder). A subclass
+        keeps more (its own `__init__`, calling this first)."""
+        self.job = job      # the recipe's job config
+        self.world = world  # pan.parallel.world.World: this process's rank and device
+        self.dims = dims    # pan.parallel.dims.ParallelDims: the run's layout
+        self.cp = cp        # pan.parallel.context_parallel.ContextParallel, or None (cp_size 1)
 
     # -- what is trained ---------------------------------------------------------------------------
     @abc.abstractmethod
@@ -192,10 +197,13 @@ class Task(abc.ABC):
 
     def warm_start_source(self) -> str | None:
         """Where a fresh run's `warm_start` parts start from (see pan/checkpoint/warm_start.py): a
-        state dict or another run's checkpoint; None: their init. Default: the job's `warm_start`
-        keys (Pan's `pretrained_transformer_path`), when it has them."""
-        keys = getattr(self.job, "warm_start", None)
-        return None if keys is None else keys.source
+        state dict or another run's checkpoint; None: their init. Default: the source its job
+        declares with a `WarmStartConfig` component (`pretrained_transformer_path`), None without
+        one; a recipe that names its source otherwise overrides this (causal_vae:
+        `warm_start_checkpoint`)."""
+        sources = [getattr(self.job, f.name).source for f in dataclasses.fields(self.job)
+                   if isinstance(getattr(self.job, f.name), WarmStartConfig)]
+        return sources[0] if sources else None
 
     def load_encoders(self) -> None:
         """Frozen encoders (text encoder, VAE), on the processes that need them."""

@@ -21,14 +21,15 @@ from pan.checkpoint.warm_start import plan_warm_start
 from pan.config import ConfigError
 from pan.config.core import knob, require
 from pan.config.job import dump_sections, job_to_sections
+from pan.data.audit import SampleAudit
 from pan.data.packed import DataResumeError
 from pan.data.sources import SourceError
 from pan.logging import get_logger, quiet_library_progress_bars
 from pan.lora.runs import base_with_adapters
 from pan.runtime.metrics import Metrics
-from pan.models.attention import auto_attention, auto_candidates, describe, fastest, measure_backends
 from pan.optim.builder import build_optimizer, build_scheduler
 from pan.optim.ema import EMA
+from pan.parallel.auto_attention import settle_auto_attention
 from pan.parallel.context_parallel import ContextParallel
 from pan.parallel.dims import ParallelDims
 from pan.parallel.fsdp import materialize_and_init, parallelize_model
@@ -43,6 +44,7 @@ from pan.runtime.watchdog import STARTUP, exit_if_launcher_gone, stop_watching_l
 @dataclass(kw_only=True)
 class TrainerConfig:
     SECTION: ClassVar[str] = "training"
+    TRAINING_ONLY: ClassVar[bool] = True  # not checked where a trained model is only used (pan sample)
 
     max_steps: int = knob(1000, "optimizer steps to train for", ge=1)
     gradient_accumulation_steps: int = knob(
@@ -61,29 +63,6 @@ class TrainerConfig:
     max_nonfinite_steps: int = knob(
         5, "stop the run after this many consecutive steps with a NaN/inf loss or gradient (each "
            "such step is skipped)", ge=1)
-    watchdog: bool = knob(
-        True, "declare a hang when a step, save or validation runs far longer than usual: every rank "
-              "then writes its Python stacks to the log and the run exits 3 (pan/runtime/watchdog.py)")
-    watchdog_factor: float = knob(
-        10.0, "a phase (step, save, validation) is hung after this many times the median of its "
-              "recent runs (never before watchdog_min_timeout)", gt=1)
-    watchdog_min_timeout: float = knob(
-        300.0, "seconds: no phase is declared hung sooner, however fast its median", gt=0)
-    watchdog_first_timeout: float = knob(
-        1800.0, "seconds allowed to the first run of each phase in a launch (no median yet: "
-                "compilation, the first save, data that is read again after a resume)", gt=0)
-    watchdog_startup_timeout: float = knob(
-        1200.0, "seconds allowed to a launch's start-up, everything before its first step (the "
-                "rendezvous, the lease, resuming or warm-starting from a checkpoint, building and "
-                "loading the models, the data loader); longer is a hang, ended like one (every rank's "
-                "Python stacks, exit 3). Keep it below the process group's timeout (1800 s, "
-                "process_group_timeout where the recipe has it), which would end a start-up stuck in "
-                "a collective without the stacks", gt=0)
-    exit_when_launcher_dies: bool = knob(
-        True, "a rank whose launcher (torchrun, srun, the parent process) is gone stops at once "
-              "(exit 1, one log line) instead of training on or waiting forever, also while it "
-              "starts; train.py watches from its first line, false stops the watch once the config "
-              "is read")
 
     def check(self, job) -> None:
         require(self.legacy_eager_mode, "legacy_eager_mode",
@@ -104,7 +83,7 @@ class TrainState:
     skipped_steps: int = 0
     samples_seen: int = 0
     tokens_seen: int = 0
-    # part name -> the backend its `attention_backend: auto` became (Trainer.settle_auto_attention)
+    # part name -> the backend its `attention_backend: auto` became (pan/parallel/auto_attention.py)
     attention_backends: dict[str, str] = field(default_factory=dict)
 
     def state_dict(self) -> dict:
@@ -159,12 +138,12 @@ class Trainer:
         self.parts = parts
         self.loader, self.checkpointer, self.metrics = loader, checkpointer, metrics
         self.state = TrainState()
-        self._consumed = None  # the file of sample ids seen (record_samples)
-        self._bad_listed = 0   # distinct bad samples in output_dir/bad_samples/ (record_bad_samples)
-        self._bad_logged = 0   # ... over all ranks, when last logged
+        # What each step trained and the bad samples met, in output_dir (pan/data/audit.py).
+        self.audit = SampleAudit(checkpointer.output_dir, task.dp_rank, task.reads_data)
+        self._bad_logged = 0   # distinct bad samples over all ranks, when last logged
         self.lease = None      # rank 0's RunLease of output_dir, when train() holds one
         self.watchdog = None   # this rank's Watchdog, when train() runs one
-        self._attention_settled = False   # no part's attention is left on `auto` (settle_auto_attention)
+        self._attention_settled = False   # no part's attention is left on `auto` (pan/parallel/auto_attention.py)
         self.log = get_logger()
 
     def close(self) -> None:
@@ -227,7 +206,7 @@ class Trainer:
         cfg = self.job.trainer
         ckpt_cfg = self.job.checkpoint
         self.metrics.start(self.state.step, cfg.max_steps)
-        self.settle_auto_attention(measure=False)   # a resumed run's choice, before its first step
+        self.settle_attention(measure=False)   # a resumed run's choice, before its first step
         with sigterm_recorded(ckpt_cfg.save_on_sigterm) as signalled:
             while self.state.step < cfg.max_steps:
                 with self.watched("step", f"step {self.state.step + 1}"):
@@ -270,8 +249,8 @@ class Trainer:
         micro_batches, data_wait = self.next_micro_batches()
         out = self.train_step(micro_batches)
         self.state.step += 1
-        self.record_samples(micro_batches)
-        distinct_bad = self.record_bad_samples()
+        self.audit.record_samples(self.state.step, micro_batches)
+        distinct_bad = self.audit.record_bad_samples(self.loader, self.checkpointer.cp_rank)
         stats = self.task.batch_stats(micro_batches)  # this rank's share
         # The signal and a lost lease ride on the step's sums, so every rank stops after the same
         # step even when the signal reached them at different moments.
@@ -295,93 +274,14 @@ class Trainer:
             "packing": stats["packing"], **lrs,
             "step_time": time.perf_counter() - t0, "data_wait": data_wait,
             "skipped_steps": self.state.skipped_steps})
-        self.settle_auto_attention()
+        self.settle_attention()
         return totals[4] > 0
 
-    # -- attention_backend: auto ---------------------------------------------------------------
-    def settle_auto_attention(self, measure: bool = True) -> None:
-        """Turn each part's `auto` attention into one backend for the rest of the run: the one the
-        run chose before (kept in the checkpoint, so that a resumed run computes with the same
-        kernels, to the bit), or else, once a step has run, the fastest on rank 0's first pack. Every
-        rank takes rank 0's choice: ranks on other kernels would compute other bits."""
-        if self._attention_settled:
-            return
-        settled = True
-        for name, part in self.parts.items():
-            modules = auto_attention(part.model)
-            if not modules:
-                continue
-            choice, how = self.state.attention_backends.get(name), "kept from the checkpoint"
-            dtype = torch.bfloat16 if self.job.trainer.dtype == "bf16" else torch.float32   # autocast's
-            if choice is not None and choice not in auto_candidates(self.world.device, dtype):
-                self.log.warning("attention_backend auto: the checkpoint's choice for %s, %s, cannot run on "
-                                 "%s; measuring again (the kernels, and so the bits, change)", name, choice,
-                                 self.world.device)
-                choice = None
-            if choice is None and measure:
-                choice, how = self.measure_attention(modules)
-            if choice is None:
-                settled = False
-                continue
-            for module in modules:
-                module.backend, module.first_call = choice, None
-            self.state.attention_backends[name] = choice
-            self.log.info("attention_backend auto of %s: %s (%s)", name, choice, how)
-        self._attention_settled = settled
-
-    def measure_attention(self, modules: list) -> tuple[str | None, str]:
-        """Rank 0 times the exact backends on the attention calls its modules recorded in the last
-        step (forward and backward); every rank gets its choice (None: nothing was recorded)."""
-        result: tuple[str | None, str] = (None, "")
-        if self.world.is_main:
-            calls = [m.first_call for m in modules if m.first_call is not None]
-            if calls:
-                times = measure_backends(calls)
-                try:
-                    result = (fastest(times), "the fastest on rank 0's first pack, forward and backward of "
-                              f"its {len(calls)} attention calls: {describe(times)}")
-                except RuntimeError as e:
-                    result = ("", str(e))
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            box = [result]
-            dist.broadcast_object_list(box, src=0)
-            result = box[0]
-        if result[0] == "":
-            raise RuntimeError(result[1])
-        return result
-
-    def record_samples(self, micro_batches: list) -> None:
-        """Append this step's sample ids to output_dir/consumed/<dp rank>.txt (one line per step).
-
-        An audit trail of what the model saw: after a resume the steps since the last checkpoint
-        are trained again and appear twice; the later line of a step is the one that counted.
-        """
-        if not self.task.reads_data:
-            return
-        if self._consumed is None:
-            path = self.checkpointer.output_dir / "consumed" / f"{self.task.dp_rank}.txt"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._consumed = open(path, "a")
-        ids = [i for mb in micro_batches for i in mb.sample_ids]
-        self._consumed.write(f"{self.state.step} {' '.join(ids)}\n")
-        self._consumed.flush()
-
-    def record_bad_samples(self) -> int:
-        """Rewrite output_dir/bad_samples/<dp rank>.tsv (sample id, reason, detail) whenever this
-        rank's record of distinct bad samples grows; returns its size (0 on ranks without data)."""
-        record = getattr(self.loader, "known_bad", None) if self.checkpointer.cp_rank == 0 else None
-        if not self.task.reads_data or record is None:
-            return 0
-        if len(record) != self._bad_listed:
-            path = self.checkpointer.output_dir / "bad_samples" / f"{self.task.dp_rank}.tsv"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            lines = [f"{sample_id}\t{reason}\t{' '.join(detail.split())}\n"
-                     for sample_id, (reason, detail) in sorted(self.loader.bad_samples.items())]
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text("sample_id\treason\tdetail\n" + "".join(lines))
-            tmp.replace(path)
-            self._bad_listed = len(record)
-        return len(record)
+    def settle_attention(self, measure: bool = True) -> None:
+        """Each part's `attention_backend: auto` made one backend, rank 0's choice (pan/parallel/auto_attention.py)."""
+        self._attention_settled = self._attention_settled or settle_auto_attention(
+            {name: part.model for name, part in self.parts.items()}, self.world, self.job.trainer.dtype,
+            self.state.attention_backends, measure)
 
     def checkpoint_parts(self) -> dict:
         """Everything a resume restores, by name (the checkpointer decides how each is stored)."""
@@ -516,7 +416,7 @@ def train(job, preflight=None) -> int:
     log = get_logger()
     trainer = None
     guards = contextlib.ExitStack()
-    cfg = job.trainer
+    cfg = job.watchdog
     try:
         if cfg.exit_when_launcher_dies:
             watch_launcher()  # started by train.py's first line already; here for other callers

@@ -88,7 +88,7 @@ def load(path: Path, *extra):
 
 def final_weights(output_dir: Path, step: int) -> dict:
     """{transformer, optimizer} -> the consolidated tensors of a run's checkpoint."""
-    from pan.checkpoint import dcp as layout
+    from pan.checkpoint import layout
     from pan.checkpoint.consolidate import consolidated_weights
 
     ckpt = output_dir / layout.checkpoint_name(step)

@@ -245,3 +245,13 @@ def test_the_layer_contract_catches_a_sibling_import(tmp_path):
                           timeout=300)
     assert done.returncode != 0
     assert "pan.diffusion.flow -> pan.runtime.metrics" in done.stdout, done.stdout[-3000:]
+
+
+def test_files_stay_short_and_the_root_shows_the_layers():
+    """No module of pan over 600 lines (a file with several jobs splits along them), and the root
+    holds what a newcomer reads first: at most 9 modules beside its packages."""
+    long = [f"{p.relative_to(ROOT)}: {n} lines" for p in sorted((ROOT / "pan").rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > 600]
+    assert not long, "files over 600 lines:\n" + "\n".join(long)
+    root = sorted(p.name for p in (ROOT / "pan").glob("*.py") if p.name != "__init__.py")
+    assert len(root) <= 9, f"{len(root)} modules at pan/'s root: {root}"

@@ -126,6 +126,7 @@ def fit_with_measurements(config: Path, faster: str) -> dict:
     rank measured, the backends its modules ended on, and rank 0's log lines about it."""
     import torch.distributed as dist
 
+    import pan.parallel.auto_attention
     import pan.trainer
     from pan.logging import get_logger
     from pan.models.attention import InnerAttention
@@ -139,7 +140,7 @@ def fit_with_measurements(config: Path, faster: str) -> dict:
         measured.append(len(calls))
         return {mine: 1e-3, {"sdpa": "blockwise", "blockwise": "sdpa"}[mine]: 2e-3}
 
-    pan.trainer.measure_backends = measure
+    pan.parallel.auto_attention.measure_backends = measure
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append

@@ -24,8 +24,8 @@ from pyramid_reference import REFERENCE, decompressed, load_fixture, needs_refer
 from safetensors.torch import load_file, save_file
 
 from pan.config.core import ConfigError
-from pan.models.causal_vae import (CONFIG_NAME, WEIGHTS_NAME, CausalVAEConfig, CausalVideoVAE,
-                                   DiagonalGaussian)
+from pan.models.causal_vae import CausalVideoVAE, DiagonalGaussian
+from pan.models.causal_vae_config import CONFIG_NAME, WEIGHTS_NAME, CausalVAEConfig
 from pan.models.lpips import LPIPS, LPIPSFileError
 from pan.models.vae_discriminator import DiscriminatorConfig, NLayerDiscriminator, build_discriminator
 from pan.models.vae_loss import VAELoss, VAELossConfig, kl_loss

@@ -27,7 +27,7 @@ import torch
 import yaml
 from pyramid_reference import REFERENCE, decompressed, load_fixture, needs_reference
 
-from pan.checkpoint import dcp as layout
+from pan.checkpoint import layout
 from pan.checkpoint.consolidate import consolidated_weights
 from pan.config import ConfigError, load_job_config
 from pan.data.config import DataConfig

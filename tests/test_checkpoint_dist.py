@@ -13,7 +13,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from dist_utils import run_distributed
-from pan.checkpoint import dcp as layout
+from pan.checkpoint import layout
 from pan.checkpoint.consolidate import export_checkpoint
 from pan.export import main_export
 from pan.checkpoint.manager import CheckpointConfig, Checkpointer

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from dist_utils import run_distributed
-from pan.checkpoint import dcp as layout
+from pan.checkpoint import checksums, layout
 from pan.checkpoint.consolidate import main_inspect
 from pan.checkpoint.manager import CheckpointConfig, Checkpointer
 from pan.parallel.dims import ParallelConfig, ParallelDims
@@ -66,8 +66,8 @@ def zero_a_block(path: Path) -> str:
 
 def test_every_file_gets_a_crc32_while_it_is_written(tmp_path, monkeypatch):
     read_back = []
-    real = layout.crc32_of_file
-    monkeypatch.setattr(layout, "crc32_of_file", lambda p, **kw: read_back.append(p) or real(p, **kw))
+    real = checksums.crc32_of_file
+    monkeypatch.setattr(checksums, "crc32_of_file", lambda p, **kw: read_back.append(p) or real(p, **kw))
     ckpt = single_process(tmp_path)
     run = make_parts(0)
     train(run, 1)
@@ -77,7 +77,7 @@ def test_every_file_gets_a_crc32_while_it_is_written(tmp_path, monkeypatch):
     assert sorted(marker["crc32"]) == sorted(marker["files"])
     for rel, crc in marker["crc32"].items():
         assert f"{real(path / rel):08x}" == crc, rel
-    assert layout.verify_checksums(path) is None
+    assert checksums.verify_checksums(path) is None
 
 
 def test_crc32_pieces_and_files_give_the_standard_crc32(tmp_path):
@@ -85,12 +85,12 @@ def test_crc32_pieces_and_files_give_the_standard_crc32(tmp_path):
     rng = random.Random(0)
     for _ in range(50):
         a, b = rng.randbytes(rng.randint(0, 5000)), rng.randbytes(rng.randint(0, 5000))
-        assert layout.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
-    big = rng.randbytes(3 * layout.HASH_CHUNK + 12345)
-    assert layout.crc32_parallel(big) == zlib.crc32(big)
-    assert layout.crc32_parallel(memoryview(big)[7:], 99) == zlib.crc32(big[7:], 99)
+        assert checksums.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+    big = rng.randbytes(3 * checksums.HASH_CHUNK + 12345)
+    assert checksums.crc32_parallel(big) == zlib.crc32(big)
+    assert checksums.crc32_parallel(memoryview(big)[7:], 99) == zlib.crc32(big[7:], 99)
     (tmp_path / "f").write_bytes(big)
-    assert layout.crc32_of_file(tmp_path / "f") == zlib.crc32(big)
+    assert checksums.crc32_of_file(tmp_path / "f") == zlib.crc32(big)
 
 
 def test_large_writes_are_hashed_in_pieces_while_written(tmp_path):
@@ -99,8 +99,8 @@ def test_large_writes_are_hashed_in_pieces_while_written(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     sums: dict[str, int] = {}
-    state = {"big": torch.randn(3 * layout.HASH_CHUNK // 4 + 5), "small": torch.arange(10)}
-    dcp.save(state, checkpoint_id=str(tmp_path), storage_writer=layout.checksumming_writer(tmp_path, sums),
+    state = {"big": torch.randn(3 * checksums.HASH_CHUNK // 4 + 5), "small": torch.arange(10)}
+    dcp.save(state, checkpoint_id=str(tmp_path), storage_writer=checksums.checksumming_writer(tmp_path, sums),
              no_dist=True)
     assert {Path(p).name for p in sums} == {p.name for p in tmp_path.iterdir()}  # .metadata after its rename
     for path, crc in sums.items():
@@ -171,7 +171,7 @@ def _two_ranks_one_corrupt_share(out: str) -> tuple:
     ckpt.save(2, run)
     train(run, 2)
     path = ckpt.save(4, run)
-    corrupted = layout.checksummed_files(path)[1::2][0]  # the largest file of rank 1's share
+    corrupted = checksums.checksummed_files(path)[1::2][0]  # the largest file of rank 1's share
     if world.rank == 0:
         data = bytearray((path / corrupted).read_bytes())
         data[len(data) // 2] ^= 0xFF

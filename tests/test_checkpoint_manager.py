@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from pan.checkpoint import dcp as layout
+from pan.checkpoint import durable, layout
 from pan.checkpoint.consolidate import format_inspection, inspect_run, main_inspect
 from pan.checkpoint.manager import CheckpointConfig, Checkpointer, UnreadableRunError
 from pan.optim.builder import build_optimizer
@@ -227,7 +227,7 @@ def test_a_save_interrupted_at_any_moment_is_never_picked(tmp_path, monkeypatch,
     train(run, 2)
 
     import pan.checkpoint.manager as manager
-    real_save, real_write, real_rename = manager.dcp.save, layout.write_bytes_durably, Path.rename
+    real_save, real_write, real_rename = manager.dcp.save, durable.write_bytes_durably, Path.rename
 
     def dcp_save(state, checkpoint_id, **kw):
         if checkpoint_id.endswith(moment):
@@ -247,7 +247,7 @@ def test_a_save_interrupted_at_any_moment_is_never_picked(tmp_path, monkeypatch,
         return real_rename(self, target)
 
     monkeypatch.setattr(manager.dcp, "save", dcp_save)
-    monkeypatch.setattr(layout, "write_bytes_durably", write_bytes)
+    monkeypatch.setattr(durable, "write_bytes_durably", write_bytes)
     monkeypatch.setattr(Path, "rename", rename)
     with pytest.raises(Killed):
         ckpt.save(4, run)

@@ -4,7 +4,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import pytest
 
-from pan.checkpoint import dcp as layout
+from pan.checkpoint import reader
 
 
 def _saved(tmp_path):
@@ -29,7 +29,7 @@ def _empty_like(state):
 def test_every_kind_of_item_comes_back_exactly(tmp_path, monkeypatch):
     state = _saved(tmp_path)
     direct = []
-    real = layout._read_into
+    real = reader._read_into
 
     def spy(f, info, item, target):
         took = real(f, info, item, target)
@@ -37,9 +37,9 @@ def test_every_kind_of_item_comes_back_exactly(tmp_path, monkeypatch):
             direct.append(item.storage_index.fqn)
         return took
 
-    monkeypatch.setattr(layout, "_read_into", spy)
+    monkeypatch.setattr(reader, "_read_into", spy)
     loaded = _empty_like(state)
-    layout.load_dcp(loaded, tmp_path)
+    reader.load_dcp(loaded, tmp_path)
     for key, value in state.items():
         if isinstance(value, torch.Tensor):
             assert torch.equal(loaded[key], value), key
@@ -52,7 +52,7 @@ def test_a_destination_that_is_not_contiguous_is_filled_by_copy(tmp_path):
     state = _saved(tmp_path)
     loaded = _empty_like(state)
     loaded["big"] = torch.zeros(256, 256).t()  # a transposed destination
-    layout.load_dcp(loaded, tmp_path)
+    reader.load_dcp(loaded, tmp_path)
     assert torch.equal(loaded["big"], state["big"])
 
 
@@ -61,4 +61,4 @@ def test_a_truncated_shard_raises_instead_of_loading_garbage(tmp_path):
     shard = next(tmp_path.glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     with pytest.raises(BaseException, match="ends"):  # DCP wraps it in a CheckpointException
-        layout.load_dcp(_empty_like(state), tmp_path)
+        reader.load_dcp(_empty_like(state), tmp_path)

@@ -1,4 +1,5 @@
-"""The demo pipeline end to end in its --quick form: data, training, samples, scores, report."""
+"""The Pan demo (`pan demo`, pan/recipes/pan/demo.py) end to end in its --quick form: data, training,
+samples, scores, report."""
 
 import json
 import re
@@ -6,9 +7,9 @@ import re
 import yaml
 from PIL import Image
 
-from pan.demo import DEFAULT_CONFIG, main, make_data
-from pan.demo.main import QUICK_PROMPTS, SAMPLES_PER_PROMPT
+from pan.demo import main
 from pan.demo.analyser import load_video
+from pan.recipes.pan.demo import DEFAULT_CONFIG, QUICK_PROMPTS, SAMPLES_PER_PROMPT, make_data
 
 OUTPUT = yaml.safe_load(DEFAULT_CONFIG.read_text())["output"]
 GEOMETRY = (OUTPUT["sample_num_frames"], OUTPUT["sample_height"], OUTPUT["sample_width"], 3)
@@ -32,7 +33,7 @@ def test_quick_demo_writes_every_artefact(tmp_path, capsys):
     sheet = Image.open(out / "samples" / "contact_sheet.gif")
     assert sheet.n_frames == GEOMETRY[0] and sheet.width > 2 * 2 * GEOMETRY[2]  # clips side by side, scaled 2x
 
-    assert Image.open(out / "loss.png").size == (640, 360)
+    assert Image.open(out / "loss.png").size == (1200, 800)  # pan plot's four panels
     rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]  # one loss point per step in a 2-step run
 

@@ -1,10 +1,12 @@
-"""`pan demo --recipe ...` (pan/demo/recipes.py): the --quick path of each recipe's demo runs end to
-end and writes every output it promises; the causal VAE demo's own PSNR agrees with the recipe's
-validation, and its reconstructions are scored against the held-out clips' captions."""
+"""`pan demo --recipe ...` (pan/recipes/causal_vae/demo.py, pan/recipes/pyramid_flow_ar/demo.py): the
+--quick path of each recipe's demo runs end to end and writes every output it promises; the causal
+VAE demo's own PSNR agrees with the recipe's validation, and its reconstructions are scored against
+the held-out clips' captions; `pan demo` hands each recipe's demo its command line."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import json
 import re
@@ -13,7 +15,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pan.demo.recipes import caption_corpus, main, write_tiny_pyramid_model
+import pan.demo
+from pan.recipes.causal_vae import demo as causal_vae_demo
+from pan.recipes.pyramid_flow_ar import demo as pyramid_flow_ar_demo
+from pan.recipes.pyramid_flow_ar.demo import caption_corpus, write_tiny_pyramid_model
 
 SCORE_KEYS = {"num_videos", "colour_accuracy", "direction_accuracy", "shape_accuracy", "joint_accuracy",
               "per_video"}
@@ -22,7 +27,7 @@ SCORE_KEYS = {"num_videos", "colour_accuracy", "direction_accuracy", "shape_accu
 @pytest.fixture(scope="module")
 def vae_demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo_causal_vae")
-    assert main(["--recipe", "causal_vae", "--out", str(out), "--quick", "--seed", "2"]) == 0
+    assert causal_vae_demo.demo(["--out", str(out), "--quick", "--seed", "2"]) == 0
     return out
 
 
@@ -31,7 +36,7 @@ def ar_demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo_pyramid_flow_ar")
     log = io.StringIO()
     with contextlib.redirect_stderr(log), contextlib.redirect_stdout(log):  # pan's log: the current sys.stderr
-        assert main(["--recipe", "pyramid_flow_ar", "--out", str(out), "--quick"]) == 0
+        assert pyramid_flow_ar_demo.demo(["--out", str(out), "--quick"]) == 0
     (out / "demo.log").write_text(log.getvalue())
     return out
 
@@ -60,6 +65,23 @@ def test_causal_vae_quick_demo_writes_its_outputs(vae_demo):
     report = (vae_demo / "report.md").read_text()
     assert f"{scores['trained']['psnr']:.2f} dB trained" in report and "| 01 |" in report
     assert run_seed(vae_demo / "run") == 2   # --seed is the run's training seed
+
+
+def assert_plotted(demo_out: Path) -> None:
+    """The demo's loss.png is `pan plot` of its run: four panels, the loss on a log axis (symlog
+    where a loss term is signed, as the VAE's GAN term can be)."""
+    from PIL import Image
+
+    from pan.runtime.plot import draw, read_records
+
+    assert Image.open(demo_out / "loss.png").size == (1200, 800)
+    figure = draw(read_records(demo_out / "run" / "metrics.jsonl"))
+    assert len(figure.axes) == 4 and figure.axes[0].get_yscale() in ("log", "symlog")
+
+
+def test_the_recipe_demos_plot_their_runs(vae_demo, ar_demo):
+    assert_plotted(vae_demo)
+    assert_plotted(ar_demo)
 
 
 def test_causal_vae_demo_psnr_is_the_recipes_validation(vae_demo):
@@ -120,16 +142,21 @@ def test_tiny_pyramid_tokenizers_split_the_demo_captions_into_known_words(tmp_pa
 
 
 def test_pan_demo_dispatches_recipe_demos(monkeypatch, tmp_path):
-    """`pan demo --recipe X` runs that recipe's demo with the same options, in its own folder by
-    default; the Pan demo's --config does not apply to it."""
-    import pan.demo
-    from pan.demo import recipes as demo_recipes
+    """`pan demo --recipe X` hands the rest of its command line, as typed, to recipe X's `demo` hook
+    (the Pan demo's without --recipe); a recipe demo refuses the Pan demo's --config."""
+    from pan.config.job import DEFAULT_RECIPE
+    from pan.recipe import get_recipe
 
     calls = []
-    monkeypatch.setattr(demo_recipes, "main", lambda argv: calls.append(argv) or 0)
+    for name in ("causal_vae", "pyramid_flow_ar", DEFAULT_RECIPE):
+        module, _, attribute = get_recipe(name).demo.partition(":")
+        monkeypatch.setattr(importlib.import_module(module), attribute,
+                            lambda argv, name=name: calls.append((name, argv)) or 0)
     assert pan.demo.main(["--recipe", "causal_vae", "--quick", "--steps", "3", "--seed", "5"]) == 0
-    assert pan.demo.main(["--recipe", "pyramid_flow_ar", "--out", str(tmp_path)]) == 0
-    assert calls == [["--recipe", "causal_vae", "--steps", "3", "--seed", "5", "--quick"],
-                     ["--recipe", "pyramid_flow_ar", "--out", str(tmp_path)]]
-    with pytest.raises(SystemExit, match="--config configures the Pan demo"):
-        pan.demo.main(["--recipe", "causal_vae", "--config", str(tmp_path / "x.yaml")])
+    assert pan.demo.main(["--out", str(tmp_path), "--recipe", "pyramid_flow_ar"]) == 0
+    assert pan.demo.main(["--quick", "--config", "x.yaml"]) == 0
+    assert calls == [("causal_vae", ["--quick", "--steps", "3", "--seed", "5"]),
+                     ("pyramid_flow_ar", ["--out", str(tmp_path)]),
+                     (DEFAULT_RECIPE, ["--quick", "--config", "x.yaml"])]
+    with pytest.raises(SystemExit, match="--config configures the default demo"):
+        causal_vae_demo.parse_args(["--config", str(tmp_path / "x.yaml")])

@@ -13,6 +13,7 @@ from torch import nn
 
 import pan.estimate.trace as trace_module
 from pan.estimate.trace import ATTENTION, ATTENTION_BACKWARD, StepTrace, _kind_of, _tensors, fake_copy, fake_mode
+from pan.parallel.precision import compute_precision
 
 
 def pytree_tensors(tree) -> list[torch.Tensor]:
@@ -63,7 +64,7 @@ def traced(counter: type[StepTrace], dtype: str) -> StepTrace:
         for p in twin.parameters():
             p.register_post_accumulate_grad_hook(lambda p: trace.as_gradient(p.grad))
         x = torch.empty(2, 16, 32, requires_grad=True)
-        with trace, trace_module.autocast(dtype):
+        with trace, compute_precision(dtype, "cpu"):  # as trace_step
             loss = twin(x).float().square().mean()
             loss.backward()
             loss.item()

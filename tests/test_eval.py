@@ -10,9 +10,10 @@ import yaml
 from scipy import ndimage
 
 from pan.data.synth import DIRECTIONS, PALETTE, synth_dataset
-from pan.demo import DEFAULT_CONFIG, SHAPE_SIZE
 from pan.demo.analyser import (STATIC, UNKNOWN, analyse_video, format_table, load_video, main, score_videos,
                       to_unit_frames)
+from pan.demo.kit import SHAPE_SIZE
+from pan.recipes.pan.demo import DEFAULT_CONFIG
 
 OPPOSITE = {"left": "right", "right": "left", "up": "down", "down": "up"}
 

@@ -192,7 +192,11 @@ def test_a_clean_sample_prediction_stands_for_the_velocity_target():
 # --- config rejections -----------------------------------------------------------------------------
 
 def job_with(cfg: FlowConfig, explicit: set[str], recipe: str = "pan"):
-    return SimpleNamespace(flow=cfg, explicit_keys=explicit, recipe=recipe)
+    """A stand-in job of `recipe` (whether it reads prediction_type is its job config's to say)."""
+    from pan.recipe import get_recipe
+
+    reads = get_recipe(recipe).job_config.READS_PREDICTION_TYPE
+    return SimpleNamespace(flow=cfg, explicit_keys=explicit, recipe=recipe, READS_PREDICTION_TYPE=reads)
 
 
 def test_sample_prediction_is_refused_by_recipes_that_do_not_read_it():

@@ -29,7 +29,7 @@ import yaml
 
 from dist_utils import free_port
 from launch_utils import assert_continues_the_run
-from pan.checkpoint import dcp as layout
+from pan.checkpoint import layout
 from pan.checkpoint.consolidate import consolidated_weights
 from pan.data.synth import synth_dataset
 

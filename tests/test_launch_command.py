@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dist_utils import free_port
-from pan.checkpoint import dcp as layout
+from pan.checkpoint import layout
 from pan.checkpoint.lease import RunLease, this_process
 from pan.data.synth import synth_dataset
 from pan.launch_command import main_launch_command

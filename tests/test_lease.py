@@ -25,7 +25,7 @@ import yaml
 
 from dist_utils import free_port
 from launch_utils import ROOT, TESTS, last_logged_step, run_to_end
-from pan.checkpoint import dcp as layout
+from pan.checkpoint import layout
 from pan.checkpoint.consolidate import consolidated_weights
 from pan.checkpoint.lease import (LEASE_FILE, LeaseHeldError, RunLease, process_alive, process_start,
                                   read_lease, this_process, why_stale)

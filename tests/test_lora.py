@@ -30,7 +30,7 @@ import yaml
 
 from dist_utils import run_distributed
 from launch_utils import assert_continues_the_run, consumed, kill_after_step, launch, run_to_end
-from pan.checkpoint import dcp as layout
+from pan.checkpoint import layout
 from pan.lora.adapters import LORA_KEY, base_names
 from pan.models.pan_dit import PanDiTConfig, PanVideoDiffusionTransformer
 from pan.models.pyramid_io import read_weights

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from pan.cli import main as pan_main
 from pan.demo.analyser import load_video
@@ -66,6 +67,10 @@ def check_outcome(argv: list[str], out: str, cwd: Path) -> None:
         run = cwd / option(argv, "--output_dir")
         assert {"checkpoint-10", "checkpoint-20", "metrics.jsonl", "config.yaml"} <= {p.name for p in run.iterdir()}
         assert "training finished at step 20" in out
+    elif argv[:2] == ["pan", "plot"]:
+        assert Image.open(cwd / argv[2] / "metrics.png").size == (1200, 800)
+    elif argv[:2] == ["pan", "export"]:
+        assert (cwd / option(argv, "--out")).stat().st_size > 0
     elif argv[:2] == ["pan", "sample"]:
         video = cwd / option(argv, "--out")
         assert load_video(video).shape == (5, 32, 32, 3)

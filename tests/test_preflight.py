@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
 from pan import preflight
-from pan.checkpoint import dcp as layout
+from pan.checkpoint import durable, layout
 from pan.config import ConfigError, load_job_config
 from pan.data.synth import synth_dataset
 from pan.preflight import Preflight, Row, main_check, run_preflight
@@ -104,7 +104,7 @@ def test_a_check_that_crashes_is_one_failed_row(tmp_path, data, monkeypatch):
     def broken(ctx):
         raise RuntimeError("boom")
     declared = preflight.recipe_checks("pan")
-    monkeypatch.setattr(preflight, "recipe_checks", lambda recipe: [broken, *declared])
+    monkeypatch.setattr(preflight.core, "recipe_checks", lambda recipe: [broken, *declared])
     got = rows_of(base_args(tmp_path, data))
     # Which check crashed, with what and where; the fix points at its keys, not at "the message".
     assert failed(got)["broken"].startswith("the `broken` check crashed with RuntimeError: boom (in test_preflight.py:")
@@ -119,7 +119,7 @@ def test_a_config_error_in_a_check_is_a_row_per_problem_with_its_key_and_fix(tmp
         raise ConfigErrors([ConfigError("max_frames", "is 5, but the clips have 3 frames. Use 3."),
                             ConfigError("min_frames", "is 9: it exceeds max_frames.", fix="lower it.")])
     declared = preflight.recipe_checks("pan")
-    monkeypatch.setattr(preflight, "recipe_checks", lambda recipe: [refusing, *declared])
+    monkeypatch.setattr(preflight.core, "recipe_checks", lambda recipe: [refusing, *declared])
     rows = rows_of(base_args(tmp_path, data))["refusing"]
     assert [(r.status, r.detail, r.fix) for r in rows] == [
         ("fail", "`max_frames`: is 5, but the clips have 3 frames.", "use 3."),
@@ -277,7 +277,7 @@ def test_output_dir_that_cannot_be_written_fails(tmp_path, data):
 
 def test_output_dir_without_room_for_two_checkpoints_fails(tmp_path, data, monkeypatch):
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: usage(10**6, 0, 10**6))
+    monkeypatch.setattr(preflight.checks.shutil, "disk_usage", lambda path: usage(10**6, 0, 10**6))
     got = failed(rows_of(base_args(tmp_path, data)))
     assert "less than two checkpoints" in got["output dir"]
 
@@ -313,7 +313,7 @@ def write_checkpoint(out_dir: Path, step: int, state: dict[str, torch.Tensor], d
     torch.save({"step": step}, path / layout.TRAINING_STATE)
     (path / layout.META).write_text(json.dumps({"step": step, "world_size": dp_size, "cp_size": 1,
                                                 "dp_size": dp_size}))
-    (path / layout.MARKER).write_text(json.dumps({"step": step, "files": layout.file_sizes(path)}))
+    (path / layout.MARKER).write_text(json.dumps({"step": step, "files": durable.file_sizes(path)}))
     return path
 
 

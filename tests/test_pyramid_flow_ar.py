@@ -478,7 +478,8 @@ def test_the_launch_script_is_the_shared_launcher_with_the_ar_default():
 # ------------------------------------------------------------------------------------------------
 
 def test_sampling_runs_unit_by_unit_on_a_growing_temporal_pyramid():
-    from pan.diffusion.pyramid import GeneratorDraws, PyramidConfig, PyramidSchedule
+    from pan.diffusion.pyramid_draws import GeneratorDraws
+    from pan.diffusion.pyramid_schedule import PyramidConfig, PyramidSchedule
     from pan.diffusion.pyramid_sampler import sample_autoregressive
 
     schedule = PyramidSchedule(PyramidConfig())
@@ -542,6 +543,11 @@ def test_pan_sample_generates_from_text_an_image_or_a_clip(tmp_path, two_ranks, 
     exported = read_weights(out)
     for key, value in final_weights(tmp / "straight", STEPS)["transformer"].items():
         assert torch.equal(exported[key], value), key
+    # The run's latest checkpoint exported as one file samples without its run (its config inside).
+    assert main_export([str(tmp / "straight"), "--out", str(tmp_path / "dit.safetensors")]) == 0
+    alone = [*common[2:], "--checkpoint", str(tmp_path / "dit.safetensors"), "--out", str(tmp_path / "alone.mp4")]
+    assert sample_main(alone) == 0
+    assert torch.equal(decoded_frames(tmp_path / "alone.mp4"), decoded_frames(tmp_path / "text.mp4"))
 
 
 def decoded_frames(path: Path) -> torch.Tensor:
@@ -668,8 +674,10 @@ def test_x_prediction_regresses_each_units_clean_latent_and_leaves_its_history_u
     """prediction_type sample in the AR packing: the trained unit's tokens carry x0 at its stage's
     resolution with the velocity-equivalent factor; the history's tokens carry nothing."""
     from pan.diffusion.flow import FlowConfig
-    from pan.diffusion.pyramid import (GeneratorDraws, PyramidConfig, PyramidSchedule, latent_pyramid, noise_unit,
-                                       regression_target)
+    from pan.diffusion.pyramid_draws import GeneratorDraws
+    from pan.diffusion.pyramid_latents import latent_pyramid
+    from pan.diffusion.pyramid_noising import noise_unit, regression_target
+    from pan.diffusion.pyramid_schedule import PyramidConfig, PyramidSchedule
     from pan.encoders.pyramid_text import TextFeatures
     from pan.models.pyramid_flux import PyramidFluxConfig
     from pan.recipes.pyramid_flow_ar.task import UnitSample, unit_inputs

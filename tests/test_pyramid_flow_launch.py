@@ -26,7 +26,7 @@ from pan.launch_command import main_launch_command
 from pan.models.pyramid_io import save_pretrained
 from pan.parallel.world import planned_task
 from pan.preflight import Preflight, Row, run_preflight
-from pan.recipes.pyramid_flow.checks import check_launch
+from pan.recipes.pyramid_flow.rules import check_launch
 from pan.recipes.pyramid_flow.task import PyramidFlowTask
 from pan.trainer import build_trainer
 from pyramid_reference import needs_reference

@@ -156,6 +156,10 @@ def test_pan_sample_generates_from_a_pyramid_checkpoint(tmp_path, released, data
     run = tmp_path / "run"
     build_trainer(load(write_config(tmp_path / "p.yaml", released, data, run,
                                     training={"max_steps": 2}))).fit()
+    from pan.runtime.plot import draw, plot_run, read_records
+
+    assert plot_run(run).is_file()  # pan plot of a Pyramid-Flow run: its loss on a log axis
+    assert draw(read_records(run / "metrics.jsonl")).axes[0].get_yscale() == "log"
     out = tmp_path / "video.mp4"
     assert sample_main(["--checkpoint", str(run / "checkpoint-2"), "--prompt", "a red square moving left",
                         "--out", str(out), "--num-frames", "5", "--height", "16", "--width", "16",
@@ -196,6 +200,20 @@ def test_pan_sample_generates_from_a_pyramid_checkpoint(tmp_path, released, data
     assert torch.equal(placed["offload"], placed["fp32"])
     assert torch.equal(decoded(tmp_path / "sharded" / "v.mp4"), placed["fp32"])
     assert 0 < (placed["bf16"] - placed["fp32"]).abs().mean() < 8
+
+    # Anywhere: with its training data gone, and from an export that carries its config (no --config).
+    (tmp_path / "moved").mkdir()
+    shutil.copytree(run, tmp_path / "moved" / "run")
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["data"]["video_csv_paths"] = [str(tmp_path / "gone.csv")]
+    (tmp_path / "moved" / "run" / "config.yaml").write_text(yaml.safe_dump(config))
+    moved = [*common[2:], "--checkpoint", str(tmp_path / "moved" / "run")]
+    assert sample_main([*moved, "--out", str(tmp_path / "moved.mp4")]) == 0
+    assert main_export([str(run), "--out", str(tmp_path / "dit.safetensors")]) == 0
+    exported = [*common[2:], "--checkpoint", str(tmp_path / "dit.safetensors")]
+    assert sample_main([*exported, "--out", str(tmp_path / "exported.mp4")]) == 0
+    assert torch.equal(decoded(tmp_path / "moved.mp4"), placed["fp32"])
+    assert torch.equal(decoded(tmp_path / "exported.mp4"), placed["fp32"])
 
 
 def decoded(path: Path) -> torch.Tensor:

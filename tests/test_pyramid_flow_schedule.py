@@ -14,11 +14,13 @@ import torch
 from pan.config.core import ConfigError, ConfigErrors
 from pan.config.loader import build_dataclass
 from pan.diffusion.flow import FlowConfig, sample_timesteps
-from pan.diffusion.pyramid import (LATENT_STATS, GeneratorDraws, PyramidConfig, PyramidSchedule,
-                                   column_stages, denormalize_latent, latent_pyramid, latent_pyramids,
-                                   noise_full_sequence, noise_pyramid, noise_sample, noise_temporal_pyramid,
-                                   clean_velocity, line_sigmas, normalize_latent, regression_target,
-                                   stage_unit_counts)
+from pan.diffusion.pyramid_draws import GeneratorDraws
+from pan.diffusion.pyramid_latents import (column_stages, denormalize_latent, latent_pyramid, latent_pyramids,
+                                           noise_pyramid, normalize_latent)
+from pan.diffusion.pyramid_noising import (clean_velocity, line_sigmas, noise_full_sequence, noise_sample,
+                                           noise_temporal_pyramid, regression_target)
+from pan.diffusion.pyramid_schedule import LATENT_STATS, PyramidConfig, PyramidSchedule
+from pan.diffusion.pyramid_units import stage_unit_counts
 from pan.diffusion.pyramid_sampler import block_noise, enter_stage, sample_full_sequence
 from pyramid_reference import load_fixture, needs_reference, read_json
 
@@ -339,7 +341,7 @@ def test_config_rules_that_involve_other_components():
         job.explicit_keys = {"corrupt_ratio"}
         job.pyramid.check(job)
     assert err.value.key == "corrupt_ratio"
-    job.recipe = "pyramid_flow_ar"
+    job.recipe, job.HISTORY_CLIPS = "pyramid_flow_ar", True
     job.pyramid.check(job)
 
 
@@ -539,7 +541,7 @@ def test_sampling_reads_an_exact_clean_latent_as_the_exact_velocity(schedule, st
 
 def test_prediction_type_applies_with_either_stage_timestep_sampling():
     job = SimpleNamespace(flow=FlowConfig(prediction_type="sample"), explicit_keys={"prediction_type"},
-                          recipe="pyramid_flow_ar")
+                          recipe="pyramid_flow_ar", HISTORY_CLIPS=True)
     PyramidConfig().check(job)  # uniform stage positions: still what the DiT outputs
     job.flow = FlowConfig(flow_snr_type="uniform")
     job.explicit_keys = {"flow_snr_type"}
@@ -550,7 +552,7 @@ def test_prediction_type_applies_with_either_stage_timestep_sampling():
 def test_per_sample_draws_give_each_row_its_own_generators_numbers():
     """A batch sampled together draws, row by row, what each sample draws alone (validation prompts
     keep their seeds' noise in any batch)."""
-    from pan.diffusion.pyramid import GeneratorDraws, PerSampleDraws
+    from pan.diffusion.pyramid_draws import GeneratorDraws, PerSampleDraws
 
     together = PerSampleDraws([torch.Generator().manual_seed(s) for s in (3, 4)])
     alone = [GeneratorDraws(torch.Generator().manual_seed(s)) for s in (3, 4)]

@@ -15,7 +15,7 @@ import yaml
 
 
 from launch_utils import consumed, kill_after_step, launch, run_to_end
-from pan.checkpoint import dcp as layout
+from pan.checkpoint import layout
 from pan.checkpoint.consolidate import consolidated_weights
 from pan.export import main_export
 from pan.config import ConfigError, load_job_config

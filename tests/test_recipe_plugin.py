@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 from importlib.metadata import entry_points
@@ -17,12 +18,14 @@ import numpy as np
 import pytest
 import yaml
 
-from pan.checkpoint import dcp as layout
+from pan.checkpoint import layout
 from pan.checkpoint.consolidate import consolidated_weights
 from pan.export import main_export
 from pan.config import load_job_config
 from pan.preflight import main_check
 from pan.recipe import get_recipe, recipe_names
+from pan.runtime.plot import draw, read_records
+from pan.runtime.plot import main as plot_main
 from pan.sampling import main as sample_main
 from pan.trainer import train
 
@@ -61,6 +64,12 @@ def test_it_trains_resumes_checks_samples_and_exports(tmp_path, capsys):
     assert train(load_job_config(["--config", str(write_config(tmp_path / "c.yaml", straight, 6))],
                                  warn=lambda m: None)) == 0
     assert losses(run) == losses(straight) and len(losses(run)) == 6
+    # pan plot draws any recipe's run: four panels, the loss on a log axis.
+    assert plot_main([str(run), "--out", str(tmp_path / "toy.png")]) == 0
+    from PIL import Image
+
+    assert Image.open(tmp_path / "toy.png").size == (1200, 800)
+    assert draw(read_records(run / "metrics.jsonl")).axes[0].get_yscale() in ("log", "symlog")
 
     # pan check: its own row, and memory and step time from its probe.
     capsys.readouterr()
@@ -75,6 +84,13 @@ def test_it_trains_resumes_checks_samples_and_exports(tmp_path, capsys):
     assert sample_main(["--checkpoint", str(run), "--num-samples", "3", "--out", str(out)]) == 0
     drawn = [[float(v) for v in row] for row in csv.reader(out.open())]
     assert len(drawn) == 3 and all(len(row) == 8 for row in drawn)
+    # ... and anywhere: from a copy of the run folder, and from its generator exported alone (the file
+    # carries the run's config, so no --config).
+    shutil.copytree(run, tmp_path / "elsewhere" / "run")
+    assert main_export([str(run), "--part", "generator", "--out", str(tmp_path / "generator.safetensors")]) == 0
+    for name, source in (("copied", tmp_path / "elsewhere" / "run"), ("exported", tmp_path / "generator.safetensors")):
+        assert sample_main(["--checkpoint", str(source), "--num-samples", "3", "--out", str(tmp_path / f"{name}.csv")]) == 0
+        assert (tmp_path / f"{name}.csv").read_text() == out.read_text(), name
 
     # pan export --format toy_npz: the recipe's own format, the generator's weights as saved.
     ckpt = run / layout.checkpoint_name(6)

@@ -30,7 +30,7 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from pan.checkpoint.dcp import MARKER
+from pan.checkpoint.layout import MARKER
 from pan.checkpoint.lease import LEASE_FILE
 from pan.preflight import ENVIRONMENT_CHECKS, check_name, recipe_checks
 from pan.recipe import recipe_names

@@ -102,3 +102,68 @@ def test_a_batch_size_below_one_is_refused_by_the_parser(capsys):
         parser.parse_args([*required, "--batch-size", "0"])
     assert exit_info.value.code == 2
     assert "--batch-size: must be >= 1" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------
+# A trained model samples anywhere: without its training data, from a copied run folder, and from
+# an exported file that carries its own config.
+# ------------------------------------------------------------------------------------------------
+
+ARGS = ["--prompt", "a yellow circle moving right", "--steps", "3", "--seed", "3"]
+
+
+def relocated_run(run: Path, where: Path, **changes) -> Path:
+    """A copy of `run` at `where` whose config.yaml has `changes` (training data moved away, ...)."""
+    import shutil
+
+    import yaml
+
+    shutil.copytree(run, where)
+    config = yaml.safe_load((where / "config.yaml").read_text())
+    for section in config.values():
+        if isinstance(section, dict):
+            section.update({k: v for k, v in changes.items() if k in section})
+    (where / "config.yaml").write_text(yaml.safe_dump(config))
+    return where
+
+
+def test_a_copied_run_without_its_training_data_samples_the_same_video(run, tmp_path):
+    moved = relocated_run(run, tmp_path / "elsewhere" / "run", video_csv_paths=[str(tmp_path / "gone.csv")],
+                          output_dir=str(tmp_path / "purged" / "run"))
+    assert sample_main(["--checkpoint", str(run), "--out", str(tmp_path / "a.mp4"), *ARGS]) == 0
+    assert sample_main(["--checkpoint", str(moved), "--out", str(tmp_path / "b.mp4"), *ARGS]) == 0
+    assert np.array_equal(frames_of(tmp_path / "a.mp4"), frames_of(tmp_path / "b.mp4"))
+
+
+def test_an_export_of_the_run_folder_samples_without_a_config(run, tmp_path):
+    from pan.export import main_export
+
+    assert main_export([str(run), "--out", str(tmp_path / "model.safetensors")]) == 0  # its latest checkpoint
+    assert sample_main(["--checkpoint", str(run), "--out", str(tmp_path / "a.mp4"), *ARGS]) == 0
+    assert sample_main(["--checkpoint", str(tmp_path / "model.safetensors"), "--out", str(tmp_path / "b.mp4"),
+                        *ARGS]) == 0
+    assert np.array_equal(frames_of(tmp_path / "a.mp4"), frames_of(tmp_path / "b.mp4"))
+    # A --config given still wins, key by key: one key changes the sampler's default, the rest stays.
+    (tmp_path / "two_steps.yaml").write_text("output:\n  sample_steps: 2\n")
+    args = ["--prompt", "a yellow circle moving right", "--seed", "3"]  # ARGS without --steps
+    assert sample_main(["--checkpoint", str(tmp_path / "model.safetensors"), "--config",
+                        str(tmp_path / "two_steps.yaml"), "--out", str(tmp_path / "c.mp4"), *args]) == 0
+    assert sample_main(["--checkpoint", str(run), "--out", str(tmp_path / "d.mp4"), *args, "--steps", "2"]) == 0
+    assert np.array_equal(frames_of(tmp_path / "c.mp4"), frames_of(tmp_path / "d.mp4"))
+
+
+def test_a_missing_encoder_is_still_refused_by_name(run, tmp_path):
+    import subprocess
+    import sys
+
+    moved = relocated_run(run, tmp_path / "run", text_encoder_path=str(tmp_path / "no_encoder"))
+    done = subprocess.run([sys.executable, "-m", "pan.cli", "sample", "--checkpoint", str(moved),
+                           "--out", str(tmp_path / "a.mp4"), *ARGS], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "text_encoder_path" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_an_unreadable_safetensors_is_refused_by_name(tmp_path):
+    (tmp_path / "broken.safetensors").write_bytes(b"not a safetensors file")
+    for path in (tmp_path / "broken.safetensors", tmp_path / "missing.safetensors"):
+        assert sample_main(["--checkpoint", str(path), "--out", str(tmp_path / "a.mp4"), *ARGS]) == 2

@@ -23,6 +23,7 @@ import yaml
 
 from launch_utils import ROOT, TESTS
 from pan.runtime.watchdog import LAUNCHER_GONE_EXIT_CODE
+from pan.runtime.watchdog_config import WatchdogConfig
 
 PLUGIN = {"PAN_RECIPE_MODULES": "pan_toy_gan"}
 GONE_WITHIN_S = 8.0  # the watch looks 4 times a second; the rest is slack for a loaded 2-core machine
@@ -141,7 +142,7 @@ def test_the_process_group_timeout_bounds_the_rendezvous(monkeypatch, tmp_path):
 
     job = PanJobConfig(process=ProcessConfig(process_group_timeout=7),
                        checkpoint=CheckpointConfig(output_dir=str(tmp_path / "run")),
-                       trainer=pan.trainer.TrainerConfig(watchdog=False, exit_when_launcher_dies=False))
+                       watchdog=WatchdogConfig(watchdog=False, exit_when_launcher_dies=False))
     given = []
 
     def init_world(cfg=None):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pan.checkpoint import dcp as layout
+from pan.checkpoint import layout
 from pan.data.synth import synth_dataset
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from pan.checkpoint import dcp as layout
+from pan.checkpoint import checksums, layout, reader
 
 
 def consolidated_weights(dcp_dir: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -28,7 +28,7 @@ def consolidated_weights(dcp_dir: Path, dtype: torch.dtype | None = None) -> dic
     state = {key: torch.empty(size, dtype=stored) for key, (size, stored) in layout.dcp_tensor_shapes(dcp_dir).items()}
     with warnings.catch_warnings():  # "torch.distributed is disabled ...": reading alone is the point here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load(state, storage_reader=layout.DirectReader(str(dcp_dir)), no_dist=True)
+        dcp.load(state, storage_reader=reader.DirectReader(str(dcp_dir)), no_dist=True)
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     return state
@@ -51,15 +51,21 @@ def part_source(ckpt_dir: Path, part: str | None, ema: bool) -> tuple[str, Path]
     return part, source
 
 
+# The metadata key of an exported file holding what sampling it needs: the run's config without
+# the paths only training reads, as YAML (pan/export.py writes it, `pan sample` reads it).
+CONFIG_METADATA_KEY = "pan_config"
+
+
 def export_checkpoint(ckpt_dir: str | Path, out_path: str | Path, *, ema: bool = False,
-                      dtype: torch.dtype | None = None, part: str | None = None) -> dict[str, torch.Tensor]:
+                      dtype: torch.dtype | None = None, part: str | None = None,
+                      metadata: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
     """Write one part's weights of `ckpt_dir` (a checkpoint-N/, or one DCP folder of it) as one
     .safetensors file that `safetensors.torch.load_file` and the warm start read.
 
     `part` names the part (default: the main one, e.g. the transformer); `ema=True` exports its EMA
     weights instead (the checkpoint must hold them). A LoRA part's checkpoint holds its adapters
-    only and is refused (`pan export --merge`, pan/export.py, writes its merged model). Returns the
-    tensors.
+    only and is refused (`pan export --merge`, pan/export.py, writes its merged model). `metadata`:
+    more of the file's metadata (the run's config). Returns the tensors.
     """
     ckpt_dir, out_path = Path(ckpt_dir), Path(out_path)
     if (ckpt_dir / layout.DCP_METADATA).is_file():
@@ -74,7 +80,7 @@ def export_checkpoint(ckpt_dir: str | Path, out_path: str | Path, *, ema: bool =
                          "not a model. Export the base with the adapters merged in (--merge), or the "
                          "adapters as peft loads them (--format peft --out FOLDER).")
     weights = consolidated_weights(source, dtype)
-    write_weights(weights, out_path, {"source": str(source), "part": part})
+    write_weights(weights, out_path, {**(metadata or {}), "source": str(source), "part": part})
     return weights
 
 
@@ -114,7 +120,7 @@ def inspect_run(output_dir: str | Path, verify: bool = False) -> list[layout.Che
     if verify:
         for info in infos:
             if info.complete and info.problem is None:
-                info.problem = layout.verify_checksums(info.path)
+                info.problem = checksums.verify_checksums(info.path)
                 info.verified = info.problem is None
     return infos
 

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from pan.checkpoint import dcp as layout
+from pan.checkpoint import checksums, durable, layout, reader
 from pan.config.core import ConfigError, knob
 from pan.logging import get_logger
 from pan.lora.adapters import LORA_KEY
@@ -35,6 +35,7 @@ from pan.lora.adapters import reference_differences as lora_reference_difference
 @dataclass(kw_only=True)
 class CheckpointConfig:
     SECTION: ClassVar[str] = "output"
+    TRAINING_ONLY: ClassVar[bool] = True  # not checked where a trained model is only used (pan sample)
 
     output_dir: str = knob("runs/default", "the run's directory: checkpoints, logs, samples, "
                            "config.yaml; a run resumes from the latest checkpoint here", non_empty=True)
@@ -103,7 +104,7 @@ def _all_ok(ok: bool, reason: str | None) -> tuple[bool, str | None]:
 
 def _dcp_save(state: dict, path: Path, sums: dict[str, int] | None) -> None:
     """DCP save of `state` into `path`; with `sums`, the CRC32 of each file it writes goes there."""
-    writer = None if sums is None else layout.checksumming_writer(path, sums)
+    writer = None if sums is None else checksums.checksumming_writer(path, sums)
     dcp.save(state, checkpoint_id=str(path), storage_writer=writer, no_dist=not dist.is_initialized())
 
 
@@ -195,7 +196,7 @@ def same_shards(meta: dict, data_shards: int) -> bool:
 
 
 class Checkpointer:
-    """Writes and resumes `output_dir/checkpoint-N/` (layout in pan/checkpoint/dcp.py).
+    """Writes and resumes `output_dir/checkpoint-N/` (layout in pan/checkpoint/layout.py).
 
     Every method is collective: all ranks call it together, and all ranks take the same decision.
     A resume with another number of data-parallel ranks continues the data where every old rank
@@ -244,7 +245,7 @@ class Checkpointer:
         final = self.output_dir / layout.checkpoint_name(step)
         tmp = final.with_name(final.name + ".tmp")
         if self.world.is_main:
-            layout.remove_tree(tmp)  # a save of this step that was killed earlier
+            durable.remove_tree(tmp)  # a save of this step that was killed earlier
             tmp.mkdir(parents=True)
         _barrier()
         sums: dict[str, int] | None = {} if self.cfg.save_checksums else None  # this rank's files
@@ -295,38 +296,38 @@ class Checkpointer:
 
     @staticmethod
     def _write_bytes(path: Path, data: bytes, sums: dict[str, int] | None) -> None:
-        layout.write_bytes_durably(path, data)
+        durable.write_bytes_durably(path, data)
         if sums is not None:
-            sums[str(path)] = layout.crc32(data)
+            sums[str(path)] = checksums.crc32(data)
 
     def _write_json(self, path: Path, obj, sums: dict[str, int] | None) -> None:
-        self._write_bytes(path, layout.json_bytes(obj), sums)
+        self._write_bytes(path, durable.json_bytes(obj), sums)
 
     def _commit(self, tmp: Path, final: Path, step: int, crcs: dict[str, int] | None) -> None:
         """Marker last, then one rename: nothing named checkpoint-N exists until it is whole.
 
         `crcs` (relative path -> CRC32, None: no checksums) holds what the ranks computed while
         writing; a file it misses is hashed here, from the page cache."""
-        layout.fsync_tree(tmp)
-        sizes = layout.file_sizes(tmp)
+        durable.fsync_tree(tmp)
+        sizes = durable.file_sizes(tmp)
         marker = {"step": step, "files": sizes}
         if crcs is not None:
             missed = [rel for rel in sizes if rel not in crcs]
             if missed:
                 self.log.debug("hashing %d files at commit: %s", len(missed), missed)
-            crcs.update({rel: layout.crc32_of_file(tmp / rel) for rel in missed})
+            crcs.update({rel: checksums.crc32_of_file(tmp / rel) for rel in missed})
             marker["crc32"] = {rel: f"{crcs[rel]:08x}" for rel in sizes}
-        layout.write_json_durably(tmp / layout.MARKER, marker)
-        layout.fsync_path(tmp)
+        durable.write_json_durably(tmp / layout.MARKER, marker)
+        durable.fsync_path(tmp)
         if final.exists():  # an unreadable checkpoint of this step that a resume skipped
             old = final.with_name(final.name + ".old")
-            layout.remove_tree(old)
+            durable.remove_tree(old)
             final.rename(old)
             tmp.rename(final)
-            layout.remove_tree(old)
+            durable.remove_tree(old)
         else:
             tmp.rename(final)
-        layout.fsync_path(final.parent)
+        durable.fsync_path(final.parent)
 
     def _prune(self, keep: Path) -> None:
         """Delete the oldest complete checkpoints beyond save_total_limit (never `keep`)."""
@@ -339,7 +340,7 @@ class Checkpointer:
             # checkpoint-N that still carries its marker.
             doomed = path.with_name(path.name + ".old")
             path.rename(doomed)
-            layout.remove_tree(doomed)
+            durable.remove_tree(doomed)
             self.log.info("save_total_limit %d: deleted %s", self.cfg.save_total_limit, path.name)
 
     # -- resume -----------------------------------------------------------------------------------
@@ -423,7 +424,7 @@ class Checkpointer:
         if self.world.is_main:
             for leftover in layout.partial_dirs(self.output_dir):
                 self.log.info("removing %s (left by an interrupted save)", leftover.name)
-                layout.remove_tree(leftover)
+                durable.remove_tree(leftover)
         steps = _broadcast_from_main([layout.step_of(p) for p in layout.complete_checkpoints(self.output_dir)])
         for step in reversed(steps):
             path = self.output_dir / layout.checkpoint_name(step)
@@ -485,10 +486,10 @@ class Checkpointer:
         """Check the CRC32 of this rank's share of the checkpoint's files (the ranks read them all
         between them, each a round-robin share of the files sorted by size)."""
         try:
-            share = layout.checksummed_files(path)[self.world.rank::self.world.size]
+            share = checksums.checksummed_files(path)[self.world.rank::self.world.size]
         except Exception as e:  # noqa: BLE001 - verify_checkpoint parsed this marker already
             return False, f"{type(e).__name__}: {e}"
-        problem = layout.verify_checksums(path, share)
+        problem = checksums.verify_checksums(path, share)
         return problem is None, problem
 
     def _load_part(self, path: Path, name: str, part, optim_keys: set[str]) -> tuple:
@@ -500,12 +501,12 @@ class Checkpointer:
         # step to create the state, which must not touch the weights loaded next.
         optim_state = _saved_entries_only(get_optimizer_state_dict(part.model, optimizers), optim_keys)
         model_state = _model_state(part)
-        layout.load_dcp(model_state, path / model_dir)
-        layout.load_dcp(optim_state, path / optimizer_dir)
+        reader.load_dcp(model_state, path / model_dir)
+        reader.load_dcp(optim_state, path / optimizer_dir)
         ema_state = None
         if part.ema is not None and (path / ema_dir).is_dir():
             ema_state = part.ema.state_dict()
-            layout.load_dcp(ema_state, path / ema_dir)
+            reader.load_dcp(ema_state, path / ema_dir)
         return model_state, optim_state, ema_state
 
     def _apply_part(self, path: Path, part, model_state: dict, optim_state: dict, ema_state) -> None:

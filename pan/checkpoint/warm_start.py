@@ -28,9 +28,10 @@ from safetensors import safe_open
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from pan.checkpoint import dcp as layout
+from pan.checkpoint import layout, reader
 from pan.config.core import ConfigError, knob, require
 from pan.logging import get_logger
+from pan.models.state_dict import ShapeDiff
 from pan.parallel.names import unwrapped_name
 
 PLAIN_STATE_FILE = "model_state.pt"
@@ -41,6 +42,7 @@ PLAIN_STATE_FILE = "model_state.pt"
 @dataclass(kw_only=True)
 class WarmStartConfig:
     SECTION: ClassVar[str] = "model"
+    TRAINING_ONLY: ClassVar[bool] = True  # not checked where a trained model is only used (pan sample)
 
     pretrained_transformer_path: str | None = knob(
         None, "weights to start from while output_dir has no checkpoint: a .pt/.safetensors state "
@@ -133,35 +135,6 @@ def read_plain_state_dict(path: Path) -> dict[str, Tensor]:
     return {unwrapped_name(k): v for k, v in state.items()}
 
 
-@dataclass(frozen=True)
-class ShapeDiff:
-    """How a stored state dict (name -> shape) fits a model's: what loading, `pan check`'s warm
-    start, resume and model-folder rows all compare. Lists keep the model's order."""
-    matching: list[str]                               # same name, same shape
-    differ: list[tuple[str, tuple | None, tuple]]     # name, stored shape (None: missing), model shape
-    unexpected: list[str]                             # stored, not in the model
-
-    @classmethod
-    def of(cls, stored: dict[str, tuple], model: dict[str, tuple]) -> ShapeDiff:
-        have = {n: tuple(s) for n, s in stored.items()}
-        want = {n: tuple(s) for n, s in model.items()}
-        return cls(matching=[n for n, s in want.items() if have.get(n) == s],
-                   differ=[(n, have.get(n), s) for n, s in want.items() if have.get(n) != s],
-                   unexpected=[n for n in have if n not in want])
-
-    @property
-    def mismatched(self) -> list[tuple[str, tuple, tuple]]:
-        return [(n, a, b) for n, a, b in self.differ if a is not None]
-
-    @property
-    def missing(self) -> list[str]:
-        return [n for n, a, _ in self.differ if a is None]
-
-    def lines(self, missing: str = "not in the source") -> list[str]:
-        """`name stored vs model shape` for each tensor that does not fit, in the model's order."""
-        return [f"{n} {a} vs model {b}" if a is not None else f"{n} {missing}" for n, a, b in self.differ]
-
-
 def _compare(report: WarmStartReport, source: dict[str, tuple], model: dict[str, tuple]) -> list[str]:
     """Fill the report from the two name -> shape maps; the names to load."""
     diff = ShapeDiff.of(source, model)
@@ -206,7 +179,7 @@ def load_checkpoint_weights(model: nn.Module, path: Path, part: str = layout.TRA
     names = _compare(report, {k: size for k, (size, _) in stored.items()},
                      {k: v.shape for k, v in state.items()})  # DTensor.shape is the global shape
     wanted = {n: state[n] for n in names}
-    layout.load_dcp(wanted, dcp_dir)
+    reader.load_dcp(wanted, dcp_dir)
     set_model_state_dict(model, wanted, options=StateDictOptions(strict=False))
     return report
 

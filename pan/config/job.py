@@ -21,12 +21,14 @@ DEFAULT_RECIPE = "pan"
 EXIT_CONFIG_ERROR = 2
 
 
-def load_config_or_exit(argv: list[str]):
+def load_config_or_exit(argv: list[str], *, use_only: bool = False, under: Path | None = None):
     """Load a job config for a command; on a ConfigError print one paragraph (on the launch's first
-    process only: torchrun's RANK) and exit with code 2. Warnings go to stderr the same way."""
+    process only: torchrun's RANK) and exit with code 2. Warnings go to stderr the same way.
+    `use_only` and `under`: see `load_job_config`."""
     main = os.environ.get("RANK", "0") == "0"
     try:
-        return load_job_config(argv, warn=get_logger().warning if main else (lambda msg: None))
+        return load_job_config(argv, warn=get_logger().warning if main else (lambda msg: None),
+                               use_only=use_only, under=under)
     except ConfigError as e:
         if main:
             print(f"pan: config error: {e}", file=sys.stderr)
@@ -70,21 +72,47 @@ def _recipe_of(entries: dict[str, list[Entry]], cli: list[tuple[str, Any]]) -> s
     return name
 
 
-def load_job_config(argv: list[str], *, warn: Callable[[str], None] = print):
-    """Parse `--config X.yaml --key value ...` into the recipe's job config (validated)."""
+def load_job_config(argv: list[str], *, warn: Callable[[str], None] = print, use_only: bool = False,
+                    under: Path | None = None):
+    """Parse `--config X.yaml --key value ...` into the recipe's job config (validated).
+
+    `use_only`: the config of a trained model to be used (sampled, exported, inspected), not trained:
+    the components a run needs only to train (`TRAINING_ONLY`: data, output folder, optimizer,
+    parallel layout, ...) are read and typed but not checked, so a run whose training data or
+    output folder is gone still samples; everything the model, its encoders and its sampler read
+    is checked as for training.
+
+    `under`: a config whose keys the `--config` file's override key by key (an exported model's own
+    config, pan/export.py), or the whole config when argv names none."""
     config_path, cli = parse_overrides(argv)
-    if config_path is None:
+    if config_path is None and under is None:
         raise ConfigError("config", "no config file given: pass --config config/<run>.yaml "
                                     "(for example config/demo_cpu.yaml).")
-    # The recipe decides which keys exist, so find it before reading the file's sections.
-    probe = _probe_recipe(Path(config_path))
-    recipe_name = _recipe_of({"recipe": [Entry(probe, "")]} if probe else {}, cli)
+    files = [Path(p) for p in (under, config_path) if p is not None]
+    # The recipe decides which keys exist, so find it before reading the files' sections.
+    probes = [probe for probe in map(_probe_recipe, files) if probe]
+    recipe_name = _recipe_of({"recipe": [Entry(probes[-1], "")]} if probes else {}, cli)
     if recipe_name not in recipe_names():
         raise ConfigError("recipe", f"unknown recipe {recipe_name!r}; known: {', '.join(recipe_names())}.")
     job_cls = get_recipe(recipe_name).job_config
     known = set(key_owners(job_cls)) | set(loader.TOP_LEVEL_KEYS)
-    entries = loader.yaml_entries(Path(config_path), known)
-    return build_job(job_cls, entries, cli, warn=warn)
+    entries = loader.yaml_entries(files[0], known)
+    for override in files[1:]:
+        entries = layered(entries, loader.yaml_entries(override, known), nested_types(job_cls))
+    return build_job(job_cls, entries, cli, warn=warn, use_only=use_only)
+
+
+def layered(base: dict[str, list[Entry]], top: dict[str, list[Entry]], nested: dict[str, type]) -> dict[str, list[Entry]]:
+    """`base`'s entries with `top`'s on them, key by key (a nested config's keys one by one)."""
+    out = dict(base)
+    for key, entries in top.items():
+        below = base.get(key)
+        if key in nested and below and isinstance(below[-1].value, dict) and isinstance(entries[-1].value, dict):
+            merged = {**below[-1].value, **entries[-1].value}
+            out[key] = [dataclasses.replace(entries[-1], value=merged)]
+        else:
+            out[key] = entries
+    return out
 
 
 def _probe_recipe(path: Path) -> str | None:
@@ -103,7 +131,7 @@ def _probe_recipe(path: Path) -> str | None:
 
 
 def build_job(job_cls, entries: dict[str, list[Entry]], cli: list[tuple[str, Any]],
-              *, warn: Callable[[str], None] = print):
+              *, warn: Callable[[str], None] = print, use_only: bool = False):
     owners = key_owners(job_cls)
     nested = nested_types(job_cls)
     comps = components(job_cls)
@@ -143,7 +171,7 @@ def build_job(job_cls, entries: dict[str, list[Entry]], cli: list[tuple[str, Any
     job = job_cls(**built)
     job.recipe = _recipe_of(entries, cli)
     job.explicit_keys = _changed_keys(job, values, owners)
-    run_checks(job, where)
+    run_checks(job, where, use_only=use_only)
     return job
 
 
@@ -225,14 +253,15 @@ def _located(err: ConfigError, where: dict[str, str], key: str | None = None) ->
     return err
 
 
-def run_checks(job, where: dict[str, str] | None = None) -> None:
+def run_checks(job, where: dict[str, str] | None = None, *, use_only: bool = False) -> None:
     """Run every component's cross-key `check(job)` (and a nested config's own `check()`); the
-    failures of different components are reported together."""
+    failures of different components are reported together. `use_only`: not those of the
+    components only training reads (`TRAINING_ONLY`)."""
     problems = ErrorCollector()
     locate = lambda e: _located(e, where or {})  # noqa: E731
-    placeholders = refuse_placeholders(job, problems, locate)
+    placeholders = refuse_placeholders(job, problems, locate, use_only=use_only)
     said = list(problems.errors)
-    for attr in components(type(job)):
+    for attr in checked_components(job, use_only):
         component = getattr(job, attr)
         for value in vars(component).values():
             if dataclasses.is_dataclass(value) and hasattr(value, "check"):
@@ -247,22 +276,32 @@ def run_checks(job, where: dict[str, str] | None = None) -> None:
     problems.raise_any()
 
 
-def path_keys(job) -> dict[str, object]:
+def checked_components(job, use_only: bool) -> list[str]:
+    """The components whose rules apply: all of them, or for a model's use not those only training reads."""
+    return [attr for attr, cls in components(type(job)).items()
+            if not (use_only and getattr(cls, "TRAINING_ONLY", False))]
+
+
+def is_path_key(name: str) -> bool:
+    return name.endswith(("_path", "_paths", "_dir", "_ckpt", "_checkpoint"))
+
+
+def path_keys(job, use_only: bool = False) -> dict[str, object]:
     """Every key naming a path (`*_path`, `*_paths`, `*_dir`, `*_ckpt`, `*_checkpoint`) -> its value."""
     found = {}
-    for attr in components(type(job)):
+    for attr in checked_components(job, use_only):
         component = getattr(job, attr)
         for f in dataclasses.fields(component):
-            if f.name.endswith(("_path", "_paths", "_dir", "_ckpt", "_checkpoint")):
+            if is_path_key(f.name):
                 found[f.name] = getattr(component, f.name)
     return found
 
 
-def refuse_placeholders(job, problems: ErrorCollector, locate) -> dict[str, str]:
+def refuse_placeholders(job, problems: ErrorCollector, locate, *, use_only: bool = False) -> dict[str, str]:
     """A template placeholder left in a path key (`/path/to/...`, `/PATH/...`, `<...>`) is refused
     as such, for every recipe; returns key -> the placeholder found."""
     found = {}
-    for key, value in path_keys(job).items():
+    for key, value in path_keys(job, use_only).items():
         left = placeholder_in(value)
         if left is not None:
             found[key] = left
@@ -287,13 +326,18 @@ def _unknown_message(key: str, owners: dict[str, str], nested: dict[str, type]) 
 # The resolved config, written to output_dir/config.yaml
 # ----------------------------------------------------------------------------------------------
 
-def job_to_sections(job) -> dict[str, Any]:
-    """The fully resolved config as {section: {key: value}}, ready for YAML."""
+def job_to_sections(job, use_only: bool = False) -> dict[str, Any]:
+    """The fully resolved config as {section: {key: value}}, ready for YAML; `use_only`: without the
+    paths of the components only training reads (data, output folder, warm start: what an exported
+    model carries, pan/export.py; their other keys stay, as rules of the model's keys read them)."""
     out: dict[str, Any] = {"recipe": job.recipe}
     for attr, cls in components(type(job)).items():
         section = out.setdefault(cls.SECTION, {})
         component = getattr(job, attr)
+        training_only = use_only and getattr(cls, "TRAINING_ONLY", False)
         for f in dataclasses.fields(cls):
+            if training_only and is_path_key(f.name):
+                continue
             value = getattr(component, f.name)
             section[f.name] = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
     return out

@@ -25,6 +25,7 @@ def valid_frame_count(n: int, mod: int, remainder: int) -> bool:
 @dataclass(kw_only=True)
 class DataConfig:
     SECTION: ClassVar[str] = "data"
+    TRAINING_ONLY: ClassVar[bool] = True  # not checked where a trained model is only used (pan sample)
 
     # --- sources ---------------------------------------------------------------------------------
     video_csv_paths: list[str] = knob(

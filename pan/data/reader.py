@@ -1,7 +1,8 @@
 """Loading: reference -> sample (runs in the decoding workers). `SampleReader` decodes the sample a
 `Ref` names (a video CSV row, an annotation row or an image of the tars), checks it against what the
 run's model takes (`SampleFit`, pan/data/fit.py), or says why it cannot; `rules_of` and
-`read_row_sources` give it the config's frame rules and sources."""
+`read_row_sources` give it the config's frame rules and sources (`open_sources`: each source opened
+or the error that stops it, for `pan check`'s data rows)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import collections
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import av
 import numpy as np
@@ -33,9 +35,11 @@ from pan.data.plan import IMAGE_STREAM, Ref
 from pan.data.sources import (
     AnnotationSource,
     ImageTarSet,
+    SourceError,
     VideoCsvSource,
     caption_from_bytes,
     read_annotations,
+    read_image_tars,
     read_video_csv,
 )
 
@@ -329,3 +333,69 @@ def read_row_sources(cfg: DataConfig) -> dict[str, RowSource]:
     sources = [read_video_csv(p) for p in cfg.video_csv_paths]
     sources += [read_annotations(p) for p in cfg.annotation_paths]
     return {stream_name(s): s for s in sources}
+
+
+SourceKind = Literal["video_csv", "annotations", "image_tars"]
+SOURCE_KINDS: tuple[SourceKind, ...] = ("video_csv", "annotations", "image_tars")
+
+
+@dataclass(frozen=True)
+class OpenedSource:
+    """One data source of a config as `open_sources` found it: opened, or the error that stops it."""
+    kind: SourceKind
+    label: str | Path     # the path as configured; the image tars': their paths, joined by ", "
+    source: VideoCsvSource | AnnotationSource | ImageTarSet | None   # None: it could not be opened
+    error: Exception | None = None
+
+    @property
+    def stream(self) -> str:
+        """Its stream name (of an opened source)."""
+        return IMAGE_STREAM if self.kind == "image_tars" else stream_name(self.source)
+
+
+@dataclass(frozen=True)
+class OpenedSources:
+    """Every source of a config, opened (rows read, tar headers indexed) or not, in the order
+    training reads them: the video CSVs, the annotation files, then the image tars as one."""
+    entries: tuple[OpenedSource, ...]
+
+    def __iter__(self):
+        return iter(self.entries)
+
+    @property
+    def failed(self) -> list[OpenedSource]:
+        return [o for o in self.entries if o.source is None]
+
+    @property
+    def opened(self) -> list[OpenedSource]:
+        return [o for o in self.entries if o.source is not None]
+
+    @property
+    def row_sources(self) -> dict[str, RowSource]:
+        """The opened video CSVs and annotation files by stream name (what a SampleReader reads)."""
+        return {o.stream: o.source for o in self.opened if o.kind != "image_tars"}
+
+    @property
+    def tars(self) -> ImageTarSet | None:
+        return next((o.source for o in self.opened if o.kind == "image_tars"), None)
+
+
+def open_sources(cfg: DataConfig, kinds: tuple[SourceKind, ...] = SOURCE_KINDS) -> OpenedSources:
+    """Open every source of `kinds` a config names, each on its own: a file that cannot be read is
+    kept with its error, and the others are still opened (`read_row_sources`, for training, stops
+    at the first)."""
+    openers = []
+    if "video_csv" in kinds:
+        openers += [("video_csv", p, lambda p=p: read_video_csv(p)) for p in cfg.video_csv_paths]
+    if "annotations" in kinds:
+        openers += [("annotations", p, lambda p=p: read_annotations(p)) for p in cfg.annotation_paths]
+    if "image_tars" in kinds and cfg.image_tar_paths:
+        openers.append(("image_tars", ", ".join(map(str, cfg.image_tar_paths)),
+                        lambda: read_image_tars(cfg.image_tar_paths)))
+    entries = []
+    for kind, label, read in openers:
+        try:
+            entries.append(OpenedSource(kind, label, read()))
+        except (SourceError, OSError, UnicodeDecodeError) as e:
+            entries.append(OpenedSource(kind, label, None, e))
+    return OpenedSources(tuple(entries))

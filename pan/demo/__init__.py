@@ -1,6 +1,7 @@
-"""The demos: `make demo` / `pan demo` (main.py, the Pan recipe), `pan demo --recipe X` (recipes.py),
-and what they write beside their samples (report.py)."""
+"""The demos: `make demo` / `pan demo [--recipe NAME]` (main.py, the dispatch to each recipe's `demo`
+hook, pan/recipes/<name>/demo.py), what the demos share (kit.py), the analyser that scores their
+videos (analyser.py, `pan eval`) and what they write beside their samples (report.py)."""
 
-from pan.demo.main import DEFAULT_CONFIG, PIX_FMT, SHAPE_SIZE, main, make_data
+from pan.demo.main import main
 
-__all__ = ["DEFAULT_CONFIG", "PIX_FMT", "SHAPE_SIZE", "main", "make_data"]
+__all__ = ["main"]

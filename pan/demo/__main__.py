@@ -1,4 +1,4 @@
-"""`python -m pan.demo`: the Pan demo (`make demo`)."""
+"""`python -m pan.demo [--recipe NAME]`: a recipe's demo, the default recipe's by default (`make demo`)."""
 
 from pan.demo.main import main
 

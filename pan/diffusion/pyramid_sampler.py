@@ -1,4 +1,4 @@
-"""Stage-by-stage Euler sampling for pyramid flow models (see `pan.diffusion.pyramid` for the math).
+"""Stage-by-stage Euler sampling for pyramid flow models (see `pan.diffusion.pyramid_schedule` for the math).
 
 One unit of latent frames is denoised stage by stage: stage 0 starts from noise at the lowest
 resolution; each stage runs its Euler steps on the stage's line from r = 1 (its start point) to
@@ -17,7 +17,7 @@ t [b] float32 the DiT's timesteps (0..num_train_timesteps scale, the values it w
 the stage velocity start - end (pan's convention: the sample moves by (r_next - r) * v). With a
 `flow` whose prediction_type is sample, the function returns the DiT's output as it is, the clean
 latent at the stage's resolution, and each step reads it as the velocity it stands for
-(`pan.diffusion.pyramid.clean_velocity`, exact: no floor on r, the stages' last steps start at
+(`pan.diffusion.pyramid_noising.clean_velocity`, exact: no floor on r, the stages' last steps start at
 r = 0.001); guidance combines outputs either way (the reading is affine).
 """
 
@@ -28,16 +28,11 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from pan.diffusion.pyramid import (
-    Draws,
-    PyramidSchedule,
-    clean_velocity,
-    history_clips,
-    latent_pyramid,
-    noise_pyramid,
-    unit_frames,
-    upsample_nearest,
-)
+from pan.diffusion.pyramid_draws import Draws
+from pan.diffusion.pyramid_latents import latent_pyramid, noise_pyramid, upsample_nearest
+from pan.diffusion.pyramid_noising import clean_velocity
+from pan.diffusion.pyramid_schedule import PyramidSchedule
+from pan.diffusion.pyramid_units import history_clips, unit_frames
 from pan.diffusion.flow import FlowConfig
 from pan.diffusion.sampler import guided_velocity
 

@@ -318,7 +318,8 @@ def causal_vae_config(cfg: VAEConfig):
     causal_vae run, the run's output_dir/vae_config.json (ConfigError on `vae_path` otherwise)."""
     import json
 
-    from pan.models.causal_vae import CONFIG_NAME, WEIGHTS_NAME, CausalVAEConfig  # lazy: only a causal VAE needs it
+    # lazy: only a causal VAE needs it
+    from pan.models.causal_vae_config import CONFIG_NAME, WEIGHTS_NAME, CausalVAEConfig
 
     require(cfg.vae_path is not None, "vae_path", "is required with `vae_type: causal_video_vae`: a "
             "released causal_video_vae folder or a checkpoint-N/ of a causal_vae run.")

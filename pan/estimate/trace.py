@@ -27,6 +27,7 @@ from pan.models.attention import InnerAttention
 from pan.optim.builder import build_optimizer
 from pan.parallel.checkpointing import apply_activation_checkpointing
 from pan.parallel.fsdp import declared_blocks
+from pan.parallel.precision import compute_precision
 
 aten = torch.ops.aten
 MATMUL_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
@@ -397,7 +398,7 @@ def trace_step(ctx, probe: Probe, layout: Layout) -> tuple[StepTrace, Work]:
                 p.requires_grad_(True)
             handles = [p.register_post_accumulate_grad_hook(lambda p: trace.as_gradient(p.grad))
                        for p in trained[phase.part]]
-            with trace, autocast(job.trainer.dtype):
+            with trace, compute_precision(job.trainer.dtype, "cpu"):
                 phase.loss(models).backward()
             # Only these are reduced over the ranks and stepped (`step_traffic`).
             trace.graded[phase.part] = {name for name, p in model.named_parameters() if p.grad is not None}
@@ -457,20 +458,13 @@ def _trace_optimizer_step(model: nn.Module, optim) -> StepTrace:
     return step
 
 
-def autocast(dtype: str):
-    if dtype == "bf16":
-        return torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False)
-    return contextlib.nullcontext()
-
-
 # Sections of a job the traced step does not read: the micro-batch the data keys lead to is the
 # probe's, and paths, checkpoints, logging and validation do not change a training step; nor do the
-# trainer's run length, seed and watchdog (a step on fake tensors of meta parts draws nothing).
+# trainer's run length and seed, nor the watchdog (a step on fake tensors of meta parts draws nothing).
 # `explicit_keys` names the keys set, whose values are in the sections.
-UNTRACED_SECTIONS = frozenset({"data", "checkpoint", "logging", "validation", "warm_start", "explicit_keys"})
-UNTRACED_TRAINER_KEYS = frozenset({"max_steps", "seed", "max_nonfinite_steps", "watchdog", "watchdog_factor",
-                                   "watchdog_min_timeout", "watchdog_first_timeout",
-                                   "watchdog_startup_timeout", "exit_when_launcher_dies"})
+UNTRACED_SECTIONS = frozenset({"data", "checkpoint", "logging", "validation", "warm_start", "watchdog",
+                               "explicit_keys"})
+UNTRACED_TRAINER_KEYS = frozenset({"max_steps", "seed", "max_nonfinite_steps"})
 MAX_CACHED_TRACES = 32
 _TRACES: dict[str, tuple[TracedStep, Work]] = {}
 

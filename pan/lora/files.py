@@ -19,8 +19,8 @@ from pathlib import Path
 
 from torch import Tensor
 
-from pan.checkpoint import dcp as layout
-from pan.checkpoint.dcp import checkpoint_folder, lora_reference
+from pan.checkpoint import layout
+from pan.checkpoint.layout import checkpoint_folder, lora_reference
 from pan.checkpoint.consolidate import consolidated_weights, part_source
 from pan.lora.adapters import LORA_KEY, adapter_pairs, from_peft_names, merged_state, peft_names, state_fingerprint
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from pan.checkpoint import dcp as layout
+from pan.checkpoint import layout
 from pan.lora.files import read_adapters, scale_of
-from pan.checkpoint.dcp import checkpoint_folder, is_lora_checkpoint, lora_reference
+from pan.checkpoint.layout import checkpoint_folder, is_lora_checkpoint, lora_reference
 from pan.checkpoint.consolidate import consolidated_weights, part_source
 from pan.checkpoint.warm_start import plan_warm_start
 from pan.config import ConfigError, load_job_config
@@ -61,7 +61,7 @@ def run_job(ckpt_dir: Path):
         raise ValueError(f"{config} not found: the base of a LoRA checkpoint is rebuilt from the run's "
                          "config.yaml beside its checkpoints.")
     try:
-        return load_job_config(["--config", str(config)], warn=lambda msg: None)
+        return load_job_config(["--config", str(config)], warn=lambda msg: None, use_only=True)
     except ConfigError as e:
         raise ValueError(f"the run's {config} does not load here, and the base of its LoRA checkpoint is "
                          f"rebuilt from it (relative paths in it are read from the current directory: "

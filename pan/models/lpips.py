@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from pan.models.state_dict import ShapeDiff
+
 # VGG16 `features` up to relu5_3: conv widths, "M" = 2x2 max-pool. Slices end after these indices.
 _VGG16 = [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512]
 _SLICE_ENDS = (4, 9, 16, 23, 30)   # slice k holds layers [_SLICE_ENDS[k-1], _SLICE_ENDS[k])
@@ -120,13 +122,17 @@ def unit_normalize(x: Tensor, eps: float = 1e-10) -> Tensor:
     return x / (torch.sqrt(torch.sum(x ** 2, dim=1, keepdim=True)) + eps)
 
 
-def read_state_dict(path: str | Path) -> dict[str, Tensor]:
+def read_state_dict(path: str | Path, setting: str = "the LPIPS path", mmap: bool = False) -> dict[str, Tensor]:
+    """The tensors of an LPIPS weight file (a bare state dict, or one under `state_dict`), or
+    LPIPSFileError saying what is wrong with it; `setting` names what points at the file, in the
+    message of a missing one. `mmap`: map the file instead of reading it (the tensors' headers are
+    enough to check the keys and shapes)."""
     path = Path(path)
     if not path.is_file():
-        raise LPIPSFileError(f"no LPIPS weights at {path}: point the LPIPS path at the VGG16 LPIPS "
-                             "state-dict file (e.g. Pyramid-Flow's `vgg_lpips.pth`).")
+        raise LPIPSFileError(f"no LPIPS weights at {path}: point {setting} at the VGG16 LPIPS "
+                             "state-dict file (e.g. Pyramid-Flow's vgg_lpips.pth).")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # truncated, corrupted, or not a torch file
         raise LPIPSFileError(f"cannot read the LPIPS weights {path} (truncated or not a torch.save "
                              f"state dict): {type(e).__name__}: {e}") from e
@@ -139,15 +145,8 @@ def read_state_dict(path: str | Path) -> dict[str, Tensor]:
 
 def check_keys(model: nn.Module, state: dict[str, Tensor], path: str | Path) -> None:
     """Raise LPIPSFileError naming the keys of `state` that are missing, unknown or of the wrong shape."""
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    missing = sorted(set(expected) - set(state))
-    unknown = sorted(set(state) - set(expected))
-    shapes = sorted(f"{k}: {tuple(state[k].shape)} (expected {expected[k]})"
-                    for k in set(expected) & set(state) if tuple(state[k].shape) != expected[k])
-    details = "; ".join(f"{text} {names}" for text, names in (("missing keys", missing),
-                                                               ("unknown keys", unknown),
-                                                               ("wrong shapes", shapes)) if names)
+    details = ShapeDiff.of_tensors(state, model).named()
     if details:
-        raise LPIPSFileError(f"{path} does not fit the VGG16 LPIPS network ({len(expected)} keys: "
+        raise LPIPSFileError(f"{path} does not fit the VGG16 LPIPS network ({len(model.state_dict())} keys: "
                              f"scaling_layer.*, net.slice1..5.*, lin0..4.model.1.weight): {details}.")
 

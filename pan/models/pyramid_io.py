@@ -27,6 +27,7 @@ from torch import nn
 
 from pan.config.core import ConfigError, ConfigErrors
 from pan.config.loader import build_dataclass, unknown_key_message
+from pan.models.state_dict import ShapeDiff
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
@@ -108,13 +109,10 @@ def read_weights(folder: str | Path) -> dict[str, torch.Tensor]:
 
 def check_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Raise ValueError listing every missing, unexpected and mis-shaped tensor, if any."""
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    shapes = sorted(f"{k}: file {tuple(state[k].shape)}, model {expected[k]}"
-                    for k in set(state) & set(expected) if tuple(state[k].shape) != expected[k])
+    diff = ShapeDiff.of_tensors(state, model)
+    shapes = sorted(f"{k}: file {a}, model {b}" for k, a, b in diff.mismatched)
     problems = [f"{label} ({len(items)}): {', '.join(items)}"
-                for label, items in (("missing", missing), ("unexpected", unexpected),
+                for label, items in (("missing", sorted(diff.missing)), ("unexpected", sorted(diff.unexpected)),
                                      ("shape mismatch", shapes)) if items]
     if problems:
         raise ValueError(f"the weights do not fit {type(model).__name__} built from config.json: "

@@ -28,20 +28,16 @@ from torch import Tensor, nn
 from pan.config.core import ConfigError, knob
 from pan.models.attention import set_attention_backend
 from pan.models.packing import PackInfo, patchify
-from pan.models.pyramid_flux import (
-    ROPE_THETA,
+from pan.models.pyramid_blocks import (
     FinalNorm,
     JointAttention,
     JointBlock,
-    PyramidDiT,
-    PyramidRuntimeKeys,
     TimeTextEmbedding,
     attention_backend,
     attention_flops,
     joint_block_flops,
-    joint_positions,
-    trained_rows,
 )
+from pan.models.pyramid_dit import ROPE_THETA, PyramidDiT, PyramidRuntimeKeys, joint_positions, trained_rows
 from pan.models.rope import rope_frequencies
 
 

@@ -22,6 +22,7 @@ class OptimConfig:
     """Optimiser, learning-rate schedule, clipping and EMA of the main part."""
 
     SECTION: ClassVar[str] = "training"
+    TRAINING_ONLY: ClassVar[bool] = True  # not checked where a trained model is only used (pan sample)
 
     learning_rate: float = knob(1e-4, "peak learning rate, shared by AdamW and Muon (Muon scales it "
                                 "per matrix by 0.2 sqrt(max(rows, cols)) to match AdamW's update RMS)",
@@ -92,6 +93,6 @@ def prefixed_optim_config(prefix: str, section: str, doc: str, **defaults: Any) 
 
     cls = dataclasses.make_dataclass(
         f"{prefix.strip('_').title()}OptimConfig", fields, kw_only=True,
-        namespace={"SECTION": section, "__doc__": doc, "optim": optim, "check": check,
-                   "__annotations__": {"SECTION": ClassVar[str]}})
+        namespace={"SECTION": section, "TRAINING_ONLY": True, "__doc__": doc, "optim": optim, "check": check,
+                   "__annotations__": {"SECTION": ClassVar[str], "TRAINING_ONLY": ClassVar[bool]}})
     return cls

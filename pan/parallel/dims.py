@@ -11,6 +11,7 @@ from pan.config.core import ConfigError, knob, require
 @dataclass(kw_only=True)
 class ParallelConfig:
     SECTION: ClassVar[str] = "distributed"
+    TRAINING_ONLY: ClassVar[bool] = True  # not checked where a trained model is only used (pan sample)
 
     data_parallel_mode: Literal["fsdp", "ddp"] = knob(
         "fsdp", "fsdp: shard parameters, gradients and optimizer state (FSDP2); ddp: replicate them "

@@ -28,6 +28,7 @@ from pan.parallel.checkpointing import apply_activation_checkpointing
 from pan.parallel.context_parallel import attach_ulysses
 from pan.parallel.dims import ParallelConfig, ParallelDims
 from pan.parallel.mesh import cp_group, fsdp_mesh
+from pan.parallel.precision import compute_precision
 
 # Models up to this many parameters are initialised whole on the host of every rank (4 bytes each,
 # so 8 GB per process at the limit) and then sharded: the weights are then bit-identical for every
@@ -122,7 +123,7 @@ def autocast_forward(model: nn.Module, device_type: str) -> None:
     active: list[torch.autocast] = []
 
     def enter(module, args):
-        active.append(torch.autocast(device_type, dtype=torch.bfloat16, cache_enabled=False))
+        active.append(compute_precision("bf16", device_type))
         active[-1].__enter__()
 
     def leave(module, args, output):

@@ -6,7 +6,7 @@ k - 1 frames before the first frame it owns. So a clip can be cut in time into c
 one per rank of a group of `context_size` ranks: rank r encodes and decodes its own frames, and each
 causal conv receives from rank r - 1 the input frames its first output still needs (its "halo"),
 exactly the frames a chunked encode carries from one temporal window to the next
-(`pan.models.causal_vae.TemporalWindows`). Rank 0 reads the conv's zero padding instead. The
+(`pan.models.causal_vae_blocks.TemporalWindows`). Rank 0 reads the conv's zero padding instead. The
 backward pass sends the halo's gradient back. The result is the single-rank result: each conv
 computes the same sums, only on another rank (tested against one rank in float64 and fp32).
 
@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from pan.models.causal_vae import CausalConv3d, TemporalWindows
+from pan.models.causal_vae_blocks import CausalConv3d, TemporalWindows
 
 # ----------------------------------------------------------------------------------------------
 # The group and the frame split

@@ -21,6 +21,7 @@ from pan.recipe import get_recipe
 class ProcessConfig:
     """How each process of a run sets up its GPU and its process group (`init_world`)."""
     SECTION: ClassVar[str] = "distributed"
+    TRAINING_ONLY: ClassVar[bool] = True  # not checked where a trained model is only used (pan sample)
 
     process_group_timeout: float = knob(
         1800.0, "seconds a collective waits for every rank before the run fails (NCCL's default is "

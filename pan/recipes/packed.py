@@ -79,7 +79,7 @@ class PackedTask(Task):
     sharded_micro_batches = True  # ShardedLoader: exact on any dp x accumulation of the same product
 
     def __init__(self, job, world, dims, cp=None):
-        self.job, self.world, self.dims, self.cp = job, world, dims, cp
+        super().__init__(job, world, dims, cp)
         self.reads_data = cp is None or cp.rank == 0
         self.dp_rank = dims.dp_rank_of(world.rank)
         self.geometry = vae_geometry(job.vae)

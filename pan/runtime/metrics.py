@@ -21,6 +21,7 @@ from pan.logging import get_logger
 @dataclass(kw_only=True)
 class MetricsConfig:
     SECTION: ClassVar[str] = "output"
+    TRAINING_ONLY: ClassVar[bool] = True  # not checked where a trained model is only used (pan sample)
 
     log_interval: int = knob(10, "log loss, grad norm, lr, throughput and MFU every this many steps",
                              ge=1)

@@ -26,7 +26,8 @@ stage 2 resume stage 1 and stop at once). Keys, stages and the original's flags:
 
 The package, one job a module: config.py (keys and config-time rules), model.py (the trained parts),
 data.py (clips and micro-batches), objective.py (the losses), task.py (the Task), checks.py (`pan
-check`), export.py (a checkpoint as a released folder: `python -m pan.recipes.causal_vae export`).
+check`), export.py (a checkpoint as a released folder: `python -m pan.recipes.causal_vae export`),
+quality.py (PSNR and SSIM), demo.py (`pan demo --recipe causal_vae`).
 This module imports only the config (the record names everything else lazily) and sets the
 recipe's two warning filters.
 """
@@ -49,7 +50,7 @@ RECIPE = Recipe(
                 "context parallel",
     checks="pan.recipes.causal_vae.checks:CHECKS", probe="pan.recipes.causal_vae.checks:vae_probe",
     exports={"causal_video_vae": "pan.recipes.causal_vae.export:released_folder_of"},
-    demo="pan.demo.recipes:causal_vae_demo",
+    demo="pan.recipes.causal_vae.demo:demo",
     workflows=(Workflow(
         name="causal-video-vae", recipe="causal_vae", default_config="config/causal_vae_stage1.yaml",
         script="scripts/train_causal_video_vae.sh",

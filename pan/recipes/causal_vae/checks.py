@@ -1,8 +1,8 @@
-"""`pan check` for the causal_vae recipe: its checks (context groups, frames, LPIPS, GAN, warm start,
-clips) and its probe of the largest micro-batch (memory and step time, pan/estimate/).
+"""`pan check` for the causal_vae recipe: its checks (context groups, frames, LPIPS, GAN, clips) and
+its probe of the largest micro-batch (memory and step time, pan/estimate/).
 
 `CHECKS` lists the recipe's checks in the order of `pan check`'s table, pan's generic ones
-(pan/preflight.py) among them.
+(pan/preflight/checks.py: the warm start of both parts among them) with them.
 """
 
 from __future__ import annotations
@@ -12,17 +12,26 @@ from pathlib import Path
 
 import torch
 
-from pan.checkpoint import dcp as layout
-from pan.checkpoint.warm_start import ShapeDiff
+from pan.checkpoint import layout
 from pan.config.core import ConfigError
-from pan.data.plan import IMAGE_STREAM, Ref
-from pan.data.reader import SampleReader, rules_of, stream_name
-from pan.data.sources import SourceError, read_annotations, read_image_tars, read_video_csv
+from pan.data.plan import Ref
+from pan.data.reader import SampleReader, open_sources, rules_of
 from pan.estimate import Phase, Probe, largest_batch, loader_bytes
 from pan.models.lpips import LPIPS
 from pan.parallel.vae_context import frame_split
-from pan.preflight import Row, check_cpu, check_layout, check_memory, check_output_dir, check_step_time, spread_rows
-from pan.recipes.causal_vae.config import DISCRIMINATOR, VAE, check_lpips_file, resolve_warm_start
+from pan.preflight.checks import (
+    check_cpu,
+    check_layout,
+    check_memory,
+    check_output_dir,
+    check_step_time,
+    check_warm_start,
+    final_checkpoint,
+    spread_rows,
+    unopened_row,
+)
+from pan.preflight.core import Row
+from pan.recipes.causal_vae.config import DISCRIMINATOR, VAE, check_lpips_file
 from pan.recipes.causal_vae.data import ClipBatch, ClipReader
 from pan.recipes.causal_vae.model import vae_forward_flops
 from pan.recipes.causal_vae.objective import Objective
@@ -81,64 +90,27 @@ def check_gan(ctx) -> list[Row]:
                 f"of {steps} (disc weight {job.loss.disc_weight}).")]
 
 
-def check_warm_start(ctx) -> list[Row]:
-    """The stage-1 checkpoint a stage-2 run starts from: readable, with VAE weights of this
-    architecture (and a discriminator's, when there is one)."""
-    source = ctx.job.model.warm_start_checkpoint
-    if source is None:
-        how = f"the released weights of {ctx.job.model.model_path}" if ctx.job.model.model_path else "random init"
-        return [Row("warm start", "pass", f"none: the VAE starts from {how}.")]
-    complete = layout.complete_checkpoints(Path(ctx.job.checkpoint.output_dir))
-    if complete:
-        return [Row("warm start", "pass", f"not used: output_dir has {complete[-1].name} of this run, "
-                    "which the run resumes instead.")]
-    previous = ctx.previous_stage
-    if previous is not None and Path(source).resolve() == final_checkpoint(previous).resolve():
-        return [Row("warm start", "pass", f"{source}: the checkpoint the stage before this one writes last "
-                    "(chained); this stage's start checks it again once it exists.")]
-    path = resolve_warm_start(source)
-    stored = {k: tuple(size) for k, (size, _) in layout.dcp_tensor_shapes(path / VAE).items()}
-    differ = ShapeDiff.of(stored, ctx.model_shapes).lines(missing="not in the checkpoint")
-    if differ:
-        return [Row("warm start", "fail", f"{path}/{VAE} holds another architecture: " + "; ".join(differ[:5]),
-                    "use the stage-1 run's architecture keys (or model_path) in this config.")]
-    disc = "and its discriminator" if (path / DISCRIMINATOR).is_dir() else "(it has no discriminator: " \
-        "this run's starts from random init)"
-    if not ctx.job.objective.add_discriminator:
-        disc = "(this run trains no discriminator)"
-    return [Row("warm start", "pass", f"{path}: the VAE's {len(ctx.model_shapes)} tensors fit {disc}.")]
-
-
 def check_clips(ctx) -> list[Row]:
     """A few samples of every source (video CSVs, annotation files: rows with `video` or `image`,
     image tars) decoded as training reads them (random windows of max_frames frames, resized and
     cropped); images as 1-frame clips."""
 
-    data, rows = ctx.job.data, []
-    csvs, sources = {}, []
-    readers = [(p, read_video_csv) for p in data.video_csv_paths] + [(p, read_annotations) for p in data.annotation_paths]
-    for path, read in readers:
-        try:
-            src = read(path)
-        except (SourceError, OSError, UnicodeDecodeError) as e:
-            rows.append(Row("clips", "fail", f"{path}: {e}", "fix or remove the file."))
-            continue
-        if read is read_video_csv and "path" not in src.columns:
-            rows.append(Row("clips", "fail", f"{path} holds precomputed latents (latent_path): the VAE "
+    data, rows, sources = ctx.job.data, [], []
+    opened = open_sources(data)
+    for o in opened:
+        if o.source is None:
+            rows.append(unopened_row("clips", o))
+        elif o.kind == "video_csv" and "path" not in o.source.columns:
+            rows.append(Row("clips", "fail", f"{o.label} holds precomputed latents (latent_path): the VAE "
                             "trains on pixels.", "give the CSV of the videos."))
-            continue
-        csvs[stream_name(src)] = src
-        sources.append((path, stream_name(src), len(src)))
-    tars = None
-    if data.image_tar_paths:
-        try:
-            tars = read_image_tars(data.image_tar_paths)
-            sources.append((", ".join(data.image_tar_paths), IMAGE_STREAM, len(tars)))
-        except (SourceError, OSError) as e:
-            rows.append(Row("clips", "fail", str(e), "fix or remove the tar(s)."))
+        else:
+            sources.append(o)
+    csvs = {o.stream: o.source for o in sources if o.kind != "image_tars"}
+    tars = opened.tars
     reader = ClipReader(SampleReader(csvs, tars, rules_of(data)), seed=ctx.job.trainer.seed,
                         temporal_factor=ctx.job.vae_config().temporal_factor)
-    for label, stream, size in sources:
+    for o in sources:
+        label, stream, size = o.label, o.stream, len(o.source)
         picks = spread_rows(ctx.sample_rows, size)
         got = [reader[Ref(0, stream, 0, 0, i)] for i in picks]
         problems = [f"#{i} {g.reason}: {g.detail}" for i, g in zip(picks, got) if g.sample is None]
@@ -221,11 +193,6 @@ CHECKS = [check_layout, check_output_dir, check_cpu, check_context, check_frames
 # ------------------------------------------------------------------------------------------------
 # The launch workflow's rule (`pan launch-command --workflow causal-video-vae`)
 # ------------------------------------------------------------------------------------------------
-
-def final_checkpoint(job) -> Path:
-    """The checkpoint a run writes last: checkpoint-<max_steps> in its output_dir."""
-    return Path(job.checkpoint.output_dir) / layout.checkpoint_name(job.trainer.max_steps)
-
 
 def check_launch(job, dims=None, previous=None) -> None:
     """A stage chained after another (`--stage both`) that starts from a checkpoint that does not

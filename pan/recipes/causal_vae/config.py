@@ -14,16 +14,16 @@ from pathlib import Path
 from typing import ClassVar
 
 import torch
-from torch import Tensor
 
-from pan.checkpoint import dcp as layout
+from pan.checkpoint import layout
 from pan.checkpoint.manager import CheckpointConfig
 from pan.config import JobConfig
 from pan.config.core import ConfigError, knob, reject_unused, require
 from pan.data.config import DataConfig
 from pan.runtime.metrics import MetricsConfig
-from pan.models.causal_vae import CONFIG_NAME, WEIGHTS_NAME, CausalVAEConfig
-from pan.models.lpips import LPIPS, LPIPSFileError, check_keys
+from pan.runtime.watchdog_config import WatchdogConfig
+from pan.models.causal_vae_config import CONFIG_NAME, WEIGHTS_NAME, CausalVAEConfig
+from pan.models.lpips import LPIPS, LPIPSFileError, check_keys, read_state_dict
 from pan.models.vae_discriminator import DiscriminatorConfig
 from pan.models.vae_loss import VAELossConfig
 from pan.optim import prefixed_optim_config
@@ -105,6 +105,7 @@ class CausalVAEModelConfig:
 @dataclass(kw_only=True)
 class VAEObjectiveConfig:
     SECTION: ClassVar[str] = "loss"
+    TRAINING_ONLY: ClassVar[bool] = True  # not checked where a trained model is only used (pan sample)
 
     lpips_ckpt: str | None = knob(
         None, "the VGG16 LPIPS state-dict file (Pyramid-Flow's vgg_lpips.pth: VGG16 trunk + linear "
@@ -137,6 +138,7 @@ class VAEObjectiveConfig:
 @dataclass(kw_only=True)
 class VAEContextConfig:
     SECTION: ClassVar[str] = "distributed"
+    TRAINING_ONLY: ClassVar[bool] = True  # not checked where a trained model is only used (pan sample)
 
     context_size: int = knob(
         1, "VAE context parallel: ranks that split each clip's frames in time (each causal conv gets "
@@ -162,6 +164,7 @@ class VAEContextConfig:
 @dataclass(kw_only=True)
 class VAEValidationConfig:
     SECTION: ClassVar[str] = "output"
+    TRAINING_ONLY: ClassVar[bool] = True  # not checked where a trained model is only used (pan sample)
 
     validation_interval: int = knob(0, "every this many steps, reconstruct the held-out clips and log "
                                        "PSNR, SSIM and LPIPS (0: never)", ge=0)
@@ -195,6 +198,7 @@ class CausalVAEJobConfig(JobConfig):
     objective: VAEObjectiveConfig = knob(VAEObjectiveConfig(), "")
     discriminator: DiscriminatorConfig = knob(DiscriminatorConfig(), "")
     trainer: TrainerConfig = knob(TrainerConfig(), "")
+    watchdog: WatchdogConfig = knob(WatchdogConfig(), "")
     optim: VAEOptimConfig = knob(VAEOptimConfig(), "")
     disc_optim: DiscOptimConfig = knob(DiscOptimConfig(), "")
     data: DataConfig = knob(DataConfig(), "")
@@ -261,18 +265,7 @@ def check_lpips_file(path: str) -> None:
     that do not fit), reading only the tensors' headers."""
     p = Path(path)
     try:
-        if not p.is_file():
-            raise LPIPSFileError(f"no LPIPS weights at {p}: point lpips_ckpt at the VGG16 LPIPS "
-                                 "state-dict file (e.g. Pyramid-Flow's vgg_lpips.pth).")
-        try:
-            state = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
-        except Exception as e:  # truncated, corrupted, or not a torch file
-            raise LPIPSFileError(f"cannot read the LPIPS weights {p} (truncated or not a torch.save "
-                                 f"state dict): {type(e).__name__}: {e}") from None
-        if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
-            state = state["state_dict"]
-        if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
-            raise LPIPSFileError(f"{p} does not hold a state dict of tensors.")
+        state = read_state_dict(p, setting="lpips_ckpt", mmap=True)
         with torch.device("meta"):
             model = LPIPS()
         check_keys(model, state, p)

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from pan.checkpoint.consolidate import consolidated_weights
-from pan.models.causal_vae import CausalVAEConfig, CausalVideoVAE, check_state_dict
+from pan.models.causal_vae import CausalVideoVAE, check_state_dict
+from pan.models.causal_vae_config import CausalVAEConfig
 from pan.recipes.causal_vae.config import VAE, VAE_CONFIG_FILE
 
 

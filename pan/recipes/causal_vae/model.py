@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from pan.models.causal_vae import CausalVAEConfig, CausalVideoVAE, DiagonalGaussian
+from pan.models.causal_vae import CausalVideoVAE, DiagonalGaussian
+from pan.models.causal_vae_config import CausalVAEConfig
 from pan.models.vae_discriminator import NLayerDiscriminator
 from pan.parallel.names import unwrapped_name
 from pan.parallel.vae_context import ContextGroup, ContextWindows

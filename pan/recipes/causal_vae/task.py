@@ -21,10 +21,12 @@ from pan.data.plan import Ref, seed_draws
 from pan.data.reader import SampleReader, rules_of
 from pan.data.sources import SourceError, read_video_csv
 from pan.data.media import to_uint8_frames, write_mp4
-from pan.models.causal_vae import WEIGHTS_NAME, CausalVideoVAE, check_state_dict, renamed_legacy_attention_keys
+from pan.models.causal_vae import CausalVideoVAE, check_state_dict, renamed_legacy_attention_keys
+from pan.models.causal_vae_config import WEIGHTS_NAME
 from pan.models.lpips import LPIPS
 from pan.models.vae_discriminator import NLayerDiscriminator
 from pan.models.vae_loss import frames_of
+from pan.parallel.precision import compute_precision
 from pan.parallel.vae_context import ContextGroup, attach_halo_hooks, latent_range
 from pan.recipes.causal_vae.config import DISCRIMINATOR, VAE, VAE_CONFIG_FILE, CausalVAEJobConfig, resolve_warm_start
 from pan.recipes.causal_vae.data import ClipBatch, ClipReader
@@ -49,7 +51,7 @@ class CausalVAETask(Task):
     elastic_data = True
 
     def __init__(self, job: CausalVAEJobConfig, world, dims, cp=None):
-        self.job, self.world, self.dims = job, world, dims
+        super().__init__(job, world, dims, cp)
         self.vae_cfg = job.vae_config()
         size = job.context.context_size
         if world.size % size or world.local_size % size:
@@ -307,8 +309,9 @@ class CausalVAETask(Task):
         for i, sample in enumerate(clips):
             batch = self.clip_batch([sample], torch.Generator())   # (the mean is reconstructed: no noise)
             x = batch.clips[0][None]                                               # [1, 3, T, H, W]
-            with torch.autocast(self.world.device.type, dtype=torch.bfloat16,
-                                enabled=self.job.trainer.dtype == "bf16"):
+            # (autocast's weight cache as torch has it, as validation always ran)
+            with compute_precision(self.job.trainer.dtype, self.world.device.type, weight_cache=None,
+                                   fp32_disables=True):
                 x_hat = model(batch)[0].float().clamp(-1, 1)
             frames, frames_hat = frames_of(x), frames_of(x_hat)
             scores["psnr"].append(float(psnr(frames, frames_hat).mean()))

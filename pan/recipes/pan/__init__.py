@@ -12,6 +12,7 @@ RECIPE = Recipe(
     probe="pan.recipes.pan.checks:pan_probe",
     sample="pan.recipes.pan.sample:sample_pan",
     precompute="pan.recipes.pan.precompute:PanFormat",
+    demo="pan.recipes.pan.demo:demo",
     workflows=(
         Workflow("pretrain", "pan", "config/pretrain_29B_720p.yaml", "scripts/pretrain.sh",
                  "Pan pretraining (from scratch or a plain state-dict warm start)"),

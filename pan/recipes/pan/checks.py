@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from pan.config.core import ConfigError, require
-from pan.data.plan import IMAGE_STREAM, Ref
-from pan.data.reader import SampleReader, rules_of, stream_name
-from pan.data.sources import AnnotationSource, SourceError, read_annotations, read_image_tars, read_video_csv
+from pan.data.plan import Ref
+from pan.data.reader import SampleReader, open_sources, rules_of
+from pan.data.sources import AnnotationSource
 from pan.encoders.text import (
     frozen_dtype,
     load_text_config,
@@ -20,9 +18,7 @@ from pan.encoders.text import (
 from pan.encoders.vae import vae_geometry
 from pan.estimate import Phase, Probe, frozen_vae_bytes, hf_model_bytes, largest_batch, loader_bytes, run_device
 from pan.models.packing import PackInfo
-from pan.preflight import (
-    Preflight,
-    Row,
+from pan.preflight.checks import (
     check_cpu,
     check_layout,
     check_memory,
@@ -30,25 +26,13 @@ from pan.preflight import (
     check_resume,
     check_step_time,
     check_warm_start,
+    source_sizes,
     spread_rows,
+    unopened_row,
     with_annotation_scan,
 )
+from pan.preflight.core import Preflight, Row
 from pan.recipes.pan.task import ModelInputs
-
-
-def _source_sizes(ctx: Preflight) -> dict[str, int]:
-    """Samples per stream; sources that cannot be read are left to check_data."""
-    data, sizes = ctx.job.data, {}
-    readers = [(Path(p).name, lambda p=p: read_video_csv(p)) for p in data.video_csv_paths]
-    readers += [(Path(p).name, lambda p=p: read_annotations(p)) for p in data.annotation_paths]
-    if data.image_tar_paths:
-        readers.append(("image tars", lambda: read_image_tars(data.image_tar_paths)))
-    for name, read in readers:
-        try:
-            sizes[name] = len(read())
-        except (SourceError, OSError, UnicodeDecodeError):
-            continue
-    return sizes
 
 
 def check_batch(ctx: Preflight) -> list[Row]:
@@ -56,7 +40,7 @@ def check_batch(ctx: Preflight) -> list[Row]:
     data, arch = ctx.job.data, ctx.job.model.transformer_config_overrides
     rows = []
     dp = ctx.dims.dp
-    for name, size in _source_sizes(ctx).items():
+    for name, size in source_sizes(data).items():
         if size < dp:
             rows.append(Row("batch", "fail", f"{name} has {size} samples, fewer than the {dp} "
                             "data-parallel ranks that share it.", "add samples or use fewer ranks."))
@@ -108,30 +92,13 @@ def check_data(ctx: Preflight) -> list[Row]:
     """Parse every source (video CSVs, annotation files, image tars), and decode a few samples of
     each with the data pipeline's reader, as training reads them."""
 
-    data = ctx.job.data
-    rows, csvs, sources = [], {}, []
-    readers = [(p, read_video_csv) for p in data.video_csv_paths]
-    readers += [(p, read_annotations) for p in data.annotation_paths]
-    for path, read in readers:
-        try:
-            src = read(path)
-            csvs[stream_name(src)] = src
-            sources.append((path, stream_name(src), len(src)))
-        except (SourceError, OSError, UnicodeDecodeError) as e:
-            rows.append(Row("data", "fail", f"{path}: {e}", "fix or remove the file."))
-    tars = None
-    if data.image_tar_paths:
-        try:
-            tars = read_image_tars(data.image_tar_paths)
-            sources.append((", ".join(data.image_tar_paths), IMAGE_STREAM, len(tars)))
-        except (SourceError, OSError) as e:
-            rows.append(Row("data", "fail", str(e), "fix or remove the tar(s)."))
-    reader = SampleReader(csvs, tars, rules_of(data))
+    opened = open_sources(ctx.job.data)
+    rows = [unopened_row("data", o) for o in opened.failed]
+    reader = SampleReader(opened.row_sources, opened.tars, rules_of(ctx.job.data))
     geometry = vae_geometry(ctx.job.vae)
-    for label, stream, size in sources:
-        row = _decode_sample(reader, geometry, label, stream, size, ctx.sample_rows)
-        source = csvs.get(stream)
-        rows.append(with_annotation_scan(row, source) if isinstance(source, AnnotationSource) else row)
+    for o in opened.opened:
+        row = _decode_sample(reader, geometry, o.label, o.stream, len(o.source), ctx.sample_rows)
+        rows.append(with_annotation_scan(row, o.source) if isinstance(o.source, AnnotationSource) else row)
     return rows
 
 

@@ -17,6 +17,7 @@ from pan.encoders.text import TextEncoderConfig, text_feature_width
 from pan.encoders.vae import VAEConfig, vae_geometry
 from pan.lora.adapters import LoraConfig, candidate_names
 from pan.runtime.metrics import MetricsConfig
+from pan.runtime.watchdog_config import WatchdogConfig
 from pan.models.pan_dit import PanDiTConfig, PanVideoDiffusionTransformer
 from pan.optim.config import OptimConfig
 from pan.parallel.dims import ParallelConfig
@@ -134,6 +135,7 @@ class PanJobConfig(JobConfig):
     text_encoder: TextEncoderConfig = knob(TextEncoderConfig(), "")
     vae: VAEConfig = knob(VAEConfig(), "")
     trainer: TrainerConfig = knob(TrainerConfig(), "")
+    watchdog: WatchdogConfig = knob(WatchdogConfig(), "")
     optim: OptimConfig = knob(OptimConfig(), "")
     flow: FlowConfig = knob(FlowConfig(), "")
     data: DataConfig = knob(DataConfig(), "")

@@ -146,7 +146,7 @@ def _sample_pan(job, argv: list[str]) -> int:
         config = args.config or (run_dir / "config.yaml" if run_dir else None)
         if config is None:
             parser.error("--config is needed with an exported .safetensors (and under torchrun)")
-        job = load_config_or_exit(["--config", str(config)])
+        job = load_config_or_exit(["--config", str(config)], use_only=True)
     v = job.validation
     settings = SampleSettings(
         num_frames=args.num_frames or v.sample_num_frames, height=args.height or v.sample_height,

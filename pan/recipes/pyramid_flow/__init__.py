@@ -4,7 +4,9 @@
     model.py       the DiT: a released Pyramid-Flow model or pan's own behind its interface
     task.py        the training task (what both Pyramid-Flow recipes share, and the full-sequence one)
     sample.py      the stage-by-stage sampler: validation samples and `pan sample`
-    checks.py      the launch rules, `pan check`'s rows and the memory probe
+    rules.py       the launch rules (the workflow's `check`) and what the DiT takes, from its config
+    checks.py      `pan check`'s rows
+    probe.py       the memory and step-time probe of `pan check`
     precompute.py  `pan data precompute` in Pyramid-Flow's format
     export.py      `pan export --format pyramid_flow`: a released DiT folder
 
@@ -21,7 +23,7 @@ RECIPE = Recipe(
     task="pan.recipes.pyramid_flow.task:PyramidFlowTask",
     description="Pyramid-Flow full-sequence spatial-pyramid flow matching",
     checks="pan.recipes.pyramid_flow.checks:CHECKS",
-    probe="pan.recipes.pyramid_flow.checks:full_sequence_probe",
+    probe="pan.recipes.pyramid_flow.probe:full_sequence_probe",
     sample="pan.recipes.pyramid_flow.sample:sample_main",
     exports={"pyramid_flow": "pan.recipes.pyramid_flow.export:export_released"},
     precompute="pan.recipes.pyramid_flow.precompute:PyramidJobFormat",
@@ -29,5 +31,5 @@ RECIPE = Recipe(
         "pyramid-flow-no-ar", "pyramid_flow", "config/pyramid_flow_384p.yaml",
         "scripts/train_pyramid_flow_without_ar.sh",
         "Pyramid-Flow full-sequence (non-AR) fine-tuning of a released DiT",
-        check="pan.recipes.pyramid_flow.checks:check_launch"),),
+        check="pan.recipes.pyramid_flow.rules:check_launch"),),
 )

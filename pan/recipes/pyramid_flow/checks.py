@@ -1,234 +1,62 @@
-"""Launch rules, `pan check` rows and the memory probe of the `pyramid_flow` recipe (its `checks`,
-`probe` and workflow `check` hooks; the autoregressive recipe reuses most of them).
-
-The workflow `pyramid-flow-no-ar` (declared in the recipe's `RECIPE`) is the original's
-`scripts/train_pyramid_flow_without_ar.sh`: full-sequence spatial-pyramid fine-tuning of a released
-DiT. `pan launch-command` refuses it, after the layout checks every workflow gets, for the launch
-rules below (config only, nothing is read but the variant's config.json):
-
-- placeholder paths left from a template (`/path/to/...`, the original's `/PATH/...`, `<...>`);
-- `max_samples_per_batch` not a multiple of sum(sample_ratios): pan's form of the original's
-  `batch_size % 4 == 0` (see `check_stage_batch`);
-- resolution buckets of another resolution than the variant's (a 384p variant with 768p buckets),
-  and for the SD3 DiT buckets its position table cannot hold;
-- buckets whose latent, taken down the pyramid, no longer divides into patches.
-
-`pan check` runs the same rules as rows, and reads what a launch will read: the variant's weights
-(shapes from the safetensors headers), the text encoders (configs and tokenizer files, their widths
-against the DiT's), the VAE against the DiT's latent channels, and a sample of every data source's
-rows (annotation rows parse, their files exist, precomputed latents and text features fit the DiT).
+"""`pan check`'s rows of the `pyramid_flow` recipe (its `checks` hook; the autoregressive recipe
+lists most of them too): the launch rules (rules.py) as rows, then what a launch will read: the
+variant's weights (shapes from the safetensors headers), the text encoders (configs and tokenizer
+files, their widths against the DiT's), the VAE against the DiT's latent channels, and a sample of
+every data source's rows (annotation rows parse, their files exist, precomputed latents and text
+features fit the DiT). The memory and step-time rows trace the probe (probe.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from pan import preflight
-from pan.checkpoint.warm_start import ShapeDiff
-from pan.config.core import ConfigError, ErrorCollector, placeholder_in, require
-from pan.config.job import components
-from pan.data.plan import IMAGE_STREAM, Ref
-from pan.data.reader import SampleReader, rules_of, stream_name
-from pan.data.sources import AnnotationSource, SourceError, read_annotations, read_image_tars, read_video_csv
+from pan.config.core import ConfigError, ErrorCollector, require
+from pan.data.plan import Ref
+from pan.data.reader import SampleReader, open_sources, rules_of
+from pan.data.sources import AnnotationSource, SourceError, VideoCsvSource
 from pan.encoders.pyramid_text import TextFeatureFileError, check_dit_widths, load_features
 from pan.encoders.pyramid_text import check_text_encoders as released_layout
-from pan.encoders.text import frozen_dtype
 from pan.encoders.vae import vae_geometry
-from pan.estimate import Phase, Probe, frozen_vae_bytes, largest_batch, loader_bytes, module_bytes, run_device
-from pan.models.packing import PackInfo
 from pan.models.pyramid_io import WEIGHTS_INDEX_NAME, WEIGHTS_NAME
-from pan.preflight import Preflight, Row, spread_rows, with_annotation_scan
+from pan.models.state_dict import ShapeDiff
+from pan.preflight.checks import (
+    check_cpu,
+    check_layout,
+    check_memory,
+    check_output_dir,
+    check_resume,
+    check_step_time,
+    check_warm_start,
+    source_sizes,
+    spread_rows,
+    unopened_row,
+    with_annotation_scan,
+)
+from pan.preflight.core import Preflight, Row
 from pan.recipes.pyramid_flow.config import dit_config, variant_folder
 from pan.recipes.pyramid_flow.precompute import EMPTY_TEXT_FEA
-from pan.recipes.pyramid_flow.task import PyramidInputs
-
-# The resolution each released DiT variant was trained at, as the original's --resolution names
-# it (its non-AR script trains the image variant at 768p), and that resolution's pixel area
-# (H x W): 384p video is 640x384 (images 512x512, 384x640), 768p video 1280x768 (images 1024x1024).
-RELEASED_RESOLUTIONS = {"diffusion_transformer_384p": "384p", "diffusion_transformer_768p": "768p",
-                        "diffusion_transformer_image": "768p"}
-RESOLUTION_AREAS = {"384p": 384 * 640, "768p": 768 * 1280}
-
-# Template values a run YAML must not keep: pan.config.core.placeholder_in, the rule of every recipe.
-
-
-# ------------------------------------------------------------------------------------------------
-# What the DiT takes, from its config alone
-# ------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class DiTShape:
-    """The latent and text features a job's DiT takes (no model is built)."""
-    latent_channels: int
-    patch: tuple[int, int]          # latent cells per token along (H, W)
-    caption_width: int              # D of the caption features
-    pooled_width: int | None        # P of the pooled text feature (None: the model takes none)
-    grid_limit: int | None          # largest token grid side (SD3's sin-cos table), None: any
-
-
-def dit_shape(job) -> DiTShape:
-    m = job.model
-    if m.model_name == "pan":
-        arch = m.transformer_config_overrides
-        return DiTShape(arch.out_channels, tuple(arch.patch_size[1:]), arch.text_embed_dim, None, None)
-    c = dit_config(m)
-    if m.model_name == "pyramid_flux":  # 2x2 patches whatever the config says (quirk F1)
-        return DiTShape(c.in_channels // 4, (2, 2), c.joint_attention_dim, c.pooled_projection_dim, None)
-    return DiTShape(c.in_channels, (c.patch_size, c.patch_size), c.joint_attention_dim,
-                    c.pooled_projection_dim, c.pos_embed_max_size)
-
-
-def stage_unit(job) -> tuple[int, int]:
-    """Latent H and W must be multiples of these: every stage halves them (stages - 1 times) and the
-    smallest stage must still cut into whole patches."""
-    ph, pw = dit_shape(job).patch
-    down = 2 ** (job.pyramid.stages - 1)
-    return down * ph, down * pw
-
-
-def stage_cycle(job) -> list[int]:
-    """The stages samples take in turn: sample_ratios [1, 2, 1] -> [0, 1, 1, 2]."""
-    return [stage for stage, count in enumerate(job.pyramid.sample_ratios) for _ in range(count)]
-
-
-def resolution_class(height: int, width: int) -> str:
-    """The released resolution nearest a pixel size, by area on a log scale (the boundary between
-    384p and 768p is ~0.5 MP)."""
-    area = height * width
-    return min(RESOLUTION_AREAS, key=lambda name: abs(math.log(area / RESOLUTION_AREAS[name])))
-
-
-def _bucket_text(height: int, width: int) -> str:
-    return f"{width}x{height}"
-
+from pan.recipes.pyramid_flow.rules import (
+    RELEASED_RESOLUTIONS,
+    DiTShape,
+    bucket_text,
+    check_frame_rule,
+    check_stage_batch_rule,
+    check_stage_sizes_rule,
+    check_variant_resolution_rule,
+    dit_shape,
+    path_keys,
+    refuse_placeholders,
+    resolution_class,
+    stage_cycle,
+    stage_unit,
+)
 
 # ------------------------------------------------------------------------------------------------
-# Launch rules: config only, each raises ConfigError naming the key and the fix
-# ------------------------------------------------------------------------------------------------
-
-def path_keys(job) -> dict[str, object]:
-    """Every key naming a path (`*_path`, `*_paths`, `*_dir`) -> its value."""
-    found = {}
-    for attr in components(type(job)):
-        component = getattr(job, attr)
-        for f in dataclasses.fields(component):
-            if f.name.endswith(("_path", "_paths", "_dir")):
-                found[f.name] = getattr(component, f.name)
-    return found
-
-
-def refuse_placeholders(job) -> None:
-    problems = ErrorCollector()
-    for key, value in path_keys(job).items():
-        values = value if isinstance(value, list) else [value]
-        left = [v for v in values if placeholder_in(v)]
-        if left:
-            problems.add(ConfigError(key, f"is still the template's placeholder {', '.join(left)}: set it "
-                                          f"to your own path (in the YAML, or --{key} <path>)."))
-    problems.raise_any()
-
-
-def check_stage_batch_rule(job) -> None:
-    """The original asserts that its per-device batch (`--batch_size`) is a multiple of
-    sum(sample_ratios), so that each batch splits into the stage columns. A pan batch is packed to a
-    token budget and holds a varying number of samples; the stages rotate over each rank's samples
-    in the cycle [0, 1, 1, 2], continuing across batches, so any run of 4 consecutive samples holds
-    every stage in the 1:2:1 ratio. The rule that keeps the original's guarantee: the per-rank cap
-    `max_samples_per_batch` (what `--batch_size` becomes) is a multiple of the cycle, so a full batch
-    holds whole cycles."""
-    cycle = stage_cycle(job)
-    n = job.data.max_samples_per_batch
-    require(n % len(cycle) == 0, "max_samples_per_batch",
-            f"is {n}, but each rank's samples take the pyramid stages in turn, in cycles of "
-            f"sum(sample_ratios {job.pyramid.sample_ratios}) = {len(cycle)} (stages {cycle}): a full "
-            f"packed batch must hold whole cycles to train every stage in that ratio (the original's "
-            f"per-device --batch_size % {len(cycle)} == 0). Use a multiple of {len(cycle)}, e.g. "
-            f"{max(len(cycle), n - n % len(cycle))}.")
-
-
-def check_variant_resolution_rule(job) -> None:
-    """Buckets of the variant's resolution (384p variant, 384p buckets); SD3 token grids that fit its
-    position table."""
-    m = job.model
-    if m.model_name == "pan":
-        return
-    buckets = job.data.buckets()
-    trained = RELEASED_RESOLUTIONS.get(m.model_variant)
-    if trained is not None:
-        other = [_bucket_text(h, w) for h, w in buckets if resolution_class(h, w) != trained]
-        require(not other, "resolution_buckets",
-                f"{', '.join(other)} {'is' if len(other) == 1 else 'are'} not {trained}, the resolution "
-                f"{m.model_variant} was trained at (384p: ~640x384 = 0.25 MP, 768p: ~1280x768 = 1 MP "
-                f"pixels). Use {trained} buckets (as the original's --resolution {trained}), or the "
-                f"variant of that resolution (model_variant diffusion_transformer_"
-                f"{'768p' if trained == '384p' else '384p'}).")
-    shape = dit_shape(job)
-    if shape.grid_limit is None:
-        return
-    factor = vae_geometry(job.vae).spatial_factor
-    too_big = [_bucket_text(h, w) for h, w in buckets
-               if max(h // factor // shape.patch[0], w // factor // shape.patch[1]) > shape.grid_limit]
-    require(not too_big, "resolution_buckets",
-            f"{', '.join(too_big)} give token grids wider than the {shape.grid_limit} x {shape.grid_limit} "
-            f"position table of {variant_folder(m)} (pos_embed_max_size): the SD3 DiT cannot place "
-            "them. Use smaller buckets.")
-
-
-def check_stage_sizes_rule(job) -> None:
-    """Every bucket's latent, halved stages - 1 times, still cuts into whole patches."""
-    geometry = vae_geometry(job.vae)
-    uh, uw = stage_unit(job)
-    bad = []
-    for h, w in job.data.buckets():
-        error = geometry.clip_shape_error(1, h, w)
-        if error:
-            bad.append(f"{_bucket_text(h, w)}: {error}")
-            continue
-        lh, lw = h // geometry.spatial_factor, w // geometry.spatial_factor
-        if lh % uh or lw % uw:
-            bad.append(f"{_bucket_text(h, w)} has a {lw}x{lh} latent")
-    require(not bad, "resolution_buckets",
-            f"{'; '.join(bad)}: with {job.pyramid.stages} stages and {dit_shape(job).patch} patches the "
-            f"latent height must be a multiple of {uh} and its width of {uw} (each stage halves it, and "
-            f"the smallest must still cut into patches), i.e. buckets of multiples of "
-            f"{uw * geometry.spatial_factor} x {uh * geometry.spatial_factor} pixels (W x H).")
-
-
-def check_frame_rule(job) -> None:
-    """Every clip length the frame rules allow (frames_mod, frames_remainder, min/max_frames) must be
-    one the VAE encodes (1 + k x its temporal factor): a clip decoded online is cut to such a length."""
-    geometry = vae_geometry(job.vae)
-    tf, data = geometry.temporal_factor, job.data
-    bad = [n for n in data.frame_count_range() if (n - 1) % tf]
-    require(not bad, "frames_mod",
-            f"is {data.frames_mod} with frames_remainder {data.frames_remainder}: clips of "
-            f"{', '.join(map(str, bad[:4]))}{' ...' if len(bad) > 4 else ''} frames are allowed, but the "
-            f"{job.vae.vae_type} VAE ({tf}x in time) encodes only 1 + {tf}k frames. Set frames_mod: {tf} "
-            f"and frames_remainder: 1 (as the released YAMLs do).")
-
-
-LAUNCH_RULES = (refuse_placeholders, check_stage_batch_rule, check_variant_resolution_rule,
-                check_stage_sizes_rule, check_frame_rule)
-
-
-def check_launch(job, dims=None) -> None:
-    """The workflow's own refusals, all reported together."""
-    problems = ErrorCollector()
-    for rule in LAUNCH_RULES:
-        with problems.gather():
-            rule(job)
-    problems.raise_any()
-
-
-# ------------------------------------------------------------------------------------------------
-# `pan check`: the launch rules as rows, then what the run will read
+# The launch rules as rows
 # ------------------------------------------------------------------------------------------------
 
 def check_placeholders(ctx: Preflight) -> list[Row]:
@@ -242,7 +70,7 @@ def check_stage_batch(ctx: Preflight) -> list[Row]:
     check_stage_batch_rule(ctx.job)
     job, task, rows = ctx.job, ctx.task, []
     cycle = stage_cycle(job)
-    for name, size in _source_sizes(job).items():
+    for name, size in source_sizes(job.data).items():
         if size < ctx.dims.dp:
             rows.append(Row("stage batch", "fail", f"{name} has {size} samples, fewer than the "
                             f"{ctx.dims.dp} data-parallel ranks that share it.", "add samples or use fewer ranks."))
@@ -254,7 +82,7 @@ def check_stage_batch(ctx: Preflight) -> list[Row]:
     frames = job.data.frame_count_range()[-1]
     largest = max(job.data.buckets(), key=lambda hw: hw[0] * hw[1])
     per_stage = [_stage_tokens(task, frames, *largest, stage, len(job.pyramid.sample_ratios)) for stage in cycle]
-    summary += (f"; a cycle of {frames}-frame {_bucket_text(*largest)} clips is {sum(per_stage)} tokens "
+    summary += (f"; a cycle of {frames}-frame {bucket_text(*largest)} clips is {sum(per_stage)} tokens "
                 f"({per_stage})")
     if sum(per_stage) > budget:
         rows.append(Row("stage batch", "warn", summary + f", over max_tokens_per_batch {budget}: batches "
@@ -272,21 +100,6 @@ def _stage_tokens(task, frames: int, height: int, width: int, stage: int, stages
     down = 2 ** (stages - 1 - stage)
     gt, gh, gw = task.model.patch_grid((0, t, h // down, w // down))
     return gt * gh * gw
-
-
-def _source_sizes(job) -> dict[str, int]:
-    """Samples per row source and of the image tars; unreadable ones are left to the data row."""
-    readers = [(Path(p).name, lambda p=p: read_video_csv(p)) for p in job.data.video_csv_paths]
-    readers += [(Path(p).name, lambda p=p: read_annotations(p)) for p in job.data.annotation_paths]
-    if job.data.image_tar_paths:
-        readers.append(("image tars", lambda: read_image_tars(job.data.image_tar_paths)))
-    sizes = {}
-    for name, read in readers:
-        try:
-            sizes[name] = len(read())
-        except (SourceError, OSError, UnicodeDecodeError):
-            continue
-    return sizes
 
 
 def check_variant_resolution(ctx: Preflight) -> list[Row]:
@@ -313,6 +126,10 @@ def check_stage_sizes(ctx: Preflight) -> list[Row]:
     return [Row("stage sizes", "pass", f"every bucket's latent is a multiple of {uw}x{uh} (W x H): "
                 f"{ctx.job.pyramid.stages} stages of {dit_shape(ctx.job).patch} patches.")]
 
+
+# ------------------------------------------------------------------------------------------------
+# What the run will read
+# ------------------------------------------------------------------------------------------------
 
 def check_model_folder(ctx: Preflight) -> list[Row]:
     """The variant's config.json (read when the config loaded) and its weights' recorded shapes
@@ -454,19 +271,11 @@ def check_vae(ctx: Preflight) -> list[Row]:
 def _sources_encoded_online(job) -> list[str]:
     """Data files some rows of which go through the VAE (no precomputed latent)."""
     online = list(job.data.image_tar_paths)
-    for path in job.data.video_csv_paths:
-        try:
-            if not read_video_csv(path).precomputed:
-                online.append(path)
-        except (SourceError, OSError, UnicodeDecodeError):
-            continue
-    for path in job.data.annotation_paths:
-        try:
-            rows = read_annotations(path).rows
-        except (SourceError, OSError):
-            continue
-        if any(b'"latent"' not in row for row in rows):
-            online.append(path)
+    for opened in open_sources(job.data, ("video_csv", "annotations")).opened:
+        source = opened.source
+        if (not source.precomputed if isinstance(source, VideoCsvSource) else
+                any(b'"latent"' not in row for row in source.rows)):
+            online.append(opened.label)
     return online
 
 
@@ -474,33 +283,16 @@ def check_data(ctx: Preflight) -> list[Row]:
     """Parse every source; read a sample of each one's rows as training will (files exist, latents
     and text features load or media decode) and check them against the DiT."""
 
-    job, rows, sources = ctx.job, [], {}
-    readers = [(p, read_video_csv) for p in job.data.video_csv_paths]
-    readers += [(p, read_annotations) for p in job.data.annotation_paths]
-    for path, read in readers:
-        try:
-            source = read(path)
-            sources[stream_name(source)] = (path, source)
-        except (SourceError, OSError, UnicodeDecodeError) as e:
-            rows.append(Row("data", "fail", f"{path}: {e}", "fix or remove the file."))
-    tars = None
-    if job.data.image_tar_paths:
-        try:
-            tars = read_image_tars(job.data.image_tar_paths)
-        except (SourceError, OSError) as e:
-            rows.append(Row("data", "fail", str(e), "fix or remove the tar(s)."))
+    job = ctx.job
+    opened = open_sources(job.data)
+    rows = [unopened_row("data", o) for o in opened.failed]
     # The reader training uses, with what the DiT takes (the task's sample_fit, from the built model):
     # a row that does not fit is skipped as `unfit` here as it is in training.
     ctx.models  # noqa: B018 - the task's meta DiT, which sample_fit reads
-    reader = SampleReader({name: src for name, (_, src) in sources.items()}, tars, rules_of(job.data),
-                          fit=ctx.task.sample_fit())
-    streams = [(path, name, len(src)) for name, (path, src) in sources.items()]
-    if tars is not None:
-        streams.append((", ".join(job.data.image_tar_paths), IMAGE_STREAM, len(tars)))
-    for label, stream, size in streams:
-        row = _sample_rows(ctx, reader, label, stream, size)
-        source = sources.get(stream, (None, None))[1]
-        rows.append(with_annotation_scan(row, source) if isinstance(source, AnnotationSource) else row)
+    reader = SampleReader(opened.row_sources, opened.tars, rules_of(job.data), fit=ctx.task.sample_fit())
+    for stream, o in {o.stream: o for o in opened.opened}.items():   # one row a stream, as the reader reads it
+        row = _sample_rows(ctx, reader, o.label, stream, len(o.source))
+        rows.append(with_annotation_scan(row, o.source) if isinstance(o.source, AnnotationSource) else row)
     return rows
 
 
@@ -545,7 +337,7 @@ def _unlike_the_variant(job, sample) -> str | None:
         frames, height, width = latent.shape[1], latent.shape[2] * factor, latent.shape[3] * factor
         found = resolution_class(height, width)
         if found != trained:
-            return (f"is a {latent.shape[2]}x{latent.shape[3]} latent = {_bucket_text(height, width)} pixels "
+            return (f"is a {latent.shape[2]}x{latent.shape[3]} latent = {bucket_text(height, width)} pixels "
                     f"({found}), not {trained}")
     else:
         frames = sample.grid[0]
@@ -579,106 +371,9 @@ def _over_budget(ctx: Preflight, sample) -> str | None:
     return f"{tokens} tokens > max_tokens_per_batch {budget}" if tokens > budget else None
 
 
-# ------------------------------------------------------------------------------------------------
-# Memory and step time (pan/estimate.py): what both Pyramid-Flow recipes' micro-batches hold
-# ------------------------------------------------------------------------------------------------
-
-def text_encoder_bytes(job, dtype: torch.dtype) -> int:
-    """The released T5 and CLIP(s) in `dtype`, as `pan.encoders.pyramid_text` loads them."""
-    m = job.model
-    layout = released_layout(job.text, "pyramid_flux" if m.model_name == "pan" else m.model_name, m.model_path or "")
-    return sum(_text_model_bytes(layout.folder / slot.model_dir, slot.kind, slot.projected, dtype)
-               for slot in layout.slots)
-
-
-@functools.cache  # building even a meta model imports its modeling code: once per process
-def _text_model_bytes(model_dir: Path, kind: str, projected: bool, dtype: torch.dtype) -> int:
-    from transformers import CLIPTextModel, CLIPTextModelWithProjection, T5EncoderModel
-
-    cls = T5EncoderModel if kind == "t5" else (CLIPTextModelWithProjection if projected else CLIPTextModel)
-    config = cls.config_class.from_pretrained(model_dir, local_files_only=True)
-    return module_bytes(lambda: cls(config), dtype)
-
-
-def pyramid_probe(ctx: Preflight, task, samples: list[list[tuple[int, int, int]]], describe: str) -> Probe:
-    """One micro-batch of `samples`, each the latent shapes (t, h, w) of its clips in packing order
-    (the trained one last), every caption at t5_max_length rows; one phase, the DiT's loss. Frozen
-    where the data is read (cp rank 0): the VAE, and the text encoders when captions are encoded
-    during training."""
-
-    job, cp, model = ctx.job, ctx.dims.cp, task.model
-    # The DiT's latent channels, which the latents it trains on have (the `vae` row compares the
-    # VAE's with them: they must agree where clips are encoded online).
-    shape, text_len = dit_shape(job), job.text.t5_max_length
-    channels = shape.latent_channels
-    layouts = [model.sample_layout([model.patch_grid((0, *clip)) for clip in clips], text_len) for clips in samples]
-    whole = PackInfo.from_layouts(layouts)
-    pack = whole.shard(0, cp) if cp > 1 else whole
-    one = torch.empty(channels, *samples[0][-1], device="meta")   # token widths, from one clip
-    widths = model.patchify(one).shape[1], model.target_tokens(one).shape[1]
-
-    def loss(models):
-        nv, b = pack.num_video_tokens, len(samples)
-        inputs = PyramidInputs(x=torch.empty(nv, widths[0]), target=torch.empty(nv, widths[1]),
-                               weight=torch.empty(nv), timesteps=torch.empty(b),
-                               text=torch.empty(pack.num_text_tokens, shape.caption_width),
-                               pooled=torch.empty(b, shape.pooled_width or 0), pack=pack, sample_ids=[],
-                               samples=b, tokens=whole.num_video_tokens, packing=1.0, bad_samples=0)
-        return task.loss_sum(models["transformer"], inputs)
-
-    dtype = frozen_dtype(run_device())
-    frozen = {"vae": frozen_vae_bytes(job.vae, dtype)}
-    online_text = task.encodes_captions()
-    if online_text:
-        frozen["text encoders"] = text_encoder_bytes(job, job.text.dtype(run_device()))
-    data = job.data
-    clips = largest_batch(data, task.tokens_of, images=bool(data.image_tar_paths))
-    shapes = "; ".join(" + ".join("x".join(map(str, clip)) for clip in sample) for sample in samples)
-    return Probe([Phase("transformer", loss)], tokens=whole.num_video_tokens // cp, samples=len(samples),
-                 flops=3 * task.forward_flops(whole) / cp, frozen=frozen, loader=loader_bytes(data, clips),
-                 online_text=online_text,
-                 describe=f"{describe} (latent clips t x h x w: {shapes}) = {whole.num_video_tokens} video + "
-                          f"{whole.num_text_tokens} caption tokens per data-parallel rank")
-
-
-def level_shape(task, t: int, h: int, w: int, level: int) -> tuple[int, int, int]:
-    """(t, h, w) of a full-resolution latent's frames at pyramid `level` (each level below the top
-    halves the sides)."""
-    down = task.job.pyramid.stages - 1 - level
-    return t, h >> down, w >> down
-
-
-def largest_batch_clips(ctx: Preflight, task) -> list[tuple[int, int, int]]:
-    """Full-resolution latent shapes (t, h, w) of the data budget's fullest micro-batch."""
-    data = ctx.job.data
-    # Clips the VAE cannot encode, or whose stages do not cut into patches: the `stage sizes` row's failures.
-    check_stage_sizes_rule(ctx.job)
-    check_frame_rule(ctx.job)
-    clips = largest_batch(data, task.tokens_of, images=bool(data.image_tar_paths))
-    if not clips:
-        raise ConfigError("max_tokens_per_batch", "no clip of the buckets and frame rules fits the "
-                          "token budget (see the batch row).")
-    return [task.geometry.latent_shape(*clip)[1:] for clip in clips]
-
-
-def full_sequence_probe(ctx: Preflight) -> Probe:
-    """The fullest pack of the largest clips, each at the stage the rotation gives it: of every
-    place the rotation can start a batch at, the one with the most tokens."""
-    task = ctx.task
-    clips = largest_batch_clips(ctx, task)
-    cycle = task.column_stages
-
-    def batch(start: int) -> list[list[tuple[int, int, int]]]:
-        return [[level_shape(task, *clip, cycle[(start + i) % len(cycle)])] for i, clip in enumerate(clips)]
-    tokens = lambda samples: sum(math.prod(task.model.patch_grid((0, *s[-1]))) for s in samples)  # noqa: E731
-    fullest = max((batch(start) for start in range(len(cycle))), key=tokens)
-    return pyramid_probe(ctx, task, fullest, f"{len(clips)} clip(s) at their pyramid stages")
-
-
-
 # `pan check`'s table, in order: the layout, the launch rules as rows, what the run will read, the
 # machine and the output folder, then memory and step time (with `full_sequence_probe`).
-CHECKS = [preflight.check_layout, check_placeholders, check_stage_batch, check_variant_resolution,
-          check_stage_sizes, check_model_folder, preflight.check_warm_start, check_text_encoders,
-          check_vae, check_data, preflight.check_cpu, preflight.check_output_dir, preflight.check_resume,
-          preflight.check_memory, preflight.check_step_time]
+CHECKS = [check_layout, check_placeholders, check_stage_batch, check_variant_resolution,
+          check_stage_sizes, check_model_folder, check_warm_start, check_text_encoders,
+          check_vae, check_data, check_cpu, check_output_dir, check_resume,
+          check_memory, check_step_time]

@@ -21,11 +21,12 @@ from pan.config import JobConfig
 from pan.config.core import ConfigError, knob, require
 from pan.data.config import DataConfig
 from pan.diffusion.flow import FlowConfig
-from pan.diffusion.pyramid import PyramidConfig
+from pan.diffusion.pyramid_schedule import PyramidConfig
 from pan.encoders.pyramid_text import PyramidTextConfig
 from pan.encoders.vae import VAEConfig
 from pan.lora.adapters import LoraConfig, candidate_names
 from pan.runtime.metrics import MetricsConfig
+from pan.runtime.watchdog_config import WatchdogConfig
 from pan.models.attention import ATTENTION_BACKENDS
 from pan.models.pan_dit import PanDiTConfig, PanVideoDiffusionTransformer
 from pan.optim.config import OptimConfig
@@ -128,6 +129,7 @@ class PyramidJobConfig(JobConfig):
     text: PyramidTextConfig = knob(PyramidTextConfig(), "")
     vae: VAEConfig = knob(VAEConfig(), "")
     trainer: TrainerConfig = knob(TrainerConfig(), "")
+    watchdog: WatchdogConfig = knob(WatchdogConfig(), "")
     optim: OptimConfig = knob(OptimConfig(), "")
     pyramid: PyramidConfig = knob(PyramidConfig(), "")
     flow: FlowConfig = knob(FlowConfig(), "")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pan.lora.runs import part_weights
-from pan.config import load_job_config
+from pan.config import ConfigError, load_job_config
 from pan.models.pyramid_io import save_pretrained
 from pan.recipes.pyramid_flow.model import build_dit
 
@@ -20,7 +20,10 @@ def export_released(ckpt_dir: Path, out_dir: Path, *, ema: bool = False) -> Path
     if not config.is_file():
         raise ValueError(f"{config} not found: --format pyramid_flow reads the run's config.yaml beside "
                          "its checkpoints.")
-    job = load_job_config(["--config", str(config)], warn=lambda msg: None)
+    try:
+        job = load_job_config(["--config", str(config)], warn=lambda msg: None, use_only=True)
+    except ConfigError as e:
+        raise ValueError(f"the run's {config} does not load here: {e}") from e
     if getattr(job.model, "model_name", None) not in ("pyramid_flux", "pyramid_mmdit"):
         raise ValueError(f"{config} is not a run of a released Pyramid-Flow DiT (recipe {job.recipe}"
                          f"{', model ' + job.model.model_name if hasattr(job.model, 'model_name') else ''}): "

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from pan.models.attention import set_attention_backend
 from pan.models.packing import PackInfo, SampleLayout, patchify, unpatchify
 from pan.models.pan_dit import PanDiTConfig, PanVideoDiffusionTransformer
-from pan.models.pyramid_flux import pyramid_sample_layout, trained_rows
+from pan.models.pyramid_dit import pyramid_sample_layout, trained_rows
 from pan.models.pyramid_io import read_weights
 from pan.recipes.pyramid_flow.config import PyramidJobConfig, dit_class, dit_config, variant_folder
 

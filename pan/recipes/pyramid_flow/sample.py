@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from pan.diffusion.pyramid import PerSampleDraws, denormalize_latent
+from pan.diffusion.pyramid_draws import PerSampleDraws
+from pan.diffusion.pyramid_latents import denormalize_latent
 from pan.diffusion.pyramid_sampler import sample_full_sequence
 from pan.encoders.pyramid_text import TextFeatures
 from pan.models.packing import PackInfo

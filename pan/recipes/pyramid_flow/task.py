@@ -3,7 +3,7 @@
 Each sample of a packed batch is trained at one pyramid stage (the stages follow `sample_ratios`
 across the samples, 1:2:1 by default): its latent is normalised with the model's per-frame
 statistics, taken down to the stage's resolution, noised on the stage's line
-(`pan.diffusion.pyramid`), and enters the pack at that size (a 1/4-resolution stage costs 1/16 of the
+(`pan.diffusion.pyramid_noising`), and enters the pack at that size (a 1/4-resolution stage costs 1/16 of the
 tokens). The loss is the original's: the mean over samples of each sample's MSE, so every sample
 weighs the same whatever its stage.
 
@@ -30,20 +30,15 @@ from torch import Tensor, nn
 
 from pan.data.fit import SampleFit
 from pan.data.sources import read_annotations
-from pan.diffusion.pyramid import (
-    GeneratorDraws,
-    PyramidSchedule,
-    column_stages,
-    latent_pyramid,
-    noise_sample,
-    normalize_latent,
-    regression_target,
-)
+from pan.diffusion.pyramid_draws import GeneratorDraws
+from pan.diffusion.pyramid_latents import column_stages, latent_pyramid, normalize_latent
+from pan.diffusion.pyramid_noising import noise_sample, regression_target
+from pan.diffusion.pyramid_schedule import PyramidSchedule
 from pan.encoders.pyramid_text import PyramidTextEncoder, TextFeatures, build_text_encoder, load_features
 from pan.encoders.vae import build_vae
 from pan.data.media import to_uint8_frames, write_gif, write_mp4
 from pan.models.packing import PackInfo
-from pan.models.pyramid_flux import trained_rows
+from pan.models.pyramid_dit import trained_rows
 from pan.recipes.packed import PackedInputs, PackedTask
 from pan.recipes.pyramid_flow.config import PyramidJobConfig, variant_folder
 from pan.recipes.pyramid_flow.model import build_dit, released_weights

@@ -6,6 +6,7 @@ task base, checks, precompute; `pan export --format pyramid_flow` reads its runs
     task.py        the training task: sync groups, units and their history
     sample.py      the unit-by-unit sampler: validation samples and `pan sample`
     checks.py      the launch rules, `pan check`'s rows and the memory probe
+    demo.py        `pan demo --recipe pyramid_flow_ar`: a tiny model trained and sampled on CPU
 
 Only the config module is imported here (loading a config stays light); every other hook is named
 as a string and imported by the command that uses it.
@@ -23,7 +24,7 @@ RECIPE = Recipe(
     probe="pan.recipes.pyramid_flow_ar.checks:ar_probe",
     sample="pan.recipes.pyramid_flow_ar.sample:sample_main",
     precompute="pan.recipes.pyramid_flow.precompute:PyramidJobFormat",
-    demo="pan.demo.recipes:pyramid_flow_ar_demo",
+    demo="pan.recipes.pyramid_flow_ar.demo:demo",
     workflows=(Workflow(
         "pyramid-flow-ar", "pyramid_flow_ar", "config/pyramid_flow_ar_384p.yaml", "scripts/train_pyramid_flow.sh",
         "Pyramid-Flow autoregressive temporal-pyramid fine-tuning of a released DiT",

@@ -21,15 +21,31 @@ from __future__ import annotations
 
 import math
 
-from pan import preflight
 from pan.config.core import ErrorCollector
 from pan.data.decode import SkipSample
-from pan.data.reader import read_raw_latent
-from pan.data.sources import SourceError, read_annotations
-from pan.diffusion.pyramid import history_spans, stage_unit_counts, unit_frames
+from pan.data.reader import open_sources, read_raw_latent
+from pan.diffusion.pyramid_units import history_spans, stage_unit_counts, unit_frames
 from pan.encoders.vae import vae_geometry
-from pan.preflight import Preflight, Row, spread_rows
+from pan.preflight.checks import (
+    check_cpu,
+    check_layout,
+    check_memory,
+    check_output_dir,
+    check_resume,
+    check_step_time,
+    check_warm_start,
+    spread_rows,
+    unopened_row,
+)
+from pan.preflight.core import Preflight, Row
 from pan.recipes.pyramid_flow import checks as shared
+from pan.recipes.pyramid_flow.probe import largest_batch_clips, level_shape, pyramid_probe
+from pan.recipes.pyramid_flow.rules import (
+    check_frame_rule,
+    check_stage_sizes_rule,
+    check_variant_resolution_rule,
+    refuse_placeholders,
+)
 from pan.recipes.pyramid_flow_ar.config import latent_window, window_units
 from pan.recipes.pyramid_flow_ar.task import SyncPlan
 
@@ -45,8 +61,7 @@ def sync_group_rule(job, dims) -> None:
 def check_launch(job, dims=None) -> None:
     """The workflow's refusals, all reported together (the sync-group rule when the layout is known)."""
     problems = ErrorCollector()
-    rules = [shared.refuse_placeholders, shared.check_variant_resolution_rule, shared.check_stage_sizes_rule,
-             shared.check_frame_rule]
+    rules = [refuse_placeholders, check_variant_resolution_rule, check_stage_sizes_rule, check_frame_rule]
     if dims is not None:
         rules.append(lambda j: sync_group_rule(j, dims))
     for rule in rules:
@@ -102,12 +117,11 @@ def check_annotation_rows(ctx: Preflight) -> list[Row]:
     job, rows = ctx.job, []
     window, fpu = latent_window(job), job.ar.frame_per_unit
     tf = vae_geometry(job.vae).temporal_factor
-    for path in job.data.annotation_paths:
-        try:
-            source = read_annotations(path)
-        except (SourceError, OSError) as e:
-            rows.append(Row("annotation rows", "fail", f"{path}: {e}", "fix or remove the file."))
+    for opened in open_sources(job.data, ("annotations",)):
+        if opened.source is None:
+            rows.append(unopened_row("annotation rows", opened))
             continue
+        path, source = opened.label, opened.source
         size = len(source)
         picks = spread_rows(ctx.sample_rows, size)   # first, last, between
         no_text, no_latent, short, long, frames = [], [], [], [], []
@@ -177,9 +191,9 @@ def unit_sample(task, stage: int, unit: int, t: int, h: int, w: int) -> list[tup
     first, then the unit (as `pan.diffusion.pyramid.noise_unit` makes them)."""
     fpu = task.job.ar.frame_per_unit
     frames = unit_frames(unit, fpu)
-    history = [shared.level_shape(task, end - start, h, w, level)
+    history = [level_shape(task, end - start, h, w, level)
                for level, start, end in reversed(history_spans(stage, unit, frames, fpu))]
-    return history + [shared.level_shape(task, min(fpu, frames), h, w, stage)]
+    return history + [level_shape(task, min(fpu, frames), h, w, stage)]
 
 
 def slot_batches(task, clips: list[tuple[int, int, int]]):
@@ -203,10 +217,10 @@ def ar_probe(ctx: Preflight):
     unit the sync slot gives its stage, history included; of all slots, turns of the rotation and
     stage orders, the one with the most tokens."""
     task = ctx.task
-    clips = shared.largest_batch_clips(ctx, task)
+    clips = largest_batch_clips(ctx, task)
     tokens = lambda samples: sum(math.prod(task.model.patch_grid((0, *c))) for s in samples for c in s)  # noqa: E731
     fullest = max(slot_batches(task, clips), key=tokens)
-    return shared.pyramid_probe(ctx, task, fullest, f"{len(fullest)} unit sample(s) of {len(clips)} clip(s), "
+    return pyramid_probe(ctx, task, fullest, f"{len(fullest)} unit sample(s) of {len(clips)} clip(s), "
                                 f"{sum(len(s) for s in fullest)} clips with their history")
 
 
@@ -214,10 +228,10 @@ def ar_probe(ctx: Preflight):
 # `pan check`'s table, in order: the layout and the sync groups, the units, the full-sequence
 # recipe's rows of the launch rules and of what the run reads, the annotation rows, the machine and
 # the output folder, then memory and step time (with `ar_probe`).
-CHECKS = [preflight.check_layout, check_sync_group, check_units, shared.check_placeholders,
+CHECKS = [check_layout, check_sync_group, check_units, shared.check_placeholders,
           shared.check_variant_resolution, shared.check_stage_sizes, shared.check_model_folder,
-          preflight.check_warm_start, shared.check_text_encoders, shared.check_vae, shared.check_data,
+          check_warm_start, shared.check_text_encoders, shared.check_vae, shared.check_data,
           check_annotation_rows,
-          preflight.check_cpu, preflight.check_output_dir, preflight.check_resume,
-          preflight.check_memory, preflight.check_step_time]
+          check_cpu, check_output_dir, check_resume,
+          check_memory, check_step_time]
 

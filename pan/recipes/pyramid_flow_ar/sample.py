@@ -11,7 +11,9 @@ import dataclasses
 import torch
 from torch import Tensor, nn
 
-from pan.diffusion.pyramid import PerSampleDraws, denormalize_latent, normalize_latent, unit_frames
+from pan.diffusion.pyramid_draws import PerSampleDraws
+from pan.diffusion.pyramid_latents import denormalize_latent, normalize_latent
+from pan.diffusion.pyramid_units import unit_frames
 from pan.diffusion.pyramid_sampler import sample_autoregressive
 from pan.encoders.pyramid_text import TextFeatures
 from pan.models.packing import PackInfo

@@ -3,7 +3,7 @@
 A clip (at most the latent frames of `max_frames`) is cut into units of `frame_per_unit` latent
 frames, the first unit being frame 0 alone (an image: image-to-video and continuation come for
 free). Each packed sample trains ONE unit at one pyramid stage: that unit is noised on the stage's
-line (`pan.diffusion.pyramid.noise_unit`) and is the only clip in the loss; the units before it are
+line (`pan.diffusion.pyramid_noising.noise_unit`) and is the only clip in the loss; the units before it are
 its history, clean latents corrupted with sigma ~ U(0, corrupt_ratio): the previous unit at the
 stage's resolution, each older one a level lower, the oldest at the lowest (the temporal pyramid).
 RoPE positions of lower-resolution history are interpolated onto the trained unit's grid
@@ -47,18 +47,11 @@ from pan.config.core import require
 from pan.data.build import build_sharded_loader
 from pan.data.plan import seed_draws
 from pan.diffusion.flow import FlowConfig
-from pan.diffusion.pyramid import (
-    Draws,
-    GeneratorDraws,
-    NoisedColumn,
-    PyramidSchedule,
-    history_spans,
-    latent_pyramids,
-    noise_unit,
-    regression_target,
-    stage_unit_counts,
-    unit_frames,
-)
+from pan.diffusion.pyramid_draws import Draws, GeneratorDraws
+from pan.diffusion.pyramid_latents import latent_pyramids
+from pan.diffusion.pyramid_noising import NoisedColumn, noise_unit, regression_target
+from pan.diffusion.pyramid_schedule import PyramidSchedule
+from pan.diffusion.pyramid_units import history_spans, stage_unit_counts, unit_frames
 from pan.encoders.pyramid_text import TextFeatures
 from pan.logging import get_logger
 from pan.models.packing import PackInfo

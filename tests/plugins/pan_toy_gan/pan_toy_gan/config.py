@@ -9,6 +9,7 @@ from pan.checkpoint.manager import CheckpointConfig
 from pan.config import JobConfig
 from pan.config.core import knob
 from pan.runtime.metrics import MetricsConfig
+from pan.runtime.watchdog_config import WatchdogConfig
 from pan.optim import OptimConfig, prefixed_optim_config
 from pan.parallel.dims import ParallelConfig
 from pan.trainer import TrainerConfig
@@ -35,6 +36,7 @@ DiscOptimConfig = prefixed_optim_config(
 class ToyGanJobConfig(JobConfig):
     toy: ToyConfig = knob(ToyConfig(), "")
     trainer: TrainerConfig = knob(TrainerConfig(dtype="fp32"), "")
+    watchdog: WatchdogConfig = knob(WatchdogConfig(), "")
     optim: OptimConfig = knob(OptimConfig(), "")
     disc_optim: DiscOptimConfig = knob(DiscOptimConfig(), "")
     parallel: ParallelConfig = knob(ParallelConfig(), "")

@@ -8,32 +8,21 @@ from pathlib import Path
 
 import torch
 
-from pan.checkpoint import dcp as layout
-from pan.checkpoint.consolidate import consolidated_weights, part_source
+from pan.sampling import resolve_weights
 from pan_toy_gan.task import NOISE, MLP
-
-
-def latest(path: Path) -> Path:
-    """A checkpoint-N/ folder as given, or a run's latest complete one."""
-    if layout.has_marker(path):
-        return path
-    done = layout.complete_checkpoints(path)
-    if not done:
-        raise SystemExit(f"pan sample: {path} holds no complete checkpoint.")
-    return done[-1]
 
 
 def sample_main(job, argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="pan sample", description="Draw samples from a toy GAN run.")
-    parser.add_argument("--checkpoint", required=True, type=Path, help="checkpoint-N/ or the run's output_dir")
+    parser.add_argument("--checkpoint", required=True, type=Path,
+                        help="checkpoint-N/, the run's output_dir, or the generator exported as .safetensors")
     parser.add_argument("--config", help="run config (default: the run's config.yaml)")
     parser.add_argument("--num-samples", type=int, default=4, help="samples to draw (default 4)")
     parser.add_argument("--seed", type=int, default=0, help="noise seed (default 0)")
     parser.add_argument("--ema", action="store_true", help="use the generator's EMA weights")
     parser.add_argument("--out", required=True, type=Path, help="the CSV to write, one sample a row")
     args = parser.parse_args(argv)
-    _, source = part_source(latest(args.checkpoint), "generator", args.ema)
-    weights = consolidated_weights(source)
+    weights, _ = resolve_weights(args.checkpoint, args.ema, part="generator")
     model = MLP(NOISE, job.toy.toy_width, weights["fc2.weight"].shape[0])
     model.load_state_dict(weights)
     noise = torch.randn(args.num_samples, NOISE, generator=torch.Generator().manual_seed(args.seed))
@@ -42,5 +31,5 @@ def sample_main(job, argv: list[str]) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("w", newline="") as f:
         csv.writer(f).writerows(row.tolist() for row in samples)
-    print(f"{args.out}: {args.num_samples} samples from {source}")
+    print(f"{args.out}: {args.num_samples} samples from {args.checkpoint}")
     return 0

@@ -84,7 +84,7 @@ class ToyLoader:
 
 class ToyGanTask(Task):
     def __init__(self, job: ToyGanJobConfig, world, dims, cp=None):
-        self.job, self.world, self.dims = job, world, dims
+        super().__init__(job, world, dims, cp)
         self.dp_rank = dims.dp_rank_of(world.rank)
         self.reads_data = True
         self.generator = torch.Generator().manual_seed(job.trainer.seed + 17 * self.dp_rank)
