@@ -38,6 +38,7 @@ BUILT_IN = {
     "pyramid_flow": "pan.recipes.pyramid_flow",
     "pyramid_flow_ar": "pan.recipes.pyramid_flow_ar",
     "causal_vae": "pan.recipes.causal_vae",
+    "wan": "pan.recipes.wan",
 }
 
 

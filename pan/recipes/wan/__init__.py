@@ -1,2 +1,26 @@
-"""Wan 2.1 / 2.2 (text- and image-to-video) from their diffusers folders: the transformer, its
-weights, and (to come) the recipe that trains it."""
+"""The Wan recipe: fine-tuning Wan 2.1 / 2.2 (T2V, TI2V, A14B's experts) from their diffusers folders
+by flow matching on packed video batches.
+
+    config.py       the keys (model_path, wan_experts, flow_shift, ...; the shared components)
+    folder.py       what a diffusers Wan folder holds, from its JSON files
+    task.py         the parts (one per trained expert), the packed train step, the encoders
+    precompute.py   `pan data precompute`: the folder's VAE latents and umT5 features
+    text.py         umT5 prompts as WanPipeline encodes them
+    sample.py       `pan sample`: diffusers' WanPipeline with the run's weights
+    export.py       `pan export --format wan_diffusers`: checkpoints as diffusers transformer folders
+    model.py        the transformer (diffusers' WanTransformer3DModel on packed batches)
+    weights.py      its diffusers `transformer/` folders, read and written as they are
+"""
+
+from pan.recipe import Recipe
+from pan.recipes.wan.config import WanJobConfig
+
+RECIPE = Recipe(
+    name="wan",
+    job_config=WanJobConfig,
+    task="pan.recipes.wan.task:WanTask",
+    description="Wan 2.1 / 2.2: flow-matching fine-tuning of a diffusers Wan folder's transformer(s)",
+    precompute="pan.recipes.wan.precompute:WanFormat",
+    sample="pan.recipes.wan.sample:sample_wan",
+    exports={"wan_diffusers": "pan.recipes.wan.export:export_diffusers"},
+)

@@ -1,0 +1,70 @@
+"""Cross-attention on packed batches: the query rows of sample i attend to the key rows of sample i only,
+with per-sample lengths that differ between the two sides (Wan: a sample's video tokens to its text
+tokens, or to its image tokens).
+
+pan's attention (`pan.models.attention`) is self-attention over segments whose queries are rows of the
+key sequence (every row, or some: `AttnSegments.query_lens`). Its kernels already take `query_len`
+queries against `key_len` keys per segment: the sdpa path batches the segments of one (query_len,
+key_len) layout into one call (`LayoutBatches`), varlen passes separate query and key offsets. So a
+cross-attention is that same machinery with segments = each sample's key rows and `query_lens` =
+each sample's query rows, the query rows being another stream's. Only `flex`, which places queries
+by `query_rows` inside the key sequence, has no meaning here: this module never runs it.
+
+What should move to shared code (`pan/models/attention.py`, `pan/models/packing.py`): a constructor
+`AttnSegments.cross(query_lens, key_lens)` that says so (today `query_lens` is documented as a subset
+of the key rows), this module, and a context-parallel form of it. Under Ulysses the query rows of a
+rank need no other rank's queries (each row attends to keys only): a rank would all-gather the key and
+value rows of its samples (a few hundred text rows) and attend its own video rows locally, instead of
+the all-to-all the self-attention needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from pan.models.attention import attention
+from pan.models.packing import AttnSegments
+
+CrossBackend = Literal["auto", "sdpa", "varlen"]
+CROSS_BACKENDS = ("auto", "sdpa", "varlen")
+
+
+def cross_segments(query_lens: Sequence[int], key_lens: Sequence[int], device=None) -> AttnSegments:
+    """Segments where the `query_lens[i]` query rows of sample i attend to its `key_lens[i]` key rows
+    (queries and keys each packed sample after sample, in two tensors)."""
+    if len(query_lens) != len(key_lens):
+        raise ValueError(f"need one query and one key length per sample, got {len(query_lens)} and {len(key_lens)}.")
+    if any(n == 0 for q, n in zip(query_lens, key_lens) if q):
+        raise ValueError(f"a sample with queries has no keys to attend to (query lengths {list(query_lens)}, "
+                         f"key lengths {list(key_lens)}): softmax over no keys is undefined.")
+    keys = AttnSegments.from_lengths([int(n) for n in key_lens], device)
+    return dataclasses.replace(keys, query_lens=tuple(int(n) for n in query_lens))
+
+
+class InnerCrossAttention(nn.Module):
+    """The cross-attention call of a layer: (q [Nq, H, d], k, v [Nk, H, d], segments) -> [Nq, H, d].
+
+    Not an `InnerAttention`: `set_attention_backend` (which may choose flex) and Ulysses (which
+    exchanges q, k and v alike) must not reach it; its backend is set here, among sdpa and varlen.
+    """
+
+    def __init__(self, backend: CrossBackend = "auto"):
+        super().__init__()
+        if backend not in CROSS_BACKENDS:
+            raise ValueError(f"unknown cross-attention backend {backend!r}; choose one of {CROSS_BACKENDS}.")
+        self.backend = backend
+
+    @torch.compiler.disable   # as InnerAttention: whole kernels, and a loop over layouts
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, segments: AttnSegments) -> Tensor:
+        if segments.query_lens is None or q.shape[0] != sum(segments.query_lens) or k.shape[0] != segments.total:
+            raise ValueError(f"cross-attention got {q.shape[0]} query and {k.shape[0]} key rows for segments of "
+                             f"{segments.query_lens} queries and {segments.seqlens} keys (see cross_segments).")
+        return attention(q, k, v, segments, self.backend)
+
+    def extra_repr(self) -> str:
+        return f"backend={self.backend}"

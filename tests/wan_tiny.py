@@ -1,0 +1,118 @@
+"""Tiny random Wan diffusers folders, written by diffusers itself, for the Wan recipe's tests.
+
+    folder = write_wan_folder(tmp / "wan", "t2v")     # Wan 2.1 T2V layout
+    folder = write_wan_folder(tmp / "wan", "ti2v")    # Wan 2.2 TI2V 5B layout (expand_timesteps, residual VAE)
+    folder = write_wan_folder(tmp / "wan", "a14b")    # Wan 2.2 A14B layout (transformer + transformer_2)
+
+Each is a `WanPipeline` built from tiny parts and written with `save_pretrained`, so the folder is laid
+out exactly as a released `*-Diffusers` repository: `model_index.json` (with `boundary_ratio` and
+`expand_timesteps`), `transformer/` (and `transformer_2/`), `vae/` (AutoencoderKLWan), `text_encoder/`
+(transformers' UMT5EncoderModel), `tokenizer/` (a T5 unigram tokenizer trained offline with the
+`tokenizers` library on a small caption corpus, as tests/pyramid_text_models.py builds one) and
+`scheduler/` (UniPCMultistepScheduler with flow sigmas and `flow_shift`, as the releases ship).
+
+Every size is written once, in VARIANTS; tests read them back from the folder's config.json files.
+The VAEs keep Wan's structure (4x in time; 8x in space for 2.1, 16x with 2.2's 2x2 pixel patches) at a
+tiny width. Transformer weights are diffusers' seeded init moved by seeded noise (as
+tests/test_wan_model.py does), so no tensor is a plain zero or one; the VAE's latent statistics are
+made up, not 0 and 1, so normalisation is exercised.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+# The only place sizes are written. `vae`: AutoencoderKLWan keys; `transformer`: WanTransformer3DModel
+# keys (in/out channels and text_dim are filled in from the VAE and the text encoder); `text`: UMT5.
+TEXT = dict(d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2)
+TRANSFORMER = dict(patch_size=[1, 2, 2], num_attention_heads=2, attention_head_dim=12, freq_dim=16, ffn_dim=32,
+                   num_layers=2, cross_attn_norm=True, eps=1e-6)
+VAE_21 = dict(base_dim=8, z_dim=4, dim_mult=[1, 2, 4, 4], num_res_blocks=1, temperal_downsample=[False, True, True],
+              scale_factor_temporal=4, scale_factor_spatial=8)
+# Wan 2.2's VAE: residual blocks, 2x2 pixel patches folded into 12 input channels, 16x in space
+VAE_22 = dict(base_dim=8, decoder_base_dim=12, z_dim=6, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
+              temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12,
+              patch_size=2, scale_factor_temporal=4, scale_factor_spatial=16)
+VARIANTS = {
+    "t2v": dict(vae=VAE_21, experts=1, boundary_ratio=None, expand_timesteps=False, flow_shift=3.0),
+    "ti2v": dict(vae=VAE_22, experts=1, boundary_ratio=None, expand_timesteps=True, flow_shift=5.0),
+    "a14b": dict(vae=VAE_21, experts=2, boundary_ratio=0.875, expand_timesteps=False, flow_shift=12.0),
+}
+
+
+def _perturbed(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    with torch.random.fork_rng(), torch.no_grad():
+        torch.manual_seed(seed)
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def tiny_tokenizer():
+    """A T5 unigram tokenizer (`<pad>` 0, `</s>` 1, `<unk>` 2), trained offline on a caption corpus."""
+    from pyramid_text_models import write_t5_tokenizer
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        write_t5_tokenizer(Path(tmp))
+        return AutoTokenizer.from_pretrained(tmp, local_files_only=True)
+
+
+def build_pipeline(variant: str = "t2v", seed: int = 0):
+    """The tiny `WanPipeline` of a variant (seeded), not yet written."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    spec = VARIANTS[variant]
+    tokenizer = tiny_tokenizer()
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        text_config = UMT5Config(vocab_size=len(tokenizer), **TEXT, relative_attention_num_buckets=8,
+                                 relative_attention_max_distance=32, feed_forward_proj="gated-gelu",
+                                 is_encoder_decoder=False, use_cache=False, pad_token_id=tokenizer.pad_token_id,
+                                 eos_token_id=tokenizer.eos_token_id)
+        text_encoder = UMT5EncoderModel(text_config).eval()
+        vae_spec = dict(spec["vae"])
+        z = vae_spec["z_dim"]
+        # made-up latent statistics (released ones are per channel, neither 0 nor 1)
+        vae_spec["latents_mean"] = [round(0.1 * (i - z / 2), 4) for i in range(z)]
+        vae_spec["latents_std"] = [round(0.5 + 0.25 * i, 4) for i in range(z)]
+        vae = _perturbed(AutoencoderKLWan(**vae_spec), seed + 1).eval()
+        experts = [_perturbed(WanTransformer3DModel(**TRANSFORMER, in_channels=z, out_channels=z,
+                                                    text_dim=TEXT["d_model"]), seed + 10 + i)
+                   for i in range(spec["experts"])]
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                        num_train_timesteps=1000, flow_shift=spec["flow_shift"])
+    return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
+                       transformer=experts[0], transformer_2=experts[1] if len(experts) > 1 else None,
+                       boundary_ratio=spec["boundary_ratio"], expand_timesteps=spec["expand_timesteps"])
+
+
+def write_wan_folder(folder: str | Path, variant: str = "t2v", seed: int = 0) -> Path:
+    """A complete tiny diffusers Wan folder of `variant` in `folder` (created); returns it."""
+    folder = Path(folder)
+    build_pipeline(variant, seed).save_pretrained(folder)
+    return folder
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def clip_geometry(folder: Path, latent_frames: int = 2, latent_cells: int = 2) -> dict:
+    """A clip size this folder's models take, from its config.json files alone: `latent_frames` latent
+    frames of `latent_cells` x `latent_cells` transformer patches. Keys: frames, size (pixels, square),
+    latent (C, T, H, W), tokens (per clip)."""
+    vae, transformer = read_json(folder / "vae/config.json"), read_json(folder / "transformer/config.json")
+    temporal = 2 ** sum(vae["temperal_downsample"])
+    spatial = 2 ** (len(vae["dim_mult"]) - 1) * (vae.get("patch_size") or 1)
+    pt, ph, pw = transformer["patch_size"]
+    assert ph == pw, "the tests' clips are square"
+    frames = 1 + temporal * (latent_frames * pt - 1)
+    side = latent_cells * ph
+    return dict(frames=frames, size=side * spatial, latent=(vae["z_dim"], latent_frames * pt, side, side),
+                tokens=latent_frames * latent_cells * latent_cells)
