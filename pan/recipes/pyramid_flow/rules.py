@@ -22,8 +22,9 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from pan.config.core import ConfigError, ErrorCollector, placeholder_in, require
-from pan.config.job import components
+from pan.config.core import ConfigError, ErrorCollector, require
+from pan.config.job import path_keys
+from pan.config.job import refuse_placeholders as refuse_placeholders_into
 from pan.encoders.vae import vae_geometry
 from pan.recipes.pyramid_flow.config import dit_config, variant_folder
 
@@ -91,25 +92,11 @@ def bucket_text(height: int, width: int) -> str:
 # Launch rules: config only, each raises ConfigError naming the key and the fix
 # ------------------------------------------------------------------------------------------------
 
-def path_keys(job) -> dict[str, object]:
-    """Every key naming a path (`*_path`, `*_paths`, `*_dir`) -> its value."""
-    found = {}
-    for attr in components(type(job)):
-        component = getattr(job, attr)
-        for f in dataclasses.fields(component):
-            if f.name.endswith(("_path", "_paths", "_dir")):
-                found[f.name] = getattr(component, f.name)
-    return found
-
-
 def refuse_placeholders(job) -> None:
+    """The loader's refusal of template placeholders in path keys (pan.config.job), as a launch rule:
+    `pan launch-command` and `pan check` list it with the others."""
     problems = ErrorCollector()
-    for key, value in path_keys(job).items():
-        values = value if isinstance(value, list) else [value]
-        left = [v for v in values if placeholder_in(v)]
-        if left:
-            problems.add(ConfigError(key, f"is still the template's placeholder {', '.join(left)}: set it "
-                                          f"to your own path (in the YAML, or --{key} <path>)."))
+    refuse_placeholders_into(job, problems, lambda e: e)
     problems.raise_any()
 
 
