@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pan.config import EXIT_CONFIG_ERROR, load_config_or_exit  # noqa: F401 - the commands' exit code
+from pan.config import EXIT_CONFIG_ERROR, ConfigError, load_config_or_exit  # noqa: F401 - the commands' exit code
 from pan.recipe import RegistryError
-from pan.runtime.watchdog import watch_launcher
+from pan.runtime.watchdog import record_sigterm, stop_recording_sigterm, watch_launcher
 
 
 def cmd_train(argv: list[str]) -> int:
@@ -19,11 +19,18 @@ def cmd_train(argv: list[str]) -> int:
               "listed in docs/config.md. Launch several processes with torchrun.")
         return 0
     watch_launcher()  # before the config and torch load (train.py has started it already)
-    job = load_config_or_exit(argv)
-    from pan.preflight.core import refuse_at_start  # lazy, as the trainer
-    from pan.trainer import train  # lazy: `pan --help` and the other commands never load the trainer
-    # What `pan check` fails for this launch's world is refused before anything is built (exit 2).
-    return train(job, preflight=refuse_at_start)
+    # A SIGTERM (preemption, scancel) from here on is recorded, not fatal: train() stops every rank
+    # with 143 at the end of the start-up phase it came in (also while the config and torch load).
+    recording = record_sigterm()
+    try:
+        job = load_config_or_exit(argv)
+        from pan.preflight.core import refuse_at_start  # lazy, as the trainer
+        from pan.trainer import train  # lazy: `pan --help` and the other commands never load the trainer
+        # What `pan check` fails for this launch's world is refused before anything is built (exit 2).
+        return train(job, preflight=refuse_at_start)
+    finally:
+        if recording:
+            stop_recording_sigterm()
 
 
 def cmd_data(argv: list[str]) -> int:
@@ -95,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         return fn(argv[1:]) or 0
     except RegistryError as e:  # two installed recipes claim one name: an installation to fix, not a bug
         print(f"pan: {e}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    except ConfigError as e:  # a refusal a command did not word itself: still a refusal (exit 2)
+        print(f"pan {args.command}: refused: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
 
 

@@ -19,6 +19,7 @@ from pan.lora.files import write_peft
 from pan.checkpoint.consolidate import (CONFIG_METADATA_KEY, export_checkpoint, honour_umask, part_source,
                                        write_weights)
 from pan.config import ConfigError, load_job_config
+from pan.config.arguments import ValueType, output_place
 from pan.config.job import dump_sections, job_to_sections
 from pan.lora.runs import merged_weights
 from pan.recipe import get_recipe, recipe_names, resolve
@@ -27,16 +28,24 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PEFT = "peft"
 
 
-def main_export(argv: list[str]) -> int:
+CHECKPOINT_TAKES = "a run's output_dir, a checkpoint-N/ folder or one of its part folders"
+# The file to write (a folder with --format peft or a recipe's format: main_export refuses a folder
+# for a file's format).
+OUT = ValueType("output file", output_place("the file (or, with --format peft or a recipe's format, the "
+                                            "folder) to write"), "output_file")
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pan export", description="Write one trained part's weights of a checkpoint (the main "
                                        "part by default: the transformer) as one .safetensors file "
                                        "(usable as pretrained_transformer_path).")
-    parser.add_argument("checkpoint", help="a run's output_dir (its latest complete checkpoint), a "
-                                           "checkpoint-N/ folder, or one of its part folders")
-    parser.add_argument("--out", help="the .safetensors file to write (may also follow the checkpoint "
-                                      "without --out)")
-    parser.add_argument("out_file", nargs="?", help=argparse.SUPPRESS)
+    parser.add_argument("checkpoint", type=ValueType("folder", Path, "folder"),  # judged by checkpoint_of
+                        help="a run's output_dir (its latest complete checkpoint), a checkpoint-N/ folder, "
+                             "or one of its part folders")
+    parser.add_argument("--out", type=OUT, help="the .safetensors file to write (may also follow the "
+                                                "checkpoint without --out)")
+    parser.add_argument("out_file", nargs="?", type=OUT, help=argparse.SUPPRESS)
     parser.add_argument("--part", help="which trained part to export (default: the main one, e.g. "
                                        "transformer; `pan inspect` lists a checkpoint's parts)")
     parser.add_argument("--ema", action="store_true", help="export the EMA weights instead")
@@ -49,10 +58,19 @@ def main_export(argv: list[str]) -> int:
                         help="safetensors: one file; peft: a LoRA run's adapters as a folder that "
                              "peft's PeftModel.from_pretrained loads; or a format a recipe writes (" + "; ".join(
                             f"{name}: {describe(spec)}" for name, spec in formats.items()) + ")")
+    return parser
+
+
+def main_export(argv: list[str]) -> int:
+    parser = build_parser()
+    formats = export_formats()
     args = parser.parse_args(argv)
     if (args.out is None) == (args.out_file is None):
         parser.error("name the .safetensors file to write once: --out model.safetensors")
     args.out = args.out or args.out_file
+    if args.format == "safetensors" and Path(args.out).is_dir():
+        parser.error(f"--out {args.out} is a folder: give the .safetensors file to write (a folder is "
+                     "written by --format peft or a recipe's format)")
     try:
         args.checkpoint = str(checkpoint_of(Path(args.checkpoint)))
     except ValueError as e:
@@ -86,17 +104,18 @@ def checkpoint_of(path: Path) -> Path:
     """What to export from `path`: a run's output_dir gives its latest complete checkpoint (as `pan
     sample --checkpoint` takes it); a checkpoint-N/ or a part's folder is itself."""
     if not path.exists():
-        raise ValueError(f"{path} does not exist: give a run's output_dir, a checkpoint-N/ folder or "
-                         "one of its part folders.")
+        raise ValueError(f"checkpoint {path} does not exist: give {CHECKPOINT_TAKES}.")
     if not path.is_dir():
-        raise ValueError(f"{path} is a file: give a run's output_dir, a checkpoint-N/ folder or one of its "
-                         "part folders (an exported .safetensors is already exported).")
+        raise ValueError(f"checkpoint {path} is a file: give {CHECKPOINT_TAKES} (an exported .safetensors "
+                         "is already exported).")
     if (path / layout.META).is_file() or (path / layout.DCP_METADATA).is_file() or layout.step_of(path) is not None:
         return path
     done = layout.complete_checkpoints(path)
     if not done:
-        raise ValueError(f"{path} holds no complete checkpoint (no checkpoint-N/ folder whose save finished): "
-                         "give a run's output_dir after its first save, or a checkpoint-N/ folder.")
+        what = "an empty folder" if not any(path.iterdir()) else "a folder without a complete checkpoint"
+        raise ValueError(f"checkpoint {path} is {what} (no checkpoint-N/ folder whose save finished): give "
+                         "a run's output_dir after its first save, a checkpoint-N/ folder or one of its part "
+                         "folders.")
     return done[-1]
 
 

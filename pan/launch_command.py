@@ -39,7 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pan.config import EXIT_CONFIG_ERROR, ConfigError, load_job_config
-from pan.config.core import require
+from pan.config.arguments import COUNT, POSITIVE, ValueType, input_file, whole_number, yaml_mapping
+from pan.config.core import ErrorCollector, require, split_fix
 from pan.parallel.dims import ParallelDims
 from pan.parallel.world import planned_task
 from pan.recipe import Workflow, all_workflows, resolve
@@ -78,36 +79,77 @@ class LaunchCommands:
 
 
 def validate(workflow: Workflow, config: str, overrides: list[str], nodes: int, gpus_per_node: int,
-             previous=None, device_memory: float | None = None):
-    """Load the config and check the layout; returns (job, ParallelDims) or raises ConfigError.
-    `previous`: the job of the stage before this one when stages are chained (`--stage both`), which
-    the workflow's check is given (a stage may start from what the previous one writes). Then `pan
-    check`'s rows of the job (`refuse_failed_rows`)."""
-    if nodes < 1 or gpus_per_node < 1:
-        raise ConfigError(None, f"--nodes ({nodes}) and --gpus-per-node ({gpus_per_node}) must be >= 1.")
-    job = load_job_config(["--config", config, *overrides], warn=lambda msg: print(
-        f"pan launch-command: {msg}", file=sys.stderr))
-    require(job.recipe == workflow.recipe, "recipe",
-            f"is {job.recipe} in {config}, but workflow {workflow.name} trains the {workflow.recipe} "
+             previous=None, device_memory: float | None = None, problems: ErrorCollector | None = None):
+    """Load the config and check the layout; returns (job, ParallelDims). `previous`: the job of the
+    stage before this one when stages are chained (`--stage both`), which the workflow's check is
+    given (a stage may start from what the previous one writes). Then `pan check`'s rows of the job
+    (`failed_rows`).
+
+    Every problem that can be judged is reported at once, as the config loader gathers its own: the
+    loader's, the layout's (the recipe's task for this world) and the workflow's rule, each with
+    its fix; the rows once the config and the layout hold (a row of a config that breaks a rule, or
+    of a layout refused, would only say those again). Without `problems` they are raised together
+    (ConfigError); with it they are gathered there, and job / dims are None where not judged."""
+    own = ErrorCollector()
+    gathered = own if problems is None else problems
+    before = len(gathered.errors)
+    job = dims = None
+    with gathered.gather():
+        if nodes < 1 or gpus_per_node < 1:
+            raise ConfigError(None, f"--nodes ({nodes}) and --gpus-per-node ({gpus_per_node}) must be >= 1.")
+    with gathered.gather():
+        job = load_job_config(["--config", config, *overrides], problems=gathered, warn=lambda msg: print(
+            f"pan launch-command: {msg}", file=sys.stderr))
+    if job is not None and job.recipe != workflow.recipe:   # every other rule would be another recipe's
+        gathered.add(ConfigError(
+            "recipe", f"is {job.recipe} in {config}, but workflow {workflow.name} trains the {workflow.recipe} "
             f"recipe. Use a {workflow.recipe} config, or the workflow of the {job.recipe} recipe "
-            f"({', '.join(w.name for w in all_workflows().values() if w.recipe == job.recipe) or 'none'}).")
-    dims = ParallelDims.from_config(job.parallel, nodes * gpus_per_node, gpus_per_node)
-    planned_task(job, dims)  # what the recipe's task refuses for this layout (context groups, ...)
-    if previous is not None:
-        refuse_shared_output_dir(job, previous)
-    if workflow.check is not None:
-        check = resolve(workflow.check)
-        check(job, dims) if previous is None else check(job, dims, previous=previous)
-    refuse_failed_rows(job, nodes, gpus_per_node, device_memory, previous)
+            f"({', '.join(w.name for w in all_workflows().values() if w.recipe == job.recipe) or 'none'})."))
+        job = None
+    loaded = job is not None and len(gathered.errors) == before   # the config holds every rule
+    if job is not None and nodes >= 1 and gpus_per_node >= 1:
+        with judged(gathered, loaded):
+            planned = ParallelDims.from_config(job.parallel, nodes * gpus_per_node, gpus_per_node)
+            planned_task(job, planned)  # what the recipe's task refuses for this layout (context groups, ...)
+            dims = planned
+    if job is not None:
+        if previous is not None:
+            with gathered.gather():
+                refuse_shared_output_dir(job, previous)
+        if workflow.check is not None:
+            check = resolve(workflow.check)
+            with judged(gathered, loaded and dims is not None):
+                check(job, dims) if previous is None else check(job, dims, previous=previous)
+    if job is not None and dims is not None and loaded:
+        said = {split_fix(e)[0] for e in gathered.errors[before:]}   # a row that says a rule's problem again
+        for row in failed_rows(job, nodes, gpus_per_node, device_memory, previous):
+            if row.detail not in said:
+                gathered.add(ConfigError(None, f"{row.check}: {row.detail}", fix=row.fix))
+    if problems is None:
+        own.raise_any()
     return job, dims
 
 
-def refuse_failed_rows(job, nodes: int, gpus_per_node: int, device_memory: float | None, previous) -> None:
+@contextlib.contextmanager
+def judged(problems: ErrorCollector, sure: bool):
+    """Run a rule, gathering its ConfigErrors. On a config that breaks other rules (`sure` false) a
+    rule may meet what those refuse (a folder that is not there, a value out of range) and fail
+    otherwise: then it cannot be judged on this config, and the problems already said are the ones
+    to fix first."""
+    try:
+        with problems.gather():
+            yield
+    except Exception:  # noqa: BLE001 - not judged on this config (see above); its problems are said
+        if sure:
+            raise
+
+
+def failed_rows(job, nodes: int, gpus_per_node: int, device_memory: float | None, previous) -> list:
     """`pan check`'s rows of the job for the planned layout (not the environment's: the commands run
-    elsewhere, where train.py checks it): a failed row refuses the launch, a warning is printed.
+    elsewhere, where train.py checks it): the failed rows refuse the launch, a warning is printed.
     Without a GPU here and without --device-memory, the memory row can only plan for this machine's
     host memory, so there it warns instead of refusing (`Preflight.elsewhere`)."""
-    from pan.preflight.core import Preflight, format_refusal, job_rows, one_line  # lazy: the torchrun wrapper
+    from pan.preflight.core import Preflight, job_rows, one_line  # lazy: the torchrun wrapper
     # (`python -m pan.launch_command torchrun`) loads no checks
 
     ctx = Preflight(job, nodes, gpus_per_node, device_memory=device_memory, previous_stage=previous, elsewhere=True)
@@ -116,16 +158,12 @@ def refuse_failed_rows(job, nodes: int, gpus_per_node: int, device_memory: float
         if row.status == "warn":
             print(f"pan launch-command: warning: {row.check}: {one_line(row.detail)} (fix: {one_line(row.fix)})",
                   file=sys.stderr)
-    failed = [r for r in rows if r.status == "fail"]
-    if failed:
-        raise ConfigError(None, format_refusal(failed))
+    return [r for r in rows if r.status == "fail"]
 
 
-def build_commands(workflow: Workflow, config: str, overrides: list[str], nodes: int,
-                   gpus_per_node: int, master_port: int = DEFAULT_MASTER_PORT,
-                   previous=None, device_memory: float | None = None) -> LaunchCommands:
-    """Validate, then build the torchrun, srun (nodes > 1) and sbatch commands."""
-    job, dims = validate(workflow, config, overrides, nodes, gpus_per_node, previous, device_memory)
+def commands_of(workflow: Workflow, config: str, overrides: list[str], nodes: int, gpus_per_node: int,
+                master_port: int, job, dims) -> LaunchCommands:
+    """The torchrun, srun (nodes > 1) and sbatch commands of a validated job."""
     train_args = [TRAIN_SCRIPT, "--config", config, *overrides]
     rendezvous = [f"--nnodes={nodes}", f"--nproc_per_node={gpus_per_node}",
                   f"--master_port={master_port}"]
@@ -194,8 +232,8 @@ def stage_configs(workflow: Workflow, stage: str | None, configs: list[str] | No
                                 f"({', '.join(w.name for w in all_workflows().values() if w.stages) or 'none'}); "
                                 f"{workflow.name} is one run: drop --stage.")
     if stage != "both" and stage not in workflow.stages:
-        raise ConfigError(None, f"workflow {workflow.name} has the stages {list(workflow.stages)} (or both), "
-                                f"not {stage!r}.")
+        raise ConfigError(None, f"--stage {stage}: workflow {workflow.name} has the stages "
+                                f"{list(workflow.stages)} (or both), not {stage!r}.")
     chosen = dict(workflow.stages)
     plain = [c for c in configs if not _stage_named(c, workflow)]
     if stage == "both":
@@ -249,7 +287,8 @@ def stage_runs(workflow: Workflow, runs: list[tuple[str | None, str]], overrides
                gpus_per_node: int, master_port: int,
                device_memory: float | None = None) -> list[tuple[str | None, LaunchCommands]]:
     """Each run's validated commands: the shared overrides and the stage's own; a chained stage is
-    checked against the one before it, and two stages may not write one output_dir."""
+    checked against the one before it, and two stages may not write one output_dir. Every stage is
+    judged, each problem of a stage said with its name: all of them are raised together."""
     shared, per_stage = split_stage_overrides(workflow, overrides)
     printed = {stage for stage, _ in runs}
     stray = sorted(set(per_stage) - printed)
@@ -257,18 +296,41 @@ def stage_runs(workflow: Workflow, runs: list[tuple[str | None, str]], overrides
         raise ConfigError(None, f"--stage{stray[0]}.* overrides are given, but only stage(s) "
                                 f"{', '.join(str(s) for s in printed)} are printed: drop them or use --stage both.")
     done: list[tuple[str | None, LaunchCommands]] = []
+    problems = ErrorCollector()
+    previous = None   # the job of the stage before (when it loaded): the next stage's check reads it
     for stage, config in runs:
-        previous = done[-1][1].job if done else None
-        try:
-            commands = build_commands(workflow, config, [*shared, *per_stage.get(stage, [])], nodes,
-                                      gpus_per_node, master_port, previous=previous,
-                                      device_memory=device_memory)
-        except ConfigError as e:
-            if stage is None:
-                raise
-            raise ConfigError(None, f"stage {stage} ({config}): {e}") from None
-        done.append((stage, commands))
+        found = ErrorCollector()
+        stage_overrides = [*shared, *per_stage.get(stage, [])]
+        job, dims = validate(workflow, config, stage_overrides, nodes, gpus_per_node, previous, device_memory, found)
+        if found.errors:
+            for error in found.unique():
+                problems.add(error if stage is None else in_stage(error, stage, config))
+        else:
+            done.append((stage, commands_of(workflow, config, stage_overrides, nodes, gpus_per_node, master_port,
+                                            job, dims)))
+        previous = job
+    problems.raise_any()
     return done
+
+
+def in_stage(error: ConfigError, stage: str, config: str) -> ConfigError:
+    """A problem of one stage of several, said with the stage's name and YAML."""
+    detail, fix = split_fix(error)
+    return ConfigError(None, f"stage {stage} ({config}): {detail}", fix=fix)
+
+
+def refusal(error: ConfigError) -> str:
+    """What `pan launch-command` prints for a refused launch: every problem, one a line (a problem of
+    several lines indented below its first), each with its fix below it, as `pan check` gives them."""
+    problems = error.problems()
+    lines = [f"pan launch-command: refused ({len(problems)} problem{'s' if len(problems) > 1 else ''}; "
+             "nothing printed to run):"]
+    for problem in problems:
+        detail, fix = split_fix(problem)
+        first, *more = detail.splitlines() or [""]
+        lines += [f"  - {first}", *(f"    {line}" for line in more)]
+        lines += [f"    fix: {line}" for line in fix.splitlines()]
+    return "\n".join(lines)
 
 
 def refuse_shared_output_dir(job, previous) -> None:
@@ -296,9 +358,17 @@ def render_stages(runs: list[tuple[str | None, LaunchCommands]]) -> str:
     return "\n\n".join(blocks)
 
 
-def main_launch_command(argv: list[str]) -> int:
-    """`pan launch-command`: print the commands, or the reason they are refused (exit 2)."""
-    workflows = all_workflows()
+def stage_config(text: str) -> str:
+    """`--config [STAGE=]YAML`: the YAML file must exist and parse (which stages there are is the
+    workflow's, judged with the rest of the command)."""
+    path = text.partition("=")[2] if "=" in text and not Path(text).exists() else text
+    input_file("a run config YAML (or STAGE=YAML)", check=yaml_mapping).convert(path)
+    return text
+
+
+def build_parser(workflows: dict | None = None) -> argparse.ArgumentParser:
+    """`pan launch-command`'s options (`workflows`: every recipe's, by name)."""
+    workflows = all_workflows() if workflows is None else workflows
     parser = argparse.ArgumentParser(
         prog="pan launch-command", allow_abbrev=False,
         description="Print a validated torchrun command (and the srun and sbatch lines) for a "
@@ -309,28 +379,33 @@ def main_launch_command(argv: list[str]) -> int:
                                            for w in workflows.values()),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workflow", required=True, choices=list(workflows))
-    parser.add_argument("--nodes", type=int, required=True)
-    parser.add_argument("--gpus-per-node", type=int, required=True, help="processes per node")
+    parser.add_argument("--nodes", type=COUNT, required=True)
+    parser.add_argument("--gpus-per-node", type=COUNT, required=True, help="processes per node")
     parser.add_argument("--config", action="append", default=None, metavar="[STAGE=]YAML",
+                        type=ValueType("config", stage_config, "config"),
                         help="run YAML (default: the workflow's); with stages, STAGE=YAML gives one "
                              "stage's (repeatable)")
     parser.add_argument("--stage", default=None,
                         help="for workflows run in stages: one stage (its default YAML), or `both` "
                              "(every stage, chained). Overrides reach every stage printed; "
                              "--stage<NAME>.<key> VALUE (e.g. --stage2.output_dir runs/s2) only that stage")
-    parser.add_argument("--master-port", type=int, default=DEFAULT_MASTER_PORT)
-    parser.add_argument("--device-memory", type=float, default=None, metavar="GIB",
+    parser.add_argument("--master-port", type=whole_number(1, 65535), default=DEFAULT_MASTER_PORT)
+    parser.add_argument("--device-memory", type=POSITIVE, default=None, metavar="GIB",
                         help="memory of one device of the planned run in GiB, for the memory check (default: "
                              "this machine's GPU; without one the memory row only warns)")
-    args, overrides = parser.parse_known_args(argv)
-    if args.device_memory is not None and args.device_memory <= 0:
-        parser.error("--device-memory must be > 0 (GiB)")
+    return parser
+
+
+def main_launch_command(argv: list[str]) -> int:
+    """`pan launch-command`: print the commands, or the reason they are refused (exit 2)."""
+    workflows = all_workflows()
+    args, overrides = build_parser(workflows).parse_known_args(argv)
     workflow = workflows[args.workflow]
     try:
         runs = stage_runs(workflow, stage_configs(workflow, args.stage, args.config), overrides, args.nodes,
                           args.gpus_per_node, args.master_port, args.device_memory)
     except ConfigError as e:
-        print(f"pan launch-command: refused: {e}", file=sys.stderr)
+        print(refusal(e), file=sys.stderr)
         return EXIT_INVALID
     print(render_stages(runs))
     return 0

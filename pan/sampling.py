@@ -21,9 +21,10 @@ from pan.checkpoint import layout
 from pan.checkpoint.consolidate import CONFIG_METADATA_KEY, consolidated_weights, part_source
 from pan.checkpoint.layout import is_lora_checkpoint
 from pan.config import DEFAULT_RECIPE, EXIT_CONFIG_ERROR, ConfigError, load_config_or_exit
+from pan.config.arguments import COUNT, ValueType, input_file, output_file, whole_number, yaml_mapping
 from pan.data.media import to_uint8_frames, write_gif, write_mp4
 from pan.logging import quiet_library_progress_bars
-from pan.lora.files import apply_lora
+from pan.lora.files import PEFT_CONFIG, apply_lora
 from pan.lora.runs import merged_weights
 from pan.parallel.precision import compute_precision
 from pan.recipe import get_recipe
@@ -33,19 +34,25 @@ from pan.recipe import get_recipe
 # `pan sample`
 # ------------------------------------------------------------------------------------------------
 
+CHECKPOINT_TAKES = "a run's output_dir, a checkpoint-N/ folder or an exported .safetensors file"
+LORA_TAKES = ("a peft folder (`pan export --format peft`) or a LoRA run's checkpoint-N/ folder or "
+              "output_dir")
+
+
 def resolve_weights(path: Path, use_ema: bool, lora: Path | None = None,
                     part: str | None = None) -> tuple[dict[str, Tensor], Path | None]:
     """A part's weights (`part`: its name; None: the run's main part, e.g. the transformer) from an
     exported .safetensors, a checkpoint-N/ (or one of its part folders), or a run's output_dir (its
     latest complete checkpoint); a LoRA run's checkpoint gives its base with the adapters merged in,
     and `lora` (`--lora PATH`: a peft folder or a LoRA run's checkpoint) merges its adapters into
-    the weights (pan/lora/runs.py). Returns the weights and the run dir, if known."""
+    the weights (pan/lora/runs.py). Returns the weights and the run dir, if known. A path that gives
+    none is refused as a ConfigError naming the option (`pan sample` exits 2)."""
     weights, run_dir = _resolve_weights(path, use_ema, part)
     if lora is not None:
         try:
             weights = apply_lora(weights, lora, use_ema)
         except (ValueError, FileNotFoundError) as e:
-            raise SystemExit(f"pan sample: {e}") from e
+            raise ConfigError(None, str(e) if str(e).startswith("--lora") else f"--lora {lora}: {e}") from None
     return weights, run_dir
 
 
@@ -56,38 +63,119 @@ def _checkpoint_weights(source: Path, use_ema: bool = False) -> dict[str, Tensor
     try:
         return merged_weights(source, ema=use_ema)
     except (ValueError, FileNotFoundError) as e:
-        raise SystemExit(f"pan sample: {e}") from e
+        raise ConfigError(None, f"--checkpoint {source}: {e}") from None
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why `--checkpoint PATH` gives no weights (what the path is, and what the option takes), None
+    when it may: read before anything is loaded. An exported file's contents are judged by
+    `embedded_config`, a checkpoint folder's by reading it."""
+    if not path.exists():
+        return f"--checkpoint {path} does not exist: give {CHECKPOINT_TAKES}."
+    if path.is_file():
+        if path.suffix == ".safetensors":
+            return None
+        return f"--checkpoint {path} is a file, not a .safetensors file: give {CHECKPOINT_TAKES}."
+    if (path / layout.DCP_METADATA).is_file() or (path / layout.META).is_file():
+        return None
+    if layout.complete_checkpoints(path):
+        return None
+    what = "an empty folder" if not any(path.iterdir()) else "a folder without a complete checkpoint"
+    return (f"--checkpoint {path} is {what} (no checkpoint-N/ folder whose save finished, no "
+            f"checkpoint files): give {CHECKPOINT_TAKES}.")
+
+
+def lora_problem(path: Path) -> str | None:
+    """Why `--lora PATH` gives no adapters, from what the path is (before anything is loaded)."""
+    if not path.exists():
+        return f"--lora {path} does not exist: give {LORA_TAKES}."
+    if path.is_file():
+        return f"--lora {path} is a file: give {LORA_TAKES}."
+    if (path / PEFT_CONFIG).is_file() or (path / layout.META).is_file() or layout.complete_checkpoints(path):
+        return None
+    return f"--lora {path} is a folder without {PEFT_CONFIG} or a complete checkpoint: give {LORA_TAKES}."
 
 
 def _resolve_weights(path: Path, use_ema: bool, part: str | None) -> tuple[dict[str, Tensor], Path | None]:
-    if path.suffix == ".safetensors":
-        return load_file(str(path)), None
+    problem = checkpoint_problem(path)
+    if problem:
+        raise ConfigError(None, problem)
+    if path.suffix == ".safetensors" and path.is_file():
+        try:
+            return load_file(str(path)), None
+        except Exception as e:  # noqa: BLE001 - safetensors' own error types for a file that is not one
+            raise ConfigError(None, f"--checkpoint {path} is not a readable .safetensors file ({e}): "
+                                    "export it again with `pan export`.") from None
     if (path / layout.DCP_METADATA).is_file():  # one part's (or its EMA's) DCP folder
         return _checkpoint_weights(path), path.parent.parent
     if not (path / layout.META).is_file():  # a run dir: take its latest complete checkpoint
-        done = layout.complete_checkpoints(path)
-        if not done:
-            raise SystemExit(f"pan sample: {path} holds no complete checkpoint.")
-        path = done[-1]
+        path = layout.complete_checkpoints(path)[-1]
     try:
         _, source = part_source(path, part, use_ema)
     except ValueError as e:
-        raise SystemExit(f"pan sample: {e}") from e
+        raise ConfigError(None, f"--checkpoint {e}") from None
     return _checkpoint_weights(source), path.parent
+
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
+
+
+def read_condition_frames(path: str | Path, frames: int, height: int, width: int) -> Tensor:
+    """Pixels [T, 3, H, W] (uint8) of an image (one frame) or of a video's first `frames` frames,
+    resized to width x height (an image suffix is read as an image, anything else as a video)."""
+    if Path(path).suffix.lower() in IMAGE_SUFFIXES:
+        image = Image.open(path).convert("RGB").resize((width, height))
+        return torch.from_numpy(np.array(image)).permute(2, 0, 1)[None]
+    with av.open(str(path)) as container:
+        decoded = []
+        for f in container.decode(video=0):
+            decoded.append(torch.from_numpy(f.to_ndarray(format="rgb24", width=width, height=height)).permute(2, 0, 1))
+            if len(decoded) == frames:
+                break
+    if not decoded:
+        raise ValueError("it holds no video frame")
+    return torch.stack(decoded)
 
 
 def load_condition(path: str, given_frames: int, height: int, width: int, vae, device) -> Tensor:
     """Pixels of an image (first frame) or a video (first frames), resized to width x height ->
     latent with the given frames."""
-    if Path(path).suffix.lower() in (".png", ".jpg", ".jpeg", ".webp"):
-        image = Image.open(path).convert("RGB").resize((width, height))
-        frames = torch.from_numpy(np.array(image)).permute(2, 0, 1)[None]
-    else:
-        with av.open(path) as container:
-            frames = [torch.from_numpy(f.to_ndarray(format="rgb24", width=width, height=height)).permute(2, 0, 1)
-                      for f in container.decode(video=0)]
-        frames = torch.stack(frames[:given_frames])
+    frames = read_condition_frames(path, given_frames, height, width)
     return vae.encode(frames.to(device).float().div(127.5).sub(1.0))
+
+
+# `--image` / `--video`: a file read as the sampler will read it (its first frame), while parsing.
+CONDITION_IMAGE = input_file("an image (.png, .jpg, .jpeg or .webp) or a video",
+                             check=lambda path: read_condition_frames(path, 1, 8, 8))
+CONDITION_VIDEO = input_file("a video (or an image: one frame)",
+                             check=lambda path: read_condition_frames(path, 1, 8, 8))
+# Clip sizes: whole numbers >= 1 that the sampler then checks against the model (`size_problems`).
+PIXELS = ValueType("pixels", whole_number(1).convert, "pixels")
+FRAMES = ValueType("frames", whole_number(1).convert, "frames")
+
+
+def size_problems(num_frames: int, height: int, width: int, *, temporal_factor: int, spatial_factor: int,
+                  frame_unit: int = 1, pixel_unit: tuple[int, int] = (1, 1), why: str = "",
+                  video_frames: int | None = None) -> list[str]:
+    """What the model cannot take of a clip of `num_frames` x `height` x `width` pixels (and of
+    `video_frames` condition frames), one sentence naming the option per problem: the VAE encodes
+    1 + k x `temporal_factor` frames and `spatial_factor` pixels to one latent pixel; the latent's
+    frames must be a multiple of `frame_unit` and its height and width of `pixel_unit` (the
+    transformer's patch, a pyramid's stages: `why` says which)."""
+    problems = []
+    latent_frames = (num_frames - 1) // temporal_factor + 1
+    if (num_frames - 1) % temporal_factor or latent_frames % frame_unit:
+        problems.append(f"--num-frames {num_frames}: the VAE encodes 1 + a multiple of {temporal_factor} frames"
+                        + (f" into a multiple of {frame_unit} latent frames" if frame_unit > 1 else ""))
+    if video_frames is not None and (video_frames - 1) % temporal_factor:
+        problems.append(f"--video-frames {video_frames}: the VAE encodes 1 + a multiple of {temporal_factor} frames")
+    for option, value, unit in (("--height", height, pixel_unit[0]), ("--width", width, pixel_unit[1])):
+        multiple = spatial_factor * unit
+        if value % multiple:
+            low = max(multiple, value - value % multiple)
+            problems.append(f"{option} {value}: must be a multiple of {multiple} (the VAE's {spatial_factor}x "
+                            f"spatial compression x {unit}{why}), e.g. {low} or {low + multiple}")
+    return problems
 
 
 class HelpWithDefaults(argparse.HelpFormatter):
@@ -102,21 +190,37 @@ class HelpWithDefaults(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
 
+# --checkpoint, --lora and --config: `main` judges them (`checkpoint_problem`, `lora_problem`,
+# `config_problem`: exit 2 naming the option) before the recipe's sampler parses them again.
+JUDGED_PATH = ValueType("checkpoint", Path, "path")
+RUN_CONFIG = input_file("a run's config.yaml", check=yaml_mapping)
+
+
+def config_problem(path: Path) -> str | None:
+    """Why `--config PATH` is no run config (missing, a folder, empty, not YAML), None when it may be."""
+    try:
+        RUN_CONFIG.convert(str(path))
+    except (ValueError, OSError) as e:
+        return f"--config {e}"
+    return None
+VIDEO_OUT = output_file("the .mp4 file to write")
+
+
 def sample_parser(description: str) -> argparse.ArgumentParser:
     """`pan sample`'s parser with the options every recipe's sampler takes; the recipe adds its own
     (each with a help text; defaults are printed by `HelpWithDefaults`)."""
     parser = argparse.ArgumentParser(prog="pan sample", description=description, formatter_class=HelpWithDefaults)
-    parser.add_argument("--checkpoint", required=True, type=Path,
+    parser.add_argument("--checkpoint", required=True, type=JUDGED_PATH,
                         help="checkpoint-N/ dir, a run's output_dir (latest checkpoint), or an exported "
                              ".safetensors")
-    parser.add_argument("--config", help="run config (default: the run's config.yaml)")
-    parser.add_argument("--lora", type=Path,
+    parser.add_argument("--config", type=RUN_CONFIG, help="run config (default: the run's config.yaml)")
+    parser.add_argument("--lora", type=JUDGED_PATH,
                         help="LoRA adapters merged into the --checkpoint weights before sampling: a "
                              "peft folder (`pan export --format peft`) or a LoRA run's checkpoint-N/ "
                              "or output_dir (--ema: the adapters' EMA). A LoRA run's checkpoint given "
                              "as --checkpoint is merged onto its own base without it")
     parser.add_argument("--prompt", action="append", required=True, help="caption (repeatable)")
-    parser.add_argument("--out", required=True, type=Path, help="output .mp4 (a .gif is written beside)")
+    parser.add_argument("--out", required=True, type=VIDEO_OUT, help="output .mp4 (a .gif is written beside)")
     return parser
 
 
@@ -139,11 +243,7 @@ def placement_problem(args: argparse.Namespace, world) -> str | None:
 
 def add_batch_size_option(parser: argparse.ArgumentParser, default: int) -> None:
     """`--batch-size`: prompts sampled together (the run's `sample_batch_size` by default)."""
-    def at_least_one(text: str) -> int:
-        if int(text) < 1:
-            raise argparse.ArgumentTypeError("must be >= 1")
-        return int(text)
-    parser.add_argument("--batch-size", type=at_least_one, default=default,
+    parser.add_argument("--batch-size", type=COUNT, default=default,
                         help="prompts sampled together (each keeps its own seed's draws)")
 
 
@@ -195,14 +295,21 @@ def run_config_of(checkpoint: Path) -> Path | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`pan sample`: find the run's recipe from its config and hand the command to its sampler."""
+    """`pan sample`: find the run's recipe from its config and hand the command to its sampler. The
+    paths it reads the recipe from are judged first: a wrong --checkpoint, --lora or --config is
+    refused by name (exit 2) before anything is loaded."""
     argv = list(argv or [])
-    probe = argparse.ArgumentParser(add_help=False)
+    probe = argparse.ArgumentParser(prog="pan sample", add_help=False)
     probe.add_argument("--checkpoint", type=Path)
-    probe.add_argument("--config")
+    probe.add_argument("--config", type=Path)
+    probe.add_argument("--lora", type=Path)
     known, _ = probe.parse_known_args(argv)
     quiet_library_progress_bars(on_a_terminal_too=True)
     try:
+        for problem in (known.checkpoint and checkpoint_problem(known.checkpoint),
+                        known.lora and lora_problem(known.lora), known.config and config_problem(known.config)):
+            if problem:
+                raise ValueError(problem)
         embedded = embedded_config(known.checkpoint) if known.checkpoint else None
     except ValueError as e:
         print(f"pan sample: {e}", file=sys.stderr)

@@ -37,8 +37,11 @@ import torch
 from torch import Tensor, nn
 
 from pan.checkpoint.warm_start import WarmStartConfig
+from pan.logging import get_logger
+from pan.lora.adapters import untrained_adapters_warning
 from pan.optim.config import OptimConfig
 from pan.parallel.fsdp import clip_grad_norm, set_gradient_sync
+from pan.parallel.names import unwrapped_name
 from pan.parallel.precision import compute_precision
 
 
@@ -89,6 +92,7 @@ class Part:
     optim: OptimConfig | None = None   # its keys (clipping); None: no clipping
     lora: dict | None = None           # a LoRA part's reference (pan.lora.adapters.add_adapters): only its
                                        # adapters train and are saved; None: every weight
+    gradients_seen: bool = False       # whether a step of this process has updated it (`StepContext.update`)
 
 
 def global_sums(values: list[float], group=None) -> list[float]:
@@ -146,6 +150,9 @@ class StepContext:
         not finite; always zero the gradients and advance the LR schedule. Returns the gradient
         norm before clipping (the same on every rank)."""
         grad_norm = clip_grad_norm(part.model, part.optim.max_grad_norm if part.optim else None)
+        if not part.gradients_seen:
+            part.gradients_seen = True
+            self.first_gradients(part, loss, grad_norm)
         if math.isfinite(loss) and math.isfinite(grad_norm):
             part.optimizer.step()
             if part.ema is not None:
@@ -155,6 +162,13 @@ class StepContext:
         part.optimizer.zero_grad(set_to_none=True)
         part.scheduler.step()
         return grad_norm
+
+    def first_gradients(self, part: Part, loss: float, grad_norm: float) -> None:
+        """The first step this process runs: a LoRA part whose adapters all got a gradient of 0 (the
+        norm is global: every rank takes this branch alike) would train nothing, silently; say why."""
+        if part.lora is not None and grad_norm == 0.0 and math.isfinite(loss):
+            get_logger().warning("%s: %s", part.name, untrained_adapters_warning(
+                part.model, self.step + 1, global_sums, unwrapped_name))
 
 
 class Task(abc.ABC):

@@ -15,7 +15,7 @@ from typing import ClassVar, Literal
 import torch
 import torch.distributed as dist
 
-from pan.checkpoint.lease import LeaseHeldError, run_lease
+from pan.checkpoint.lease import LeaseHeldError, refuse_if_held, run_lease
 from pan.checkpoint.manager import Checkpointer, UnreadableRunError, first_problem
 from pan.checkpoint.warm_start import plan_warm_start
 from pan.config import ConfigError
@@ -38,7 +38,9 @@ from pan.parallel.threads import set_cpu_threads
 from pan.parallel.world import close_world, init_world, is_main_process
 from pan.recipe import get_recipe
 from pan.task import Part, PartSpec, StepContext, global_sums
-from pan.runtime.watchdog import STARTUP, exit_if_launcher_gone, stop_watching_launcher, watch_launcher, watchdog_running
+from pan.runtime.watchdog import (STARTUP, exit_if_launcher_gone, record_sigterm, sigterm_received,
+                                  stop_recording_sigterm, stop_watching_launcher, watch_launcher,
+                                  watchdog_running)
 
 
 @dataclass(kw_only=True)
@@ -52,8 +54,9 @@ class TrainerConfig:
            "batch of k*b", ge=1)
     seed: int = knob(0, "seed of model init, data order, timesteps and noise", ge=0)
     dtype: Literal["fp32", "bf16"] = knob(
-        "bf16", "compute dtype: bf16 autocast with fp32 master weights, or fp32 throughout (use fp32 "
-                "on CPU: bf16 matmuls there are ~90x slower)")
+        "bf16", "compute dtype: bf16 autocast with fp32 master weights, or fp32 throughout (on a CPU "
+                "`pan check`'s devices row measures which is faster there: bf16 matmuls run ~90x slower "
+                "than fp32 on AVX2 CPUs, faster on CPUs with AMX)")
     legacy_eager_mode: bool = knob(
         True, "the validated eager execution, pan's only mode, so this switch must stay true (false is "
               "refused; the key exists so that Pan's configs load): autocast without its weight cache "
@@ -111,23 +114,63 @@ class StoppedBySignal(RuntimeError):
         self.exit_code = 128 + signum  # what the signal itself would have given
 
 
+class StoppedBeforeTraining(RuntimeError):
+    """A SIGTERM came during the start-up: every rank stops at the end of the phase it came in,
+    before anything is trained or saved (a resumed checkpoint is left as it was)."""
+
+    def __init__(self, phase: str):
+        super().__init__(f"SIGTERM during start-up ({phase}): nothing trained yet, exiting "
+                         f"{128 + signal.SIGTERM} so the job is requeued")
+        self.exit_code = 128 + signal.SIGTERM  # what the signal itself would have given
+
+
 @contextlib.contextmanager
 def sigterm_recorded(enabled: bool):
     """While active, SIGTERM only sets `received[0]` (the loop stops at the next step boundary).
-    Python takes signals in the main thread only: a loop run elsewhere keeps SIGTERM as it was."""
-    received = [0]
+    Under train() the start-up's record carries on (pan.runtime.watchdog.record_sigterm): a SIGTERM
+    after the start-up's last look stops the run after its first step. Python takes signals in the
+    main thread only: a loop run elsewhere keeps SIGTERM as it was."""
     if not enabled or threading.current_thread() is not threading.main_thread():
-        yield received
+        yield [0]
         return
-
-    def record(signum, frame):
-        received[0] = signum
-
-    previous = signal.signal(signal.SIGTERM, record)
+    installed = record_sigterm()
     try:
-        yield received
+        yield sigterm_received()
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if installed:
+            stop_recording_sigterm()
+
+
+_startup_looks = False  # train()'s start-up runs: it looks for a SIGTERM at the end of each phase
+
+
+@contextlib.contextmanager
+def sigterm_stops_the_start_up():
+    """train()'s start-up: SIGTERM is recorded from here on (not fatal), and `stop_if_sigterm` looks
+    for it at the end of each phase (rendezvous, pan check, model build, loader build, resume).
+    On the way out SIGTERM's action is restored, unless an outer caller (`pan train`) recorded it
+    first: that caller restores it."""
+    global _startup_looks
+    installed = record_sigterm()
+    _startup_looks = True
+    try:
+        yield
+    finally:
+        _startup_looks = False
+        if installed:
+            stop_recording_sigterm()
+
+
+def stop_if_sigterm(phase: str) -> None:
+    """The end of one phase of train()'s start-up: when a SIGTERM has reached any rank by now, every
+    rank raises StoppedBeforeTraining here, together (a collective, so that ranks the signal reached
+    at different moments, or only one of them, stop at the same point). A phase blocks until it
+    ends (a collective or a file half read cannot be interrupted safely): a SIGTERM within it stops
+    the run at its end. Nothing (no collective either) outside train(): build_trainer(...).fit()."""
+    if not _startup_looks:
+        return
+    if global_sums([float(sigterm_received()[0] != 0)])[0] > 0:
+        raise StoppedBeforeTraining(phase)
 
 
 class Trainer:
@@ -264,8 +307,10 @@ class Trainer:
         self.state.tokens_seen += int(totals[1])
         if int(totals[6]) > self._bad_logged:
             self._bad_logged = int(totals[6])
-            self.log.info("%d distinct bad samples so far, each read once (skips: %d); listed in %s",
-                          self._bad_logged, int(totals[3]), self.checkpointer.output_dir / "bad_samples")
+            self.log.info("%d bad sample%s found so far, listed in %s: each was read once and is skipped "
+                          "unread from then on (rows skipped since the run started: %d)", self._bad_logged,
+                          "" if self._bad_logged == 1 else "s", self.checkpointer.output_dir / "bad_samples",
+                          int(totals[3]))
         lrs = {f"lr/{name}": part.scheduler.get_last_lr()[0] for name, part in self.parts.items()}
         lrs = {"lr": lrs.pop(f"lr/{self.main.name}"), **lrs}
         self.metrics.step(self.state.step, {
@@ -377,11 +422,20 @@ def build_trainer(job) -> Trainer:
     # A LoRA part loads its base from the warm-start source on every launch, resumes included.
     lora_base = plan_warm_start(task.warm_start_source(), None) if any(s.lora for s in specs) else None
     warm_start = None if all(s.lora for s in specs) else plan_warm_start(task.warm_start_source(), latest)
-    parts = {spec.name: build_part(spec, world, dims, mesh, cfg, job.parallel, warm_start, fresh=latest is None,
-                                   lora_base=lora_base)
-             for spec in specs}
+    parts = {}
+    for spec in specs:
+        parts[spec.name] = build_part(spec, world, dims, mesh, cfg, job.parallel, warm_start,
+                                      fresh=latest is None, lora_base=lora_base)
+        stop_if_sigterm("model build")
     task.load_encoders()
+    stop_if_sigterm("encoder load")
     loader = build_loader_everywhere(task, dims)
+    try:
+        stop_if_sigterm("loader build")
+    except StoppedBeforeTraining:
+        if loader is not None and hasattr(loader, "close"):
+            loader.close()  # its decoding workers
+        raise
     metrics = Metrics(job.logging, output_dir, world, world.device, cfg.dtype, sections)
     trainer = Trainer(job, task, world, dims, parts, loader, checkpointer, metrics)
     resumed = checkpointer.resume(trainer.checkpoint_parts())
@@ -412,12 +466,21 @@ def train(job, preflight=None) -> int:
 
     `preflight(job, world)`, when given, runs once the process group is up and before anything is
     written or built; a ConfigError it raises on every rank refuses the launch (exit 2, rank 0
-    printing it). `pan.cli.cmd_train` passes `pan check`'s rows (`pan.preflight.refuse_at_start`)."""
+    printing it). `pan.cli.cmd_train` passes `pan check`'s rows (`pan.preflight.refuse_at_start`).
+
+    A SIGTERM (preemption, scancel, the time limit) during the start-up is recorded from the first
+    line on (`pan train` records it before the config loads): every rank stops at the end of the
+    phase it came in (`stop_if_sigterm`), with one log line, the lease released, nothing trained or
+    saved (a resumed checkpoint untouched), and returns 143 so that the job is requeued. Once the
+    loop runs, SIGTERM saves the step it stopped at (`save_on_sigterm`)."""
     log = get_logger()
     trainer = None
     guards = contextlib.ExitStack()
     cfg = job.watchdog
     try:
+        # First: a SIGTERM (preemption, scancel, the time limit) during the start-up stops every rank
+        # with 143 at the end of the phase it came in, instead of killing them (a crash, status 1).
+        guards.enter_context(sigterm_stops_the_start_up())
         if cfg.exit_when_launcher_dies:
             watch_launcher()  # started by train.py's first line already; here for other callers
         else:
@@ -434,16 +497,28 @@ def train(job, preflight=None) -> int:
             world = init_world(getattr(job, "process", None))
             if dog is not None:
                 dog.use_process_group()
+            stop_if_sigterm("rendezvous")
+            # A folder held by a live run is refused first, reading only: `pan check`'s rows below
+            # probe whether output_dir can be written, which must not touch a held folder.
+            refuse_if_held(job.checkpoint.output_dir, job.checkpoint.lease_timeout, world)
             # What `pan check` fails, the launch refuses (train.py and `pan train` pass its rows for
             # this world, pan.preflight.refuse_at_start): before the lease, config.yaml or any model.
             if preflight is not None:
                 preflight(job, world)
+                stop_if_sigterm("pan check")
             # Before anything is written to output_dir: one run per folder.
             lease = guards.enter_context(run_lease(job.checkpoint.output_dir, job.checkpoint.lease_timeout,
                                                    world))
             log.info("lease of %s held (lease_timeout %g s)", job.checkpoint.output_dir,
                      job.checkpoint.lease_timeout)
             trainer = build_trainer(job)
+            stop_if_sigterm("resume")
+        if not job.checkpoint.save_on_sigterm:
+            # SIGTERM ends the loop at once (as it would without pan): its action again, and one
+            # that came since the last look above takes it now.
+            stop_recording_sigterm()
+            if sigterm_received()[0] != 0:
+                signal.raise_signal(signal.SIGTERM)
         trainer.lease = lease
         trainer.watchdog = dog
         trainer.fit()
@@ -453,6 +528,11 @@ def train(job, preflight=None) -> int:
         log.error("%s", e)
         return 1
     except StoppedBySignal as e:
+        log.warning("%s", e)
+        return e.exit_code
+    except StoppedBeforeTraining as e:
+        if trainer is not None:
+            trainer.metrics.close()
         log.warning("%s", e)
         return e.exit_code
     except LeaseLostError as e:

@@ -18,7 +18,8 @@
 #        (do not retry until it is fixed)
 #   3    hang: the watchdog ended every rank, their stacks are in the log (retry)
 #   143  stopped by SIGTERM (preemption, time limit, scancel, USR1 below with PAN_REQUEUE=0) after
-#        every rank saved the step it stopped at (requeue: the next launch resumes from it)
+#        every rank saved the step it stopped at, or during the start-up before anything was
+#        trained or saved (requeue: the next launch resumes from the last checkpoint)
 # Several nodes: the job's status is the highest of the nodes' (srun's rule: 143 > 3 > 2 > 1 > 0,
 # and a node killed by a signal makes it 128 + the signal, e.g. 137). Refusals, hangs and SIGTERM
 # saves are decided by all ranks together (a refusal is raised on every rank, the watchdog ends every

@@ -92,8 +92,9 @@ def write_clip(folder: Path, *, vocab_size: int, hidden_size: int, projection_di
     """A tiny CLIP text tower: `CLIPTextModelWithProjection` when `projection_dim` is given (SD3's
     CLIP-L / CLIP-G), else `CLIPTextModel` (FLUX's CLIP-L)."""
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+    heads = 2 if hidden_size % 2 == 0 else 1   # any width a DiT's pooled_projection_dim asks for
     config = CLIPTextConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                            num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=CLIP_MAX_LENGTH,
+                            num_hidden_layers=2, num_attention_heads=heads, max_position_embeddings=CLIP_MAX_LENGTH,
                             hidden_act=hidden_act, projection_dim=projection_dim or hidden_size,
                             bos_token_id=vocab_size - 2, eos_token_id=vocab_size - 1, pad_token_id=pad_token_id)
     cls = CLIPTextModel if projection_dim is None else CLIPTextModelWithProjection

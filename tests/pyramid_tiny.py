@@ -4,10 +4,13 @@ Fixtures (module-scoped; a test module imports the `*_fixture` functions of the 
 - `released`: a tiny miniFLUX for 3-channel latents (the identity VAE's pixels) under the 384p
   variant's name, beside pyramid_text_models' tiny T5 / CLIP encoders;
 - `fixture_model_path`: the reference fixtures as a release: the original's miniFLUX
-  (`flux_dit/diffusion_transformer_384p`: 64 input channels = 16 latent channels x a 2x2 patch)
-  and causal VAE (`causal_vae/causal_video_vae`: 16 channels, 8x in time and space), with the same
-  tiny text encoders, whose widths (captions 24, pooled 20) are the fixture DiT's;
-- `vae_videos`: synthetic clips the fixture VAE takes: 64x64, 9 frames (latents 16 x 2 x 8 x 8).
+  (`flux_dit/diffusion_transformer_384p`: 4 x the latent channels in, a 2x2 patch; the public set's
+  64 = 16 x 4) and causal VAE (`causal_vae/causal_video_vae`: the public set's 16 channels, 8x in time
+  and space), with tiny text encoders of the fixture DiT's widths (`joint_attention_dim`,
+  `pooled_projection_dim` of its config.json: the public set's 24 and 20);
+- `vae_videos`: synthetic clips the fixture VAE takes: 2 latent frames of 8 x 8 (the public set's VAE:
+  64x64 px, 9 frames).
+Every fixture size is read from the set (`PAN_PYRAMID_FIXTURES`, tests/pyramid_reference.py).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pyramid_reference import REFERENCE
+from pyramid_reference import REFERENCE, dit_config
 
 VARIANT = "diffusion_transformer_384p"
 ENCODER_FOLDERS = ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
@@ -29,9 +32,25 @@ TINY_FLUX = dict(in_channels=12, num_layers=1, num_single_layers=1, attention_he
                  axes_dims_rope=[4, 6, 6])
 FIXTURE_DIT = REFERENCE / "flux_dit" / VARIANT
 FIXTURE_VAE = REFERENCE / "causal_vae" / "causal_video_vae"
-# `data` keys of runs on `vae_videos`: whole 9-frame clips, as the causal VAE takes them (1 + 8k).
-VAE_CLIP_DATA = {"resolution_buckets": ["64x64"], "min_frames": 9, "max_frames": 9, "frames_mod": 8,
-                 "frames_remainder": 1}
+
+
+def fixture_vae_factors() -> tuple[int, int]:
+    """(temporal, spatial) compression of the fixture VAE, from its config.json (8, 8 for the public
+    set's; each down-sampling block halves), or (8, 8) where the fixtures are absent."""
+    if not (FIXTURE_VAE / "config.json").is_file():
+        return 8, 8
+    config = json.loads((FIXTURE_VAE / "config.json").read_text())
+    return (2 ** sum(map(bool, config["encoder_temporal_down_sample"])),
+            2 ** sum(map(bool, config["encoder_spatial_down_sample"])))
+
+
+# `vae_videos`: 2 latent frames (1 + tf pixel frames, as the causal VAE takes them) of 8 x 8 latents
+# (the pyramid halves them twice, the DiT's 2 x 2 patch once more): 9 frames of 64 x 64 px for 8x / 8x.
+VAE_TEMPORAL, VAE_SPATIAL = fixture_vae_factors()
+VAE_FRAMES, VAE_SIZE = 1 + VAE_TEMPORAL, 8 * VAE_SPATIAL
+# `data` keys of runs on `vae_videos`: whole clips of VAE_FRAMES frames (1 + tf k).
+VAE_CLIP_DATA = {"resolution_buckets": [f"{VAE_SIZE}x{VAE_SIZE}"], "min_frames": VAE_FRAMES, "max_frames": VAE_FRAMES,
+                 "frames_mod": VAE_TEMPORAL, "frames_remainder": 1}
 
 
 def save_tiny_flux(folder: Path, seed: int = 0, **changes) -> None:
@@ -57,22 +76,30 @@ def released_fixture(tmp_path_factory) -> Path:
     return write_released(tmp_path_factory.mktemp("pyramid_model"))
 
 
+def write_fixture_text_encoders(root: Path, model_name: str = "pyramid_flux") -> Path:
+    """Tiny text encoders of `model_name` in `root`, of the widths of the fixture set's DiT of that
+    kind (its config.json's `joint_attention_dim` and `pooled_projection_dim`)."""
+    from pyramid_text_models import write_pyramid_text_encoders
+
+    config = dit_config({"pyramid_flux": "flux_dit", "pyramid_mmdit": "mmdit_dit"}[model_name])
+    return write_pyramid_text_encoders(root, model_name, pooled_width=config["pooled_projection_dim"],
+                                       caption_width=config["joint_attention_dim"])
+
+
 @pytest.fixture(scope="module", name="fixture_model_path")
-def fixture_model_path_fixture(tmp_path_factory, released) -> Path:
+def fixture_model_path_fixture(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("fixture_model")
     (root / VARIANT).symlink_to(FIXTURE_DIT)
     (root / "causal_video_vae").symlink_to(FIXTURE_VAE)
-    for folder in ENCODER_FOLDERS:
-        (root / folder).symlink_to(released / folder)
-    return root
+    return write_fixture_text_encoders(root)
 
 
 @pytest.fixture(scope="module", name="vae_videos")
 def vae_videos_fixture(tmp_path_factory) -> Path:
     from pan.data.synth import synth_dataset
 
-    return synth_dataset(tmp_path_factory.mktemp("synth_vae"), num_train=12, num_heldout=1, size=64,
-                         num_frames=9)["train_csv"]
+    return synth_dataset(tmp_path_factory.mktemp("synth_vae"), num_train=12, num_heldout=1, size=VAE_SIZE,
+                         num_frames=VAE_FRAMES)["train_csv"]
 
 
 def causal_vae_keys(model_path: Path) -> dict[str, str]:

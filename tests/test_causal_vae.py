@@ -3,11 +3,17 @@ properties a user relies on (causality, exact temporal chunking, the frame-count
 
 Tolerances: the fixtures were made by the original code in fp32 on another CPU. VAE outputs and loss
 terms are compared at atol=1e-5, rtol=1e-4 (the fixture README's suggestion; measured here: <= 5.5e-6
-on outputs up to 3.6). VAE gradients are sums over every pixel of the clip, and the fixture's own fp32
-gradients differ from float64 by up to 3.8e-5; in stage 2 one discriminator LeakyReLU input lies
+on outputs up to 3.6). VAE gradients are sums over every pixel of the clip, so their fp32 rounding
+grows with the clip and the widths: the public fixture's own fp32 gradients differ from float64 by up
+to 3.8e-5, another set's by more. In stage 2 one discriminator LeakyReLU input of the public set lies
 4.5e-7 from its kink, so fp32 rounding on another CPU flips it (the original code run on this machine
 differs from the fixture by 3.2e-4 there). The gradients are therefore computed in float64, which
-lands on the fixture's side of that kink, and compared at atol=5e-5, rtol=1e-4.
+lands on the fixture's side of that kink, and compared at rtol=1e-4 and an atol of 10x the fp32
+rounding of the same call, measured here: pan's fp32 gradients of the same inputs against its float64
+ones (pyramid_reference.noise_tolerance). Another CPU's fp32 kernels sum in other orders: the public
+fixture lies up to 4.3x that measured noise from float64 (stage 1; 2.4x in stage 2), a set made on
+this machine 1.0x (pan's fp32 gradients equal the original's here); the factor allows an order of
+magnitude.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from pyramid_reference import REFERENCE, decompressed, load_fixture, needs_reference, read_json
+from pyramid_reference import REFERENCE, decompressed, load_fixture, needs_reference, noise_tolerance, read_json
 from safetensors.torch import load_file, save_file
 
 from pan.config.core import ConfigError
@@ -32,7 +38,6 @@ from pan.models.vae_loss import VAELoss, VAELossConfig, kl_loss
 
 FOLDER = REFERENCE / "causal_vae" / "causal_video_vae"
 OUT_TOL = dict(atol=1e-5, rtol=1e-4)     # outputs and loss terms vs the fp32 fixtures
-GRAD_TOL = dict(atol=5e-5, rtol=1e-4)    # float64 gradients vs the fp32 fixture gradients (see above)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -248,19 +253,26 @@ def test_loss_terms_match_fixture(case, fixture_lpips, discriminator_file):
         torch.testing.assert_close(value.detach(), t[name], **OUT_TOL, msg=name)
 
 
+def fixture_gradients(case: str, lpips: LPIPS, discriminator_file, dtype) -> tuple[dict, dict]:
+    """(the fixture's tensors, {"grad.vae.<param>" and "grad.loss.logvar": pan's gradient}) of the
+    fixture's generator step, computed in `dtype`."""
+    t, meta, vae, loss = fixture_loss(case, lpips, discriminator_file, dtype)
+    total = run_generator_step(t, meta, vae, loss)[3]
+    total.backward()
+    if loss.discriminator is not None:  # the VAE's objective trains the VAE only
+        assert all(p.grad is None for p in loss.discriminator.parameters())
+    return t, {"grad.loss.logvar": loss.logvar.grad, **{f"grad.vae.{k}": p.grad for k, p in vae.named_parameters()}}
+
+
 @needs_reference
 @pytest.mark.parametrize("case", ["loss_stage1_no_disc", "loss_stage2_with_disc"])
 def test_loss_gradients_match_fixture(case, fixture_lpips, discriminator_file):
-    t, meta, vae, loss = fixture_loss(case, fixture_lpips, discriminator_file, torch.float64)
-    total = run_generator_step(t, meta, vae, loss)[3]
-    total.backward()
-    torch.testing.assert_close(loss.logvar.grad, t["grad.loss.logvar"].double(), **GRAD_TOL)
-    grads = {k: p.grad for k, p in vae.named_parameters()}
-    assert {f"grad.vae.{k}" for k in grads} == {k for k in t if k.startswith("grad.vae.")}
+    t, grads = fixture_gradients(case, fixture_lpips, discriminator_file, torch.float64)
+    _, fp32 = fixture_gradients(case, fixture_lpips, discriminator_file, torch.float32)
+    tol = noise_tolerance(fp32, grads)          # float64 against fp32 fixtures (module doc)
+    assert set(grads) == {k for k in t if k.startswith("grad.")}
     for name, grad in grads.items():
-        torch.testing.assert_close(grad, t[f"grad.vae.{name}"].double(), **GRAD_TOL, msg=name)
-    if loss.discriminator is not None:  # the VAE's objective trains the VAE only
-        assert all(p.grad is None for p in loss.discriminator.parameters())
+        torch.testing.assert_close(grad, t[name].double(), **tol, msg=f"{name} (atol {tol['atol']:.2e})")
 
 
 # ----------------------------------------------------------------------------------------------

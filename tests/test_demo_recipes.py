@@ -141,7 +141,7 @@ def test_tiny_pyramid_tokenizers_split_the_demo_captions_into_known_words(tmp_pa
     assert clip.tokenize("red") != clip.tokenize("green") and t5("red").input_ids != t5("green").input_ids
 
 
-def test_pan_demo_dispatches_recipe_demos(monkeypatch, tmp_path):
+def test_pan_demo_dispatches_recipe_demos(monkeypatch, tmp_path, capsys):
     """`pan demo --recipe X` hands the rest of its command line, as typed, to recipe X's `demo` hook
     (the Pan demo's without --recipe); a recipe demo refuses the Pan demo's --config."""
     from pan.config.job import DEFAULT_RECIPE
@@ -158,5 +158,6 @@ def test_pan_demo_dispatches_recipe_demos(monkeypatch, tmp_path):
     assert calls == [("causal_vae", ["--quick", "--steps", "3", "--seed", "5"]),
                      ("pyramid_flow_ar", ["--out", str(tmp_path)]),
                      (DEFAULT_RECIPE, ["--quick", "--config", "x.yaml"])]
-    with pytest.raises(SystemExit, match="--config configures the default demo"):
+    with pytest.raises(SystemExit) as refused:  # a usage error (exit 2) naming the option
         causal_vae_demo.parse_args(["--config", str(tmp_path / "x.yaml")])
+    assert refused.value.code == 2 and "--config configures the default demo" in capsys.readouterr().err

@@ -183,22 +183,21 @@ def test_sample_and_precompute_without_encoders_refuse_without_a_traceback(preco
 # Misleading: data the variant was not trained on, frame rules the VAE cannot encode
 # ------------------------------------------------------------------------------------------------
 
-def fixture_release(root: Path, released: Path) -> Path:
-    """The fixture DiT under every released variant name, the fixture VAE and the tiny encoders."""
-    from pyramid_tiny import ENCODER_FOLDERS, FIXTURE_DIT
+def fixture_release(root: Path) -> Path:
+    """The fixture DiT under every released variant name, the fixture VAE and tiny encoders of the
+    fixture DiT's widths."""
+    from pyramid_tiny import FIXTURE_DIT, write_fixture_text_encoders
 
     root.mkdir()
     for variant in ("diffusion_transformer_384p", "diffusion_transformer_768p", "diffusion_transformer_image"):
         (root / variant).symlink_to(FIXTURE_DIT)
     (root / "causal_video_vae").symlink_to(FIXTURE_VAE)
-    for folder in ENCODER_FOLDERS:
-        (root / folder).symlink_to(released / folder)
-    return root
+    return write_fixture_text_encoders(root)
 
 
 @needs_reference
-def test_latents_the_variant_was_not_trained_on_are_the_data_rows_problem(tmp_path, released, capsys):
-    model = fixture_release(tmp_path / "model", released)
+def test_latents_the_variant_was_not_trained_on_are_the_data_rows_problem(tmp_path, capsys):
+    model = fixture_release(tmp_path / "model")
     vae = {"vae_type": "causal_video_vae", "vae_path": str(model / "causal_video_vae")}
     geometry = vae_geometry(VAEConfig(**vae))
     factor, tf = geometry.spatial_factor, geometry.temporal_factor

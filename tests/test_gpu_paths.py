@@ -177,7 +177,7 @@ def test_fp32_peak_follows_tf32(monkeypatch, tf32_flags):
     import pan.runtime.metrics as metrics
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 PCIe")
-    monkeypatch.setattr(metrics, "measured_matmul_peak", lambda device, n=0: 60e12)
+    monkeypatch.setattr(metrics, "matmul_rate", lambda device, dtype: 60e12)  # the measured rate of any dtype
     torch.backends.cuda.matmul.fp32_precision = "tf32"
     assert metrics.peak_flops(torch.device("cuda"), "bf16")[0] == 756e12
     assert metrics.peak_flops(torch.device("cuda"), "fp32")[0] == 378e12

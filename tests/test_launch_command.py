@@ -181,3 +181,24 @@ def test_printed_torchrun_command_exits_with_the_ranks_status(tmp_path, data, ca
     assert run.returncode == 2, run.stdout[-3000:] + run.stderr[-3000:]
     assert "is in use by the run started" in run.stderr and "pan launch: status 2 (rank" in run.stderr
     assert not list(out.glob("checkpoint-*"))
+
+
+def test_every_problem_it_can_judge_is_refused_at_once_with_its_fix(tmp_path, capsys):
+    """Issue 52, item 7: a causal VAE launch with three independent problems (a data path that does
+    not exist, a max_frames the VAE cannot encode, a context group of 4 on 6 processes per node) lists
+    all three in one refusal, each with its `fix:` line as `pan check` gives it, exit 2 (not one a
+    round: the path, then the frame rule, then the layout)."""
+    code, lines, err = printed(capsys, "--workflow", "causal-video-vae", "--nodes", "1", "--gpus-per-node", "6",
+                               "--config", "config/causal_vae_tiny.yaml", "--output_dir", str(tmp_path / "run"),
+                               "--video_csv_paths", str(tmp_path / "no_such.csv"), "--max_frames", "18",
+                               "--context_size", "4")
+    assert code == 2 and lines == [], err
+    assert "refused (3 problems" in err, err
+    problems = [line for line in err.splitlines() if line.startswith("  - ")]
+    fixes = [line for line in err.splitlines() if line.startswith("    fix: ")]
+    assert len(problems) == 3 and len(fixes) == 3, err
+    said = "\n".join(problems)
+    assert "`video_csv_paths`" in said and "no_such.csv does not exist" in said, err
+    assert "`max_frames`" in said and "1 + 4k frames" in said, err
+    assert "`context_size`" in said and "must divide the world size (6)" in said, err
+    assert "17 or 21" in err and "context_size that divides 6" in err and f"remove {tmp_path / 'no_such.csv'}" in err

@@ -16,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from pan.checkpoint import layout
 from pan.checkpoint.consolidate import consolidated_weights
 from pan.checkpoint.lease import (LEASE_FILE, LeaseHeldError, RunLease, process_alive, process_start,
                                   read_lease, this_process, why_stale)
+from pan.cli import main as pan_main
 from slurm_cluster import slurm_cluster  # noqa: F401  (a fixture: a real local Slurm)
 
 PLUGIN = {"PAN_RECIPE_MODULES": "pan_toy_gan"}  # also found by its entry point: this names it twice
@@ -197,6 +199,47 @@ def test_a_second_launch_is_refused_then_takes_over_once_the_first_is_killed(tmp
     assert "took over the lease of" in text and "none of its processes is alive" in text
     assert "resuming from checkpoint-" in text
     assert not (out / LEASE_FILE).exists()  # released by the run that ended
+
+
+def folder_state(folder: Path) -> tuple[int, dict[str, tuple[int, int]]]:
+    """The folder's own mtime and each entry's (size, mtime), all in ns."""
+    return folder.stat().st_mtime_ns, {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir()}
+
+
+def test_a_refused_launch_writes_nothing_into_the_held_folder(tmp_path, monkeypatch, capsys):
+    """Issue 52, finding 2: the launch learns that output_dir is held before `pan check`'s rows run
+    at its start, whose output-dir row probes the folder by creating and deleting a `.pan-check-*`
+    file. A launch refused by a live holder leaves the folder as it was: no probe in it (every
+    probe is recorded), its entries and mtimes (the folder's own too) unchanged."""
+    out = tmp_path / "run"
+    config = toy_config(tmp_path / "toy.yaml", out)
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # the live run
+    probes: list[Path] = []
+    real = tempfile.NamedTemporaryFile
+
+    def recorded(*args, **kwargs):
+        probes.append(Path(kwargs.get("dir") or tempfile.gettempdir()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tempfile, "NamedTemporaryFile", recorded)
+    monkeypatch.setenv("PAN_RECIPE_MODULES", PLUGIN["PAN_RECIPE_MODULES"])
+    try:
+        write_lease(out, [{**this_process(), "pid": holder.pid, "start": process_start(holder.pid)}])
+        (out / "checkpoint-2").mkdir()  # what the holder wrote so far
+        before = folder_state(out)
+        time.sleep(0.05)  # a write now would give a later mtime than the ones recorded
+        code = pan_main(["train", "--config", str(config), "--exit_when_launcher_dies", "false"])
+        refusal = capsys.readouterr().err
+        assert code == 2, refusal
+        assert "is in use by the run started" in refusal and f"pids [{holder.pid}]" in refusal, refusal
+        assert folder_state(out) == before
+        assert not any(p.resolve() == out.resolve() for p in probes), probes
+    finally:
+        holder.kill()
+        holder.wait()
+    # The recording sees the probe: `pan check` (which takes no lease) probes this very folder.
+    pan_main(["check", "--config", str(config)])
+    assert any(p.resolve() == out.resolve() for p in probes), probes
 
 
 def test_ranks_of_a_killed_torchrun_stop_and_the_next_launch_takes_over(tmp_path):

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from pyramid_reference import REFERENCE, load_fixture, needs_reference, read_json
+from pyramid_reference import ORIGINAL, REFERENCE, load_fixture, needs_reference, read_json
 from pyramid_tiny import (  # noqa: F401
     FIXTURE_DIT,
     VAE_CLIP_DATA,
@@ -45,7 +45,6 @@ from pan.sampling import resolve_weights
 from pan.trainer import build_trainer
 
 REPO = Path(__file__).resolve().parents[1]
-ORIGINAL = REFERENCE / "original"
 LORA_KEYS = ("--lora_rank", "4", "--use_muon", "false")
 
 

@@ -35,7 +35,7 @@ from pan.models.pyramid_io import load_pretrained, read_weights
 from pan.parallel.dims import ParallelDims
 from pan.parallel.world import World
 from pan.recipes.pyramid_flow_ar.task import PyramidFlowARTask
-from pyramid_reference import load_fixture, needs_reference
+from pyramid_reference import latent_channels, load_fixture, needs_reference
 from pyramid_tiny import (FIXTURE_DIT, FIXTURE_VAE, VAE_CLIP_DATA, VARIANT, batch_loss, causal_vae_keys,
                           final_weights, load, released_config)
 from pyramid_tiny import fixture_model_path_fixture, released_fixture, vae_videos_fixture  # noqa: F401
@@ -94,10 +94,12 @@ class SampleDraws:
         for d in sidecar["random_draws"][1:]:
             per_column.setdefault(d["column"], []).append(tensors[d["tensor"]])
         noise = tensors[sidecar["random_draws"][0]["tensor"]]              # [B, C, T, H, W]
+        fpu = sidecar["runner_settings"]["frame_per_unit"]
         self.queue = []
         for r, units in enumerate(units_of_sample):
             c, i = r % columns, r // columns
-            self.queue.append(noise[r:r + 1, :, units - 1:units])
+            end = 1 + (units - 1) * fpu                                    # the trained unit's frames
+            self.queue.append(noise[r:r + 1, :, max(0, end - fpu):end])
             self.queue += [d[i:i + 1] for d in per_column[c]]
 
     def _next(self, shape) -> torch.Tensor:
@@ -120,11 +122,23 @@ def fixture_batch(noising: dict, dit: dict) -> RawBatch:
     return RawBatch(samples=samples, tokens=0, token_budget=1, skipped={})
 
 
-def fixture_task(tmp_path, fixture_model_path, data, **model):
+def fixture_settings(sidecar: dict) -> dict:
+    """The original runner's AR settings of the fixture's noising call (its JSON), and its batch:
+    window (max_temporal_length), sync group, frame_per_unit, batch size, columns (sum of sample_ratios)."""
+    extra, runner = sidecar["runner_extra"], sidecar["runner_settings"]
+    return {"window": extra["max_temporal_length"], "group": extra["video_sync_group"],
+            "frame_per_unit": runner["frame_per_unit"], "batch": sidecar["tensors"]["in.latent_raw"]["shape"][0],
+            "columns": len(sidecar["column_to_stage"])}
+
+
+def fixture_task(tmp_path, fixture_model_path, data, sidecar: dict, **model):
+    """The task on 1 rank holding the fixture's whole sync group (one micro-batch per slot)."""
+    f = fixture_settings(sidecar)
     config = write_config(tmp_path / "fx.yaml", fixture_model_path, data["long"], tmp_path / "run",
-                          model=model, autoregressive={"video_sync_group": 4},
-                          training={"gradient_accumulation_steps": 4}, tasks={"cfg_drop_prob": 0.0},
-                          data={"max_frames": 8, "max_samples_per_batch": 8})
+                          model=model,
+                          autoregressive={"video_sync_group": f["group"], "frame_per_unit": f["frame_per_unit"]},
+                          training={"gradient_accumulation_steps": f["group"]}, tasks={"cfg_drop_prob": 0.0},
+                          data={"max_frames": f["window"], "max_samples_per_batch": f["batch"]})
     return task_of(load(config))
 
 
@@ -140,14 +154,18 @@ def fixture_model(task) -> PyramidFluxTransformer:
 def test_fixture_noising_history_and_forward_through_the_recipe(tmp_path, fixture_model_path, data):
     noising, sidecar = load_fixture("scheduler/noise_temporal_pyramid")
     dit, _ = load_fixture("flux_dit/case_b_temporal_pyramid")
-    task = fixture_task(tmp_path, fixture_model_path, data)
-    assert (task.window, task.units_max, task.plan.slots) == (8, 8, (0, 1, 2, 3))  # 1 rank x 4
+    f = fixture_settings(sidecar)
+    task = fixture_task(tmp_path, fixture_model_path, data, sidecar)
+    # 1 rank x the whole group (the public set: window 8, 8 units, 4 slots)
+    assert (task.window, task.units_max, task.plan.slots) == (
+        f["window"], 1 + (f["window"] - 1) // f["frame_per_unit"], tuple(range(f["group"])))
     task.hold(fixture_batch(noising, dit))
-    # Rank 0 of a group of 4 on its first batch: the original's first call trains units [4, 4, 5].
+    # Rank 0 of the group on its first batch: the original's first call (the public set: units [4, 4, 5]).
     units = task.slot_units(0)
-    assert units == sidecar["sample_stage_length"]["result_units_per_stage"] == [4, 4, 5]
-    assert [h.stage for h in task.held] == [sidecar["column_to_stage"][r % 4] for r in range(8)]
-    draws = SampleDraws(noising, sidecar, [units[h.stage] for h in task.held], columns=4)
+    assert units == sidecar["sample_stage_length"]["result_units_per_stage"]
+    columns = f["columns"]
+    assert [h.stage for h in task.held] == [sidecar["column_to_stage"][r % columns] for r in range(f["batch"])]
+    draws = SampleDraws(noising, sidecar, [units[h.stage] for h in task.held], columns=columns)
     inputs = task.prepare_slot(0, draws)
     assert not draws.queue
     assert inputs.sample_ids == [f"fixture:{r}#unit{units[h.stage]}" for r, h in enumerate(task.held)]
@@ -157,7 +175,7 @@ def test_fixture_noising_history_and_forward_through_the_recipe(tmp_path, fixtur
     out = model(inputs.x, inputs.timesteps, inputs.text, inputs.pooled, inputs.pack)
     start = 0
     for r, layout in enumerate(inputs.pack.layouts):
-        c, i = r % 4, r // 4
+        c, i = r % columns, r // columns
         end = start + layout.video_len
         # The packed inputs are the original's column clips, oldest first, exactly.
         clips = sorted(k for k in noising if k.startswith(f"out.noisy.col{c}.clip"))
@@ -178,17 +196,24 @@ def test_fixture_noising_history_and_forward_through_the_recipe(tmp_path, fixtur
 def test_causal_and_interpolation_switches_change_the_layouts_and_the_output(tmp_path, fixture_model_path, data):
     noising, sidecar = load_fixture("scheduler/noise_temporal_pyramid")
     dit, _ = load_fixture("flux_dit/case_b_temporal_pyramid")
+    columns = fixture_settings(sidecar)["columns"]
+    # The last column (highest stage), sample 0: its clips' grids in tokens (2x2 patch), oldest first;
+    # interpolated positions put each lower-resolution history clip on the trained clip's grid (the
+    # public set: f0-1@s0, f2@s1, f3@s2, noisy f4@s2 -> [(4, 8), (4, 8), None, None]).
+    grids = [(shape[-2] // 2, shape[-1] // 2) for shape in sidecar["clip_structure"][columns - 1]]
+    interpolated = [None if grid == grids[-1] else grids[-1] for grid in grids]
+    assert any(interpolated), "the fixture's top-stage column has a lower-resolution history clip"
     outputs = {}
     for name, switches in (("released", {}), ("no_interp", {"interp_condition_pos": False}),
                            ("no_causal", {"use_temporal_causal": False})):
-        task = fixture_task(tmp_path, fixture_model_path, data, **switches)
+        task = fixture_task(tmp_path, fixture_model_path, data, sidecar, **switches)
         task.hold(fixture_batch(noising, dit))
         units = task.slot_units(0)
-        inputs = task.prepare_slot(0, SampleDraws(noising, sidecar, [units[h.stage] for h in task.held], 4))
-        stage2 = inputs.pack.layouts[3]                                     # 4 clips: f0-1@s0 ... f4@s2
-        refs = [clip.ref_hw for clip in stage2.clips]
-        assert refs == ([None] * 4 if name == "no_interp" else [(4, 8), (4, 8), None, None]), name
-        assert stage2.attention == ("full" if name == "no_causal" else "block_causal"), name
+        inputs = task.prepare_slot(0, SampleDraws(noising, sidecar, [units[h.stage] for h in task.held], columns))
+        top = inputs.pack.layouts[columns - 1]                              # the last column, sample 0
+        refs = [clip.ref_hw for clip in top.clips]
+        assert refs == ([None] * len(grids) if name == "no_interp" else interpolated), name
+        assert top.attention == ("full" if name == "no_causal" else "block_causal"), name
         model = fixture_model(task)
         with torch.no_grad():
             outputs[name] = model(inputs.x, inputs.timesteps, inputs.text, inputs.pooled, inputs.pack)
@@ -429,8 +454,9 @@ def test_a_checkpoint_of_two_ranks_continues_on_one_exactly(tmp_path, two_ranks,
 def test_the_fixture_checkpoint_trains_through_the_fixture_vae_and_exports_the_runs_switches(
         tmp_path, fixture_model_path, vae_videos):
     """The original's miniFLUX folder and causal VAE as a release, with interp_condition_pos switched
-    off (the fixture's config.json has it on): 9-frame clips (2 latent frames, 2 units) train in a
-    sync group of 2 slots on 1 rank x 2 micro-batches, and the export says what was trained."""
+    off (the fixture's config.json has it on): clips of 2 latent frames (2 units; 9 frames for the
+    public set's VAE) train in a sync group of 2 slots on 1 rank x 2 micro-batches, and the export
+    says what was trained."""
     from pan.export import main_export
     from pan.trainer import build_trainer
 
@@ -440,7 +466,7 @@ def test_the_fixture_checkpoint_trains_through_the_fixture_vae_and_exports_the_r
                           data=VAE_CLIP_DATA, output={"save_interval": 6},
                           training={"max_steps": 6, "learning_rate": 3e-3, "gradient_accumulation_steps": 2})
     trainer = build_trainer(load(config))
-    assert not trainer.model.config.interp_condition_pos and trainer.task.vae.latent_channels == 16
+    assert not trainer.model.config.interp_condition_pos and trainer.task.vae.latent_channels == latent_channels()
     held, _ = trainer.next_micro_batches()  # both slots' micro-batches, measured before and after training
     before = batch_loss(trainer, held)
     trainer.fit()

@@ -166,7 +166,7 @@ def tiny(tmp_path, released, precomputed) -> Path:
 @pytest.mark.parametrize("extra, gpus, words", [
     (["--max_samples_per_batch", "6"], 2, "`max_samples_per_batch`: is 6, but each rank's samples take the "
                                           "pyramid stages in turn, in cycles of sum(sample_ratios [1, 2, 1]) = 4"),
-    (["--sample_ratios", "[1, 1, 1]"], 2, "Use a multiple of 3, e.g. 3"),
+    (["--sample_ratios", "[1, 1, 1]"], 2, "fix: use a multiple of 3, e.g. 3"),  # the fix on a line of its own
     (["--model_variant", VARIANTS[1]], 2, "16x16 is not 768p, the resolution diffusion_transformer_768p"),
     (["--resolution_buckets", '["20x20", "16x16"]'], 2, "20x20 has a 20x20 latent"),
     (["--cp_size", "2"], 3, "does not divide the 3 processes per node"),

@@ -24,7 +24,7 @@ from pan.data.synth import synth_dataset
 from pan.models.pyramid_flux import PyramidFluxTransformer
 from pan.models.pyramid_io import load_pretrained, read_weights
 from pan.trainer import build_trainer
-from pyramid_reference import needs_reference
+from pyramid_reference import latent_channels, needs_reference
 from pyramid_tiny import (FIXTURE_DIT, VAE_CLIP_DATA, VARIANT, batch_loss, causal_vae_keys, final_weights, load,
                           released_config)
 from pyramid_tiny import fixture_model_path_fixture, released_fixture, vae_videos_fixture  # noqa: F401
@@ -127,14 +127,15 @@ def test_compiled_blocks_train_as_the_eager_ones(tmp_path, released, data, monke
 @needs_reference
 def test_the_fixture_checkpoint_trains_through_the_fixture_vae_and_exports_as_given(tmp_path, fixture_model_path,
                                                                                      vae_videos):
-    """The original's miniFLUX folder and causal VAE as a release: synthetic 64x64 clips of 9 frames
-    are encoded online (16 x 2 x 8 x 8 latents), trained on, and exported as that folder again."""
+    """The original's miniFLUX folder and causal VAE as a release: synthetic clips of 2 latent frames
+    (the public set: 64x64 px, 9 frames -> 16 x 2 x 8 x 8 latents) are encoded online, trained on, and
+    exported as that folder again."""
     run = tmp_path / "run"
     config = write_config(tmp_path / "fx.yaml", fixture_model_path, vae_videos, run,
                           model=causal_vae_keys(fixture_model_path), data=VAE_CLIP_DATA,
                           training={"max_steps": 8, "learning_rate": 3e-3}, output={"save_interval": 8})
     trainer = build_trainer(load(config))
-    assert trainer.task.vae.latent_channels == 16 and trainer.model.latent_channels == 16
+    assert trainer.task.vae.latent_channels == latent_channels() == trainer.model.latent_channels
     held, _ = trainer.next_micro_batches()  # a batch whose loss is measured before and after training
     before = batch_loss(trainer, held)
     trainer.fit()

@@ -186,7 +186,7 @@ def test_temporal_pyramid_noising_equals_the_original_given_its_draws():
                               frame_per_unit=sidecar["runner_settings"]["frame_per_unit"],
                               max_frames=sidecar["runner_extra"]["max_temporal_length"],
                               clip_units=rule["args"]["max_units"], stages=rule["args"]["num_stages"])
-    assert units == rule["result_units_per_stage"] == [4, 4, 5]
+    assert units == rule["result_units_per_stage"]      # the public set's [4, 4, 5]; read from the set
     draws = ReplayDraws(tensors, sidecar)
     columns = noise_temporal_pyramid(levels, PyramidSchedule(cfg), units, draws,
                                      frame_per_unit=sidecar["runner_settings"]["frame_per_unit"])

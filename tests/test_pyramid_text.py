@@ -15,7 +15,7 @@ from pan.config.loader import build_dataclass
 from pan.encoders.pyramid_text import (FluxTextEncoder, PyramidTextConfig, SD3TextEncoder, TextFeatureFileError,
                                        broadcast_features, build_text_encoder, check_dit_widths,
                                        check_text_encoders, encode_on_one_rank, load_features, save_features)
-from pyramid_reference import REFERENCE, needs_reference, read_json
+from pyramid_reference import ORIGINAL, needs_reference, read_json
 from pyramid_text_models import write_clip, write_pyramid_text_encoders
 
 PROMPTS = ["a cat plays the piano in a sunny room", "", "Zebra QUIET harbour!! 123",
@@ -48,7 +48,7 @@ def _original_encoder(model_name, folder):
     so no extra packages are needed (its package __init__ would pull in einops and timm)."""
     sub = {"pyramid_flux": ("flux_modules", "FluxTextEncoderWithMask"),
            "pyramid_mmdit": ("mmdit_modules", "SD3TextEncoderWithMask")}[model_name]
-    path = REFERENCE / "original" / "src" / "pyramid_dit" / sub[0] / "modeling_text_encoder.py"
+    path = ORIGINAL / "src" / "pyramid_dit" / sub[0] / "modeling_text_encoder.py"
     spec = importlib.util.spec_from_file_location(f"original_{model_name}_text_encoder", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -185,10 +185,15 @@ def test_layout_widths_and_dit_check(folders):
 
 
 @needs_reference
-def test_tiny_encoders_fit_the_fixture_dits(folders):
+def test_tiny_encoders_fit_the_fixture_dits(tmp_path):
+    # The encoders the fixture tests pair with the fixture DiTs (pyramid_tiny.fixture_model_path and
+    # the LoRA tests' SD3 folder) take their widths from each DiT's config.json, whatever the set.
+    from pyramid_tiny import write_fixture_text_encoders
+
     for model_name, dit in (("pyramid_flux", "flux_dit"), ("pyramid_mmdit", "mmdit_dit")):
         dit_config = read_json(f"{dit}/diffusion_transformer_384p/config.json")
-        check_dit_widths(check_text_encoders(PyramidTextConfig(), model_name, folders[model_name]),
+        folder = write_fixture_text_encoders(tmp_path / model_name, model_name)
+        check_dit_widths(check_text_encoders(PyramidTextConfig(), model_name, folder),
                          joint_attention_dim=dit_config["joint_attention_dim"],
                          pooled_projection_dim=dit_config["pooled_projection_dim"])
 

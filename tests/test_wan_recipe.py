@@ -475,3 +475,49 @@ def test_pan_sample_is_wan_pipeline_with_the_trained_weights(root, tmp_path):
                 num_frames=geometry["frames"], num_inference_steps=2, output_type="latent")
     a, b, c = (p(**call, generator=torch.Generator().manual_seed(0)).frames for p in (ours, theirs, original))
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+# ------------------------------------------------------------------------------------------------
+# Step 5: a LoRA run's adapters in diffusers' format
+# ------------------------------------------------------------------------------------------------
+
+def test_lora_adapters_load_in_diffusers_and_equal_the_merged_weights(root, tmp_path):
+    """`pan export --format wan_lora`: each expert's adapters, loaded by WanPipeline.load_lora_weights
+    (A14B's low-noise one with load_into_transformer_2), give each transformer the outputs of the merged
+    weights pan exports (`--merge --format wan_diffusers`), to fp32 rounding; and the adapters did train
+    (the outputs moved from the base's)."""
+    from pan.recipes.wan.export import DIFFUSERS_LORA_WEIGHTS, export_lora
+
+    setup = made(root, "a14b")
+    geometry = setup["geometry"]
+    run = tmp_path / "run"
+    # alpha != rank: the export must carry the scale; a large learning rate: adapters far from zero
+    trainer = build_trainer(job(setup, run, "--lora_rank", "4", "--lora_alpha", "8", "--learning_rate", "5e-2",
+                                "--max_steps", "6", "--save_interval", "6"))
+    trainer.fit()
+    trainer.close()
+    checkpoint = run / "checkpoint-6"
+    export_lora(checkpoint, tmp_path / "lora")
+    export_diffusers(checkpoint, tmp_path / "merged")
+    experts = read_folder(setup["folder"]).experts
+    assert all((tmp_path / "lora" / name / DIFFUSERS_LORA_WEIGHTS).is_file() for name in experts)
+
+    pipe = diffusers.WanPipeline.from_pretrained(setup["folder"])
+    base = {name: diffusers.WanTransformer3DModel.from_pretrained(setup["folder"] / name) for name in experts}
+    pipe.load_lora_weights(tmp_path / "lora" / "transformer")
+    pipe.load_lora_weights(tmp_path / "lora" / "transformer_2", load_into_transformer_2=True)
+    gen = torch.Generator().manual_seed(0)
+    c, f, h, w = geometry["latent"]
+    text_dim = read_json(setup["folder"] / "transformer/config.json")["text_dim"]
+    inputs = dict(hidden_states=torch.randn(2, c, f, h, w, generator=gen), timestep=torch.tensor([300.0, 900.0]),
+                  encoder_hidden_states=torch.randn(2, 7, text_dim, generator=gen))
+    for name in experts:
+        merged = diffusers.WanTransformer3DModel.from_pretrained(tmp_path / "merged" / name)
+        with torch.no_grad():
+            with_lora = getattr(pipe, name)(**inputs).sample
+            expected = merged(**inputs).sample
+            before = base[name](**inputs).sample
+        difference = relative(with_lora, expected)
+        moved = relative(with_lora, before)
+        print(f"\n{name}: LoRA in diffusers vs pan's merged weights {difference:.1e} (moved {moved:.1e} from the base)")
+        assert difference < 1e-5 and moved > 100 * difference

@@ -4,7 +4,8 @@
     folder = write_wan_folder(tmp / "wan", "ti2v")    # Wan 2.2 TI2V 5B layout (expand_timesteps, residual VAE)
     folder = write_wan_folder(tmp / "wan", "a14b")    # Wan 2.2 A14B layout (transformer + transformer_2)
 
-Each is a `WanPipeline` built from tiny parts and written with `save_pretrained`, so the folder is laid
+Each is a `WanPipeline` built from tiny parts (pan/recipes/wan/tiny.py, which the demo's folder uses too)
+and written with `save_pretrained`, so the folder is laid
 out exactly as a released `*-Diffusers` repository: `model_index.json` (with `boundary_ratio` and
 `expand_timesteps`), `transformer/` (and `transformer_2/`), `vae/` (AutoencoderKLWan), `text_encoder/`
 (transformers' UMT5EncoderModel), `tokenizer/` (a T5 unigram tokenizer trained offline with the
@@ -24,7 +25,7 @@ import json
 import tempfile
 from pathlib import Path
 
-import torch
+from pan.recipes.wan import tiny
 
 # The only place sizes are written. `vae`: AutoencoderKLWan keys; `transformer`: WanTransformer3DModel
 # keys (in/out channels and text_dim are filled in from the VAE and the text encoder); `text`: UMT5.
@@ -44,14 +45,6 @@ VARIANTS = {
 }
 
 
-def _perturbed(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    with torch.random.fork_rng(), torch.no_grad():
-        torch.manual_seed(seed)
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return model
-
-
 def tiny_tokenizer():
     """A T5 unigram tokenizer (`<pad>` 0, `</s>` 1, `<unk>` 2), trained offline on a caption corpus."""
     from pyramid_text_models import write_t5_tokenizer
@@ -63,40 +56,22 @@ def tiny_tokenizer():
 
 
 def build_pipeline(variant: str = "t2v", seed: int = 0):
-    """The tiny `WanPipeline` of a variant (seeded), not yet written."""
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
-    from transformers import UMT5Config, UMT5EncoderModel
-
+    """The tiny `WanPipeline` of a variant (seeded), not yet written: pan.recipes.wan.tiny's builder
+    with this file's sizes, every part moved by seeded noise."""
     spec = VARIANTS[variant]
-    tokenizer = tiny_tokenizer()
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        text_config = UMT5Config(vocab_size=len(tokenizer), **TEXT, relative_attention_num_buckets=8,
-                                 relative_attention_max_distance=32, feed_forward_proj="gated-gelu",
-                                 is_encoder_decoder=False, use_cache=False, pad_token_id=tokenizer.pad_token_id,
-                                 eos_token_id=tokenizer.eos_token_id)
-        text_encoder = UMT5EncoderModel(text_config).eval()
-        vae_spec = dict(spec["vae"])
-        z = vae_spec["z_dim"]
-        # made-up latent statistics (released ones are per channel, neither 0 nor 1)
-        vae_spec["latents_mean"] = [round(0.1 * (i - z / 2), 4) for i in range(z)]
-        vae_spec["latents_std"] = [round(0.5 + 0.25 * i, 4) for i in range(z)]
-        vae = _perturbed(AutoencoderKLWan(**vae_spec), seed + 1).eval()
-        experts = [_perturbed(WanTransformer3DModel(**TRANSFORMER, in_channels=z, out_channels=z,
-                                                    text_dim=TEXT["d_model"]), seed + 10 + i)
-                   for i in range(spec["experts"])]
-    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
-                                        num_train_timesteps=1000, flow_shift=spec["flow_shift"])
-    return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
-                       transformer=experts[0], transformer_2=experts[1] if len(experts) > 1 else None,
-                       boundary_ratio=spec["boundary_ratio"], expand_timesteps=spec["expand_timesteps"])
+    vae = dict(spec["vae"])
+    z = vae["z_dim"]
+    # made-up latent statistics (released ones are per channel, neither 0 nor 1)
+    vae["latents_mean"] = [round(0.1 * (i - z / 2), 4) for i in range(z)]
+    vae["latents_std"] = [round(0.5 + 0.25 * i, 4) for i in range(z)]
+    return tiny.build_pipeline(tiny_tokenizer(), text=TEXT, vae=vae, transformer=TRANSFORMER, experts=spec["experts"],
+                               boundary_ratio=spec["boundary_ratio"], expand_timesteps=spec["expand_timesteps"],
+                               flow_shift=spec["flow_shift"], seed=seed)
 
 
 def write_wan_folder(folder: str | Path, variant: str = "t2v", seed: int = 0) -> Path:
     """A complete tiny diffusers Wan folder of `variant` in `folder` (created); returns it."""
-    folder = Path(folder)
-    build_pipeline(variant, seed).save_pretrained(folder)
-    return folder
+    return tiny.write_folder(build_pipeline(variant, seed), folder)
 
 
 def read_json(path: Path) -> dict:

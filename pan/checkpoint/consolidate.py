@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from pan.checkpoint import checksums, layout, reader
+from pan.config.arguments import ValueType, input_folder
 
 
 def consolidated_weights(dcp_dir: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -137,16 +138,23 @@ def format_inspection(infos: list[layout.CheckpointInfo]) -> str:
     return "\n".join(lines)
 
 
-def main_inspect(argv: list[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pan inspect",
                                      description="List a run's checkpoints: step, completeness, size.")
-    parser.add_argument("output_dir", help="the run's output_dir (or one checkpoint-N/ folder)")
+    parser.add_argument("output_dir", type=ValueType("folder", Path, "folder"),  # judged by main_inspect
+                        help="the run's output_dir (or one checkpoint-N/ folder)")
     parser.add_argument("--verify", action="store_true",
                         help="also read every file of each complete checkpoint and compare its CRC32 "
                              "with the one recorded when it was saved (exit 1 if any differs)")
-    args = parser.parse_args(argv)
-    if not Path(args.output_dir).is_dir():
-        print(f"pan inspect: {args.output_dir} is not a directory", file=sys.stderr)
+    return parser
+
+
+def main_inspect(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        input_folder("a run's output_dir or one of its checkpoint-N/ folders").convert(str(args.output_dir))
+    except ValueError as e:
+        print(f"pan inspect: output_dir {e}", file=sys.stderr)
         return 2
     infos = inspect_run(args.output_dir, verify=args.verify)
     print(format_inspection(infos))

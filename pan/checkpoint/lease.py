@@ -136,6 +136,15 @@ def describe_holder(lease: dict, now: float | None = None) -> str:
             f"{now - float(lease.get('heartbeat', 0.0)):.0f} s ago")
 
 
+def in_use(path: Path, held: dict, timeout: float) -> str:
+    """Why a launch is refused: the folder of lease file `path` is held by the live run `held`."""
+    return (f"{path.parent} is in use by {describe_holder(held)} (lease file {path}). Two "
+            f"runs in one output_dir would write the same checkpoints. Stop that run or choose "
+            f"another output_dir. A dead run's lease is taken over by the next launch once its "
+            f"processes on this machine are gone, or once its heartbeat is older than "
+            f"lease_timeout ({timeout:.0f} s).")
+
+
 class RunLease:
     """The lease of one run on `output_dir`, held by rank 0 on behalf of every rank's `processes`."""
 
@@ -173,12 +182,7 @@ class RunLease:
         held = held or read_lease(self.path) or {}
         reason = why_stale(held, self.timeout)
         if reason is None:
-            raise LeaseHeldError(
-                f"{self.path.parent} is in use by {describe_holder(held)} (lease file {self.path}). Two "
-                f"runs in one output_dir would write the same checkpoints. Stop that run or choose "
-                f"another output_dir. A dead run's lease is taken over by the next launch once its "
-                f"processes on this machine are gone, or once its heartbeat is older than "
-                f"lease_timeout ({self.timeout:.0f} s).")
+            raise LeaseHeldError(in_use(self.path, held, self.timeout))
         self._replace()
         time.sleep(TAKEOVER_SETTLE_S)
         if not self.is_ours():
@@ -243,6 +247,26 @@ class RunLease:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+
+
+def refuse_if_held(output_dir: str | Path, timeout: float, world) -> None:
+    """Refuse the launch (LeaseHeldError on every rank; collective) when a live run holds
+    output_dir's lease, reading only: for the checks that run before the lease is taken (`pan
+    check`'s rows, which probe whether the folder can be written), so that a refused launch leaves a
+    held folder as it was. A free or stale lease passes; `run_lease` then takes it (or is refused
+    after all, when another launch took it meanwhile)."""
+    problem = None
+    if world.is_main:
+        path = Path(output_dir) / LEASE_FILE
+        try:
+            held = read_lease(path) if path.is_file() else None
+        except OSError:  # unreadable: the checks and the lease itself say why
+            held = None
+        if held is not None and why_stale(held, timeout) is None:
+            problem = in_use(path, held, timeout)
+    problem = first_problem(problem)
+    if problem is not None:
+        raise LeaseHeldError(problem)
 
 
 @contextlib.contextmanager

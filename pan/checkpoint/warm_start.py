@@ -19,6 +19,7 @@ has no checkpoint of its own (`plan_warm_start`), so a restarted SFT job resumes
 
 from __future__ import annotations
 
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Literal
@@ -80,17 +81,45 @@ def _holds_parts(path: Path) -> bool:
         (path / layout.part_dirs(part)[0] / layout.DCP_METADATA).is_file() for part in layout.saved_parts(path))
 
 
-def resolve_source(path: str) -> tuple[SourceKind, Path]:
-    """What kind of warm-start source `path` is, and the file or DCP folder to read.
+def unreadable_state_file(path: Path) -> str | None:
+    """Why a state-dict file cannot be read, from its header alone (None when it can): a
+    .safetensors whose header safetensors cannot parse, or a .pt/.pth/.bin that is not the zip
+    archive torch.save writes (the only kind the warm start maps tensor by tensor)."""
+    if path.suffix == ".safetensors":
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                f.keys()
+        except Exception as e:  # noqa: BLE001 - safetensors' own error types for a file that is not one
+            return f"is not a readable .safetensors file ({e})"
+        return None
+    if not zipfile.is_zipfile(path):
+        return "is not a file torch.save wrote (not the zip archive it writes; empty or cut short?)"
+    return None
 
-    Raises ConfigError (key pretrained_transformer_path) when it is neither kind.
+
+def _readable_state_file(path: str, p: Path) -> Path:
+    """`p` when its header reads; else a ConfigError naming the key, what the file is, and the fix."""
+    why = unreadable_state_file(p)
+    if why is None:
+        return p
+    raise ConfigError("pretrained_transformer_path", f"{path} {why}: the warm start cannot read its tensors.",
+                      fix="point pretrained_transformer_path at an intact copy of the weights (copy it again, "
+                          "or write it again with `pan export <output_dir> --out model.safetensors`), or set "
+                          "load_transformer_weights: false to start from init.")
+
+
+def resolve_source(path: str) -> tuple[SourceKind, Path]:
+    """What kind of warm-start source `path` is, and the file or DCP folder to read; a state-dict
+    file must be readable (its header: nothing else is read here).
+
+    Raises ConfigError (key pretrained_transformer_path) when it is neither kind, or unreadable.
     """
     p = Path(path)
     if p.is_file() and p.suffix in (".pt", ".pth", ".bin", ".safetensors"):
-        return "state_dict", p
+        return "state_dict", _readable_state_file(path, p)
     if p.is_dir():
         if (p / PLAIN_STATE_FILE).is_file():
-            return "state_dict", p / PLAIN_STATE_FILE
+            return "state_dict", _readable_state_file(path, p / PLAIN_STATE_FILE)
         if (p / layout.DCP_METADATA).is_file() or _holds_parts(p):
             return "checkpoint", p
     what = "does not exist" if not p.exists() else "is neither kind of source"

@@ -80,9 +80,13 @@ class ErrorCollector:
         except ConfigError as e:
             self.errors.append(locate(e))
 
+    def unique(self) -> list[ConfigError]:
+        """The problems gathered, the same problem reached by two rules (one source of the message,
+        two callers) once."""
+        return list({(e.key, e.message): e for e in reversed(self.errors)}.values())[::-1]
+
     def raise_any(self) -> None:
-        # The same problem reached by two rules (one source of the message, two callers) is said once.
-        errors = list({(e.key, e.message): e for e in reversed(self.errors)}.values())[::-1]
+        errors = self.unique()
         if len(errors) == 1:
             raise errors[0]
         if errors:

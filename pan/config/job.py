@@ -73,7 +73,7 @@ def _recipe_of(entries: dict[str, list[Entry]], cli: list[tuple[str, Any]]) -> s
 
 
 def load_job_config(argv: list[str], *, warn: Callable[[str], None] = print, use_only: bool = False,
-                    under: Path | None = None):
+                    under: Path | None = None, problems: ErrorCollector | None = None):
     """Parse `--config X.yaml --key value ...` into the recipe's job config (validated).
 
     `use_only`: the config of a trained model to be used (sampled, exported, inspected), not trained:
@@ -83,7 +83,12 @@ def load_job_config(argv: list[str], *, warn: Callable[[str], None] = print, use
     is checked as for training.
 
     `under`: a config whose keys the `--config` file's override key by key (an exported model's own
-    config, pan/export.py), or the whole config when argv names none."""
+    config, pan/export.py), or the whole config when argv names none.
+
+    `problems`: where the failures of the cross-key rules go instead of being raised, the job being
+    returned all the same (a job of typed keys, some of whose rules fail): for a caller that judges
+    more of it than the loader does (`pan launch-command`'s layout), to report every problem at once.
+    A config whose keys cannot be read or typed still raises."""
     config_path, cli = parse_overrides(argv)
     if config_path is None and under is None:
         raise ConfigError("config", "no config file given: pass --config config/<run>.yaml "
@@ -99,7 +104,7 @@ def load_job_config(argv: list[str], *, warn: Callable[[str], None] = print, use
     entries = loader.yaml_entries(files[0], known)
     for override in files[1:]:
         entries = layered(entries, loader.yaml_entries(override, known), nested_types(job_cls))
-    return build_job(job_cls, entries, cli, warn=warn, use_only=use_only)
+    return build_job(job_cls, entries, cli, warn=warn, use_only=use_only, rules=problems)
 
 
 def layered(base: dict[str, list[Entry]], top: dict[str, list[Entry]], nested: dict[str, type]) -> dict[str, list[Entry]]:
@@ -117,8 +122,8 @@ def layered(base: dict[str, list[Entry]], top: dict[str, list[Entry]], nested: d
 
 def _probe_recipe(path: Path) -> str | None:
     try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError):
+        data = yaml.safe_load(path.read_text(encoding="utf-8-sig"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return None  # reported properly when the file is read for real
     if not isinstance(data, dict):
         return None
@@ -131,7 +136,9 @@ def _probe_recipe(path: Path) -> str | None:
 
 
 def build_job(job_cls, entries: dict[str, list[Entry]], cli: list[tuple[str, Any]],
-              *, warn: Callable[[str], None] = print, use_only: bool = False):
+              *, warn: Callable[[str], None] = print, use_only: bool = False,
+              rules: ErrorCollector | None = None):
+    """The job of the entries and overrides, checked; `rules`: see `load_job_config`'s `problems`."""
     owners = key_owners(job_cls)
     nested = nested_types(job_cls)
     comps = components(job_cls)
@@ -171,7 +178,11 @@ def build_job(job_cls, entries: dict[str, list[Entry]], cli: list[tuple[str, Any
     job = job_cls(**built)
     job.recipe = _recipe_of(entries, cli)
     job.explicit_keys = _changed_keys(job, values, owners)
-    run_checks(job, where, use_only=use_only)
+    if rules is None:
+        run_checks(job, where, use_only=use_only)
+    else:
+        with rules.gather():
+            run_checks(job, where, use_only=use_only)
     return job
 
 

@@ -40,9 +40,12 @@ def yaml_entries(path: Path, known_keys: set[str]) -> dict[str, list[Entry]]:
     A top-level mapping is a section unless its name is a key (`transformer_config_overrides`).
     """
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (an editor's "UTF-8 with BOM") is none of it
     except OSError as e:
         raise ConfigError("config", f"cannot read config file {path}: {e.strerror}.") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError("config", f"{path} is not a UTF-8 text file ({e.reason} at byte {e.start}): give a "
+                                    "YAML run config.") from None
     try:
         root = yaml.compose(text)
     except yaml.YAMLError as e:

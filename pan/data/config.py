@@ -152,7 +152,10 @@ class DataConfig:
         for key, paths in (("video_csv_paths", videos), ("annotation_paths", annotations),
                            ("image_tar_paths", images)):
             for p in paths:
-                require(Path(p).is_file(), key, f"{p} does not exist (or is not a file).")
+                if not Path(p).is_file():
+                    raise ConfigError(key, f"{p} does not exist (or is not a file).",
+                                      fix=f"point {key} at existing files (a relative path is read from the "
+                                          f"folder the command runs in: {Path.cwd()}), or remove {p} from it.")
         for p in videos:
             require(Path(p).suffix.lower() != ".jsonl", "video_csv_paths",
                     f"lists {p}, a JSONL annotation file: list it in annotation_paths.")

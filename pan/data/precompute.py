@@ -51,6 +51,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from pan.config import ConfigError, load_config_or_exit
+from pan.config.arguments import COUNT, looked_up, output_folder
 from pan.data.decode import FrameRules, SkipSample
 from pan.data.plan import Ref
 from pan.data.reader import Loaded, RowSource, SampleReader, stream_name
@@ -446,21 +447,38 @@ def print_report(report: PrecomputeReport, out_dir: Path) -> None:
         print(f"empty caption's text features: {report.empty_text}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`pan data precompute --config X.yaml [--key value ...] --out DIR [--limit N] [--device D]`;
-    exit 0 when some row has a latent, 1 when none has, 2 when the precompute cannot start."""
+def device_name(text: str) -> str:
+    """`--device`: a torch device this machine has (cpu, cuda, cuda:N)."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise ValueError(f"{text!r} is not a device: give cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{text!r}: no CUDA device is visible here; give cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{text!r}: the encoders run on cpu or cuda")
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pan data precompute", allow_abbrev=False,
         description="Encode the run's video CSVs (and, for a Pyramid-Flow job, its annotation files) "
                     "into latents + text features (see docs/data.md). Other options are the run's "
                     "config (--config X.yaml) and key overrides.")
-    parser.add_argument("--out", required=True, help="folder for the latents and precomputed CSVs")
-    parser.add_argument("--limit", type=int, default=None, help="only the first N rows of each CSV")
-    parser.add_argument("--device", default=None, help="encoder device (default: cuda if present, else cpu)")
-    args, rest = parser.parse_known_args(argv)
+    parser.add_argument("--out", required=True, type=output_folder("the folder to write the latents into"),
+                        help="folder for the latents and precomputed CSVs")
+    parser.add_argument("--limit", type=COUNT, default=None, help="only the first N rows of each CSV")
+    parser.add_argument("--device", type=looked_up("device", device_name), default=None,
+                        help="encoder device (default: cuda if present, else cpu)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`pan data precompute --config X.yaml [--key value ...] --out DIR [--limit N] [--device D]`;
+    exit 0 when some row has a latent, 1 when none has, 2 when the precompute cannot start."""
+    args, rest = build_parser().parse_known_args(argv)
     quiet_library_progress_bars()
-    if args.limit is not None and args.limit < 1:
-        parser.error("--limit must be at least 1")
     job = load_config_or_exit(rest)
     share = Share.from_env()
     if share.world > 1:  # torchrun: gloo is enough to hand round the small reports

@@ -60,8 +60,10 @@ class VideoCsvSource:
 
 
 def read_video_csv(path: str | Path) -> VideoCsvSource:
+    """The rows of a video CSV; utf-8 with or without a byte-order mark (Excel's "CSV UTF-8" starts
+    with one, which would otherwise become part of the first column's name)."""
     path = Path(path)
-    with open(path, newline="", encoding="utf-8") as f:
+    with open(path, newline="", encoding="utf-8-sig") as f:
         reader = csv.reader(f)
         try:
             header = [h.strip() for h in next(reader)]
@@ -164,7 +166,7 @@ def caption_from_bytes(data: bytes | None, ext: str | None) -> str:
     """A .txt caption is the file's text; a .json caption is its "caption" field."""
     if data is None:
         return ""
-    text = data.decode("utf-8", errors="replace")
+    text = data.decode("utf-8-sig", errors="replace")  # a byte-order mark is no part of the caption
     if ext == "json":
         value = json.loads(text)
         return str(value.get("caption") or "") if isinstance(value, dict) else ""
@@ -273,7 +275,7 @@ def looks_like_csv_header(line: bytes) -> list[str] | None:
     except ValueError:
         pass
     try:
-        cells = [c.strip() for c in next(csv.reader([line.decode("utf-8")]))]
+        cells = [c.strip() for c in next(csv.reader([line.decode("utf-8-sig")]))]
     except (UnicodeDecodeError, StopIteration, csv.Error):
         return None
     return cells if len(cells) > 1 and {"path", "latent_path", "caption"} & set(cells) else None

@@ -21,12 +21,14 @@ import argparse
 import csv
 import itertools
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
 
+from pan.config.arguments import COUNT, SEED, number, output_folder, whole_number
 from pan.data.media import write_mp4
 
 # Saturated colours that stay apart after brightness normalisation (see pan.demo.analyser), survive yuv420p
@@ -209,25 +211,39 @@ def synth_dataset(out_dir: str | Path, *, num_train: int = 480, num_heldout: int
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`pan data synth --out DIR [--num-train N] [--num-heldout N] [--size S] [--num-frames T] ...`"""
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pan data synth", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--out", required=True, default=argparse.SUPPRESS, help="folder to write the dataset into")
-    parser.add_argument("--num-train", type=int, default=480, help="training clips")
-    parser.add_argument("--num-heldout", type=int, default=60, help="clips of held-out prompts")
-    parser.add_argument("--size", type=int, default=32, help="frame height = width, even")
-    parser.add_argument("--num-frames", type=int, default=9, help="frames per clip (1 + 4k for a causal VAE)")
-    parser.add_argument("--fps", type=int, default=8, help="frame rate written into the MP4 and CSV")
-    parser.add_argument("--seed", type=int, default=0, help="seed: the same seed writes the same files")
-    parser.add_argument("--shape-size", type=float, nargs=2, default=SHAPE_SIZE_RANGE,
+    parser.add_argument("--out", required=True, default=argparse.SUPPRESS,
+                        type=output_folder("the folder to write the dataset into"),
+                        help="folder to write the dataset into")
+    parser.add_argument("--num-train", type=COUNT, default=480, help="training clips")
+    parser.add_argument("--num-heldout", type=whole_number(0), default=60, help="clips of held-out prompts")
+    parser.add_argument("--size", type=whole_number(16, even=True), default=32, help="frame height = width, even")
+    parser.add_argument("--num-frames", type=whole_number(2), default=9,
+                        help="frames per clip (1 + 4k for a causal VAE)")
+    parser.add_argument("--fps", type=COUNT, default=8, help="frame rate written into the MP4 and CSV")
+    parser.add_argument("--seed", type=SEED, default=0, help="seed: the same seed writes the same files")
+    parser.add_argument("--shape-size", type=number(above=0, below=1), nargs=2, default=SHAPE_SIZE_RANGE,
                         metavar=("MIN", "MAX"), help="side of a shape's box, fraction of the frame")
     parser.add_argument("--pix-fmt", choices=PIX_FMTS, default="yuv420p",
                         help="yuv420p (plays in browsers) or yuv444p (colour at full resolution)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`pan data synth --out DIR [--num-train N] [--num-heldout N] [--size S] [--num-frames T] ...`"""
+    parser = build_parser()
     args = parser.parse_args(argv)
-    paths = synth_dataset(args.out, num_train=args.num_train, num_heldout=args.num_heldout,
-                          size=args.size, num_frames=args.num_frames, fps=args.fps, seed=args.seed,
-                          shape_size=tuple(args.shape_size), pix_fmt=args.pix_fmt)
+    if args.shape_size[0] > args.shape_size[1]:
+        parser.error(f"--shape-size {args.shape_size[0]:g} {args.shape_size[1]:g}: give the smaller side first")
+    try:
+        paths = synth_dataset(args.out, num_train=args.num_train, num_heldout=args.num_heldout,
+                              size=args.size, num_frames=args.num_frames, fps=args.fps, seed=args.seed,
+                              shape_size=tuple(args.shape_size), pix_fmt=args.pix_fmt)
+    except OSError as e:  # the folder cannot be written (permissions, a full disk)
+        print(f"pan data synth: --out {args.out}: {e}", file=sys.stderr)
+        return 2
     for name, path in paths.items():
         print(f"{name}: {path}")
     return 0

@@ -34,6 +34,7 @@ import av
 import numpy as np
 from scipy import ndimage
 
+from pan.config.arguments import input_file, output_file, whole_number
 from pan.data.synth import BACKGROUND, PALETTE, parse_caption
 
 if TYPE_CHECKING:
@@ -268,22 +269,53 @@ def format_table(scores: dict[str, Any], max_rows: int | None = None) -> str:
     return "\n".join(lines)
 
 
+def read_csv_rows(path: Path) -> list[dict[str, str]]:
+    """The rows of `pan eval`'s CSV (utf-8, with or without a byte-order mark); ValueError when it has
+    no path and caption columns or no row."""
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        reader = csv.DictReader(f)
+        header = [name.strip() for name in reader.fieldnames or []]
+        missing = [c for c in ("path", "caption") if c not in header]
+        if missing:
+            raise ValueError(f"it lacks the column(s) {missing}; its header is {header}")
+        reader.fieldnames = header
+        rows = [row for row in reader if any((v or "").strip() for v in row.values())]
+    if not rows:
+        raise ValueError("it has a header but no rows")
+    return rows
+
+
+CSV_TAKES = "a CSV with columns path (relative to the CSV or absolute) and caption"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pan eval", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--csv", required=True, type=input_file(CSV_TAKES, check=read_csv_rows),
+                        help="CSV with columns path (relative to the CSV or absolute) and caption")
+    parser.add_argument("--json", type=output_file("the JSON file to write"),
+                        help="also write the scores, with per-video details, to this file")
+    parser.add_argument("--max-rows", type=whole_number(0), help="print at most this many per-video lines")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m pan.demo.analyser --csv FILE [--json OUT] [--max-rows N]`: score the videos a CSV lists."""
-    parser = argparse.ArgumentParser(prog="pan eval", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--csv", required=True,
-                        help="CSV with columns path (relative to the CSV or absolute) and caption")
-    parser.add_argument("--json", help="also write the scores, with per-video details, to this file")
-    parser.add_argument("--max-rows", type=int, help="print at most this many per-video lines")
+    parser = build_parser()
     args = parser.parse_args(argv)
-    csv_path = Path(args.csv)
-    with open(csv_path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    videos = [csv_path.parent / row["path"] for row in rows]  # an absolute path stays absolute
-    scores = score_videos(videos, [row["caption"] for row in rows])
+    rows = read_csv_rows(args.csv)
+    videos = [args.csv.parent / row["path"].strip() for row in rows]  # an absolute path stays absolute
+    missing = [f"row {i + 1}: {v}" for i, v in enumerate(videos) if not v.is_file()]
+    if missing:
+        parser.error(f"--csv {args.csv}: {len(missing)} of its {len(rows)} videos do not exist "
+                     f"({'; '.join(missing[:3])}{' ...' if len(missing) > 3 else ''})")
+    try:
+        scores = score_videos(videos, [row["caption"] for row in rows])
+    except (OSError, ValueError, av.error.FFmpegError) as e:  # a listed file that is no readable video
+        parser.error(f"--csv {args.csv}: a video it lists cannot be scored: {e}")
     print(format_table(scores, max_rows=args.max_rows))
     if args.json:
-        Path(args.json).write_text(json.dumps(scores, indent=1) + "\n")
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(scores, indent=1) + "\n")
     return 0
 
 

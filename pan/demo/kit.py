@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pan
+from pan.config.arguments import COUNT, SEED, output_folder
 from pan.config.job import DEFAULT_RECIPE
 from pan.data.synth import heldout_combinations, synth_dataset
 
@@ -27,22 +28,27 @@ PIX_FMT = "yuv444p"
 QUICK = {"num_train": 8, "num_heldout": 2, "steps": 2}
 
 
-def parse_args(argv: list[str] | None, recipe: str, description: str) -> argparse.Namespace:
-    """The options of `pan demo --recipe RECIPE`: --out (as a Path, default demo_<recipe>), --steps,
-    --seed, --quick."""
+def build_parser(recipe: str, description: str) -> argparse.ArgumentParser:
+    """The options of `pan demo --recipe RECIPE`: --out, --steps, --seed, --quick."""
     parser = argparse.ArgumentParser(prog=f"pan demo --recipe {recipe}", description=description)
-    parser.add_argument("--out", help=f"folder for data, run, samples and report (default: demo_{recipe})")
-    parser.add_argument("--steps", type=int, help="training steps (default: the demo's own)")
-    parser.add_argument("--seed", type=int, default=0, help="the training seed (docs/demo_recipes.md scores several)")
+    parser.add_argument("--out", type=output_folder("the folder to write the demo into"),
+                        help=f"folder for data, run, samples and report (default: demo_{recipe})")
+    parser.add_argument("--steps", type=COUNT, help="training steps (default: the demo's own)")
+    parser.add_argument("--seed", type=SEED, default=0, help="the training seed (docs/demo_recipes.md scores several)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny data and schedule: checks the pipeline in about a minute")
     parser.add_argument("--config", help=argparse.SUPPRESS)  # the default demo's option: refused below
+    return parser
+
+
+def parse_args(argv: list[str] | None, recipe: str, description: str) -> argparse.Namespace:
+    """The options of `pan demo --recipe RECIPE`, parsed: --out (as a Path, default demo_<recipe>),
+    --steps, --seed, --quick."""
+    parser = build_parser(recipe, description)
     args = parser.parse_args(argv)
     if args.config is not None:
-        raise SystemExit(f"pan demo: --config configures the default demo (--recipe {DEFAULT_RECIPE}); "
-                         "the recipe demos build their own config")
-    if args.steps is not None and args.steps < 1:
-        parser.error("--steps must be >= 1")
+        parser.error(f"--config configures the default demo (--recipe {DEFAULT_RECIPE}); the recipe demos "
+                     "build their own config")
     args.out = Path(args.out or f"demo_{recipe}")
     return args
 

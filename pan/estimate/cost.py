@@ -188,13 +188,9 @@ def muon_traffic(model: nn.Module, graded: set[str], optim, layout: Layout, dims
 # ================================================================================================
 
 def device_peak(dtype: str) -> tuple[float, str]:
-    """The peak MFU is measured against (pan.runtime.metrics: datasheet on a GPU, measured on the CPU)."""
+    """The peak MFU is measured against (pan.runtime.metrics: datasheet on a known GPU, else the
+    fastest measured matmul of the run's dtypes, measured once per process)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return _cached_peak(device, dtype)
-
-
-@functools.cache
-def _cached_peak(device: torch.device, dtype: str) -> tuple[float, str]:
     return peak_flops(device, dtype)
 
 

@@ -44,7 +44,9 @@ class Estimate:
     run_hours: float                       # wall time of max_steps
     gpu_hours: float
     flops_per_step: float                  # the recipe's exact count, whole world
-    mfu: float
+    mfu: float | None                      # of peak_flops; None when above 1: the estimate is unreliable
+    peak_flops: float                      # FLOP/s of one device MFU is measured against (`device_peak`)
+    peak_source: str
     rates: Rates
     work: StepWork                         # what the step time was computed from
 
@@ -100,7 +102,8 @@ def estimate_run(ctx, capacity: int | None = None) -> Estimate:
     tokens_per_step = probe.tokens * accumulation * dims.dp
     steps = ctx.job.trainer.max_steps
     flops_per_step = probe.flops * accumulation * dims.world_size
-    peak_flops, _ = device_peak(ctx.job.trainer.dtype)
+    peak_flops, peak_source = device_peak(ctx.job.trainer.dtype)
+    mfu = flops_per_step / step_time / (peak_flops * dims.world_size)
     total = sum(device.values())
     return Estimate(device={k: int(v) for k, v in device.items()}, host=host, capacity=cap,
                     capacity_source=source, fits=total <= cap, batch=probe.describe,
@@ -108,7 +111,7 @@ def estimate_run(ctx, capacity: int | None = None) -> Estimate:
                     tokens_per_second=tokens_per_step / step_time,
                     run_hours=steps * step_time / 3600, gpu_hours=steps * step_time * dims.world_size / 3600,
                     flops_per_step=flops_per_step,
-                    mfu=flops_per_step / step_time / (peak_flops * dims.world_size),
+                    mfu=mfu if mfu <= 1 else None, peak_flops=peak_flops, peak_source=peak_source,
                     rates=rates, work=work)
 
 

@@ -266,3 +266,58 @@ def from_peft_names(state: dict[str, Tensor]) -> dict[str, Tensor]:
             raise ValueError(f"{key} is not a LoRA adapter weight (lora_A / lora_B)")
         out[f"{name[:m.start()]}.lora_{m.group(1)}.{ADAPTER}.weight"] = t
     return out
+
+
+# ------------------------------------------------------------------------------------------------
+# A run that trains nothing: adapters without a gradient
+# ------------------------------------------------------------------------------------------------
+
+def zero_base_layers(model: nn.Module, reduce, rename=lambda name: name) -> list[str]:
+    """The module names of the base's weight matrices that are zero everywhere, over every rank's
+    shard (`reduce`: host numbers summed over the ranks, `pan.task.global_sums`; every rank calls it;
+    `rename`: a parameter's name as the unwrapped model spells it, `pan.parallel.names.unwrapped_name`)."""
+    from torch.distributed.tensor import DTensor  # lazy: a plain model needs no torch.distributed
+
+    names, nonzero = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad or p.ndim < 2 or LORA_KEY.search(name):
+            continue
+        local = p.to_local() if isinstance(p, DTensor) else p
+        names.append(rename(name).removesuffix(".weight").replace(BASE_LAYER, ""))
+        nonzero.append(float(bool(local.detach().ne(0).any())))
+    summed = reduce(nonzero) if nonzero else []
+    return [name for name, count in zip(names, summed) if count == 0]
+
+
+def untrained_adapters_warning(model: nn.Module, step: int, reduce, rename=lambda name: name) -> str:
+    """What to say when every adapter's gradient is 0 at `step` (the run would train nothing): which
+    of the base's layers are zero, and what to do. A model initialised to predict 0 (Pyramid-Flow's
+    init, AdaLN-Zero: zero output layer and modulation), not trained, stops every gradient before it
+    reaches a block's adapters. Zero layers inside the blocks can be trained by naming them in
+    lora_target_modules; the ones outside (the output layer) only by full training. `reduce` and
+    `rename` as `zero_base_layers` takes them."""
+    zero = zero_base_layers(model, reduce, rename)
+    blocks = [rename(b) for b in _blocks_by_name(model)] if hasattr(model, "fsdp_blocks") else []
+    block_of = {n: next((b for b in blocks if n.startswith(b + ".")), None) for n in zero}
+    outside = [n for n in zero if block_of[n] is None]
+    inside = sorted({n.removeprefix(block_of[n] + ".") for n in zero if block_of[n] is not None})
+    head = f"every LoRA adapter's gradient is 0 at step {step}, so this run trains nothing"
+    if not zero:
+        return (f"{head}, though no layer of the base is zero: the adapted linears (lora_target_modules) may not "
+                "be on the path to the loss.")
+
+    def listed(names: list[str]) -> str:
+        return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+    layers = " and ".join(part for part in (f"{listed(outside)} (outside its blocks)" if outside else "",
+                                             f"{listed(inside)} (in its blocks)" if inside else "") if part)
+    verb = "is" if len(outside) + len(inside) == 1 else "are"
+    linears = {rename(inner).replace(BASE_LAYER, "") for inner in block_linears(model)} if blocks else set()
+    targets = [n for n in inside if n in linears]   # what lora_target_modules can name
+    ways = [f"{', '.join(targets[:4])} by adding {'it' if len(targets) == 1 else 'them'} to lora_target_modules"
+            if targets else "",
+            f"{'the others' if targets else 'them'} by full training (lora_rank: 0): lora_target_modules "
+            "names the linears inside the blocks only" if outside or len(targets) < len(inside) else ""]
+    return (f"{head}: the base's {layers} {verb} zero, so no gradient reaches the adapters (a model initialised "
+            "to predict 0, not trained?). Start from a base whose output layers are not zero (a trained "
+            f"checkpoint), or train the zero layers: {'; '.join(w for w in ways if w)}.")

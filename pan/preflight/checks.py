@@ -383,11 +383,16 @@ def check_step_time(ctx: Preflight) -> list[Row]:
     est = ctx.estimate
     parts = ", ".join(f"{k} {v:.3g} s" for k, v in est.time_parts.items() if v > 0)
     steps = ctx.job.trainer.max_steps
+    peak = f"{est.peak_flops / 1e9:,.1f} GFLOP/s: {est.peak_source}"
+    if est.mfu is None:   # (never printed above 100%: the time of the step's FLOPs is then wrong)
+        mfu = (f"no MFU: the estimate runs the step's FLOPs faster than the device's peak ({peak}), so the "
+               "step time is unreliable (likely too short)")
+    else:
+        mfu = (f"MFU ~{100 * est.mfu:.0f}% of the device peak ({peak}), for compute alone (the MFU training "
+               "logs counts whole wall-clock steps: data waits, the first steps' warm-up and Python overhead too)")
     return [Row("step time", "pass", f"~{est.step_time:.3g} s per step ({parts}); "
                 f"{est.tokens_per_second:,.0f} tokens/s on {ctx.world_size} device(s); {steps} steps ~ "
-                f"{est.run_hours:,.2f} h wall, {est.gpu_hours:,.1f} device-hours; MFU ~{100 * est.mfu:.0f}% "
-                f"of the device peak, for compute alone (the MFU training logs counts whole wall-clock "
-                f"steps: data waits, the first steps' warm-up and Python overhead too). Rates {est.rates.source}.")]
+                f"{est.run_hours:,.2f} h wall, {est.gpu_hours:,.1f} device-hours; {mfu}. Rates {est.rates.source}.")]
 
 
 # ================================================================================================

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -61,11 +62,12 @@ GPU_PEAK_FLOPS: list[tuple[str, float]] = [
 ]
 
 
-CPU_PEAK_SOURCE = "measured fp32 matmul"
 # Why a CPU run logs a few percent where `pan check` estimates more.
-CPU_MFU_NOTE = ("; on a CPU the yardstick is one large fp32 matmul, which a small model's small matmuls, "
-                "elementwise work and per-operation overhead run far below: a few percent is normal, and "
-                "`pan check`'s step-time MFU counts compute alone")
+CPU_MFU_NOTE = ("; on a CPU the yardstick is one large matmul of the run's dtypes (the fastest), which a small "
+                "model's small matmuls, elementwise work and per-operation overhead run far below: a few percent "
+                "is normal, and `pan check`'s step-time MFU counts compute alone")
+# The torch dtypes of the `dtype` key's values.
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def datasheet_bf16_peak(name: str) -> float | None:
@@ -76,24 +78,60 @@ def datasheet_bf16_peak(name: str) -> float | None:
     return None
 
 
-def measured_matmul_peak(device: torch.device, n: int = 1024, repeats: int = 5) -> float:
-    """FLOP/s of a square fp32 matmul on this device: the CPU yardstick for MFU."""
-    a = torch.randn(n, n, device=device)
-    b = torch.randn(n, n, device=device)
-    a @ b
-    best = float("inf")
-    for _ in range(repeats):
+def measured_matmul_peak(device: torch.device, n: int = 1024, repeats: int = 5,
+                         dtype: torch.dtype = torch.float32) -> float:
+    """FLOP/s of a square matmul of `dtype` on this device (the best of `repeats`, after a warm-up).
+    Where one of size n takes over a quarter second (bf16 on a CPU without bf16 instructions runs
+    tens of times slower than fp32), a smaller one is timed: the rate is the point, not the size."""
+    def run(a, b) -> float:
         t0 = time.perf_counter()
         a @ b
         if device.type == "cuda":
             torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
+        return time.perf_counter() - t0
+
+    while True:
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        if run(a, b) < 0.25 or n <= 128:
+            break
+        n //= 2
+    best = min(run(a, b) for _ in range(repeats))
     return 2 * n ** 3 / best
 
 
+def matmul_rate(device: torch.device, dtype: str) -> float:
+    """`measured_matmul_peak` of the `dtype` key's value on this device (4096-square on a GPU,
+    1024-square on a CPU, at the threads torch uses now), measured once per process."""
+    return _matmul_rate(device, dtype, torch.get_num_threads())
+
+
+@functools.cache
+def _matmul_rate(device: torch.device, dtype: str, threads: int) -> float:
+    return measured_matmul_peak(device, 4096 if device.type == "cuda" else 1024, dtype=TORCH_DTYPES[dtype])
+
+
+def dtypes_of(dtype: str) -> list[str]:
+    """The dtypes a run's matmuls compute in: bf16 autocast keeps some in fp32 (the master weights'
+    optimizer step, what autocast leaves in fp32); fp32 runs compute in fp32 alone."""
+    return ["bf16", "fp32"] if dtype == "bf16" else ["fp32"]
+
+
+def measured_peak(device: torch.device, dtype: str) -> tuple[float, str]:
+    """The fastest measured matmul rate of the dtypes a run computes in (`dtypes_of`), and where it
+    comes from: no part of the step outruns it, whichever dtype is the faster on this device (bf16
+    on a CPU with AMX or AVX-512 BF16, fp32 on one without)."""
+    rates = {d: matmul_rate(device, d) for d in dtypes_of(dtype)}
+    fastest = max(rates, key=rates.get)
+    others = "; ".join(f"{d} {r / 1e9:,.1f} GFLOP/s" for d, r in rates.items() if d != fastest)
+    where = "" if device.type == "cpu" else f"{torch.cuda.get_device_name(device)} "
+    return rates[fastest], f"{where}measured {fastest} matmul" + (f", the faster here; {others}" if others else "")
+
+
 def peak_flops(device: torch.device, dtype: str) -> tuple[float, str]:
-    """The FLOP/s MFU is measured against, and where the number comes from. fp32 runs on a GPU: half
-    the bf16 peak with TF32 on (allow_tf32), else a measured fp32 matmul."""
+    """The FLOP/s MFU is measured against, and where the number comes from. A known GPU: its dense
+    bf16 datasheet peak, for fp32 runs half of it with TF32 on (allow_tf32); any other device (a
+    CPU, a GPU not in the table): the measured rate of the run's dtypes (`measured_peak`)."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         peak = datasheet_bf16_peak(name)
@@ -101,8 +139,15 @@ def peak_flops(device: torch.device, dtype: str) -> tuple[float, str]:
             return peak, f"{name} datasheet, dense bf16"
         if peak is not None and torch.backends.cuda.matmul.fp32_precision == "tf32":
             return peak / 2, f"{name} datasheet, dense TF32"
-        return measured_matmul_peak(device, 4096), f"{name} measured matmul"
-    return measured_matmul_peak(device), CPU_PEAK_SOURCE
+    return measured_peak(device, dtype)
+
+
+def mfu_text(mfu: float, digits: int = 1) -> str:
+    """An MFU as printed: a percentage, or, above 100% (work counted faster than the peak it is
+    measured against allows), that it is unreliable."""
+    if mfu > 1:
+        return "MFU unreliable (above 100% of the peak it is measured against)"
+    return f"MFU {100 * mfu:.{digits}f}%"
 
 
 # The trainer's own numbers in each step's values; every other key is a recipe metric.
@@ -135,6 +180,7 @@ class Metrics:
         self.cfg, self.output_dir, self.world = cfg, Path(output_dir), world
         self.log = get_logger()
         self.peak, self.peak_source = peak_flops(device, dtype)
+        self.on_cpu = device.type == "cpu"
         self.peak *= world.size
         self.window: list[dict] = []
         self.bar = None
@@ -158,7 +204,7 @@ class Metrics:
     def start(self, step: int, max_steps: int) -> None:
         self.log.info("MFU is the model's FLOPs per wall-clock second of the logged steps (data waits and "
                       "warm-up included) against %.1f GFLOP/s in all (%s)%s", self.peak / 1e9, self.peak_source,
-                      CPU_MFU_NOTE if self.peak_source == CPU_PEAK_SOURCE else "")
+                      CPU_MFU_NOTE if self.on_cpu else "")
         # The bar is for terminals: piped into a file (CI, Slurm's output file, tee) its carriage
         # returns would run into the log lines.
         if self.world.is_main and self.cfg.progress_bar and sys.stderr.isatty():
@@ -194,6 +240,9 @@ class Metrics:
             "bad_samples": w[-1].get("bad_samples", 0),
             "bad_samples_distinct": w[-1].get("bad_samples_distinct", 0),
         }
+        mfu = mfu_text(row["mfu"])
+        if row["mfu"] > 1:   # more than the peak allows: not a number to plot
+            row["mfu"] = None
         extra = recipe_metrics(finite, w[-1])
         row.update(extra)
         if not self.world.is_main:
@@ -201,14 +250,14 @@ class Metrics:
         message = (f"step {step} | loss {row['loss']:.4f} | grad {row['grad_norm']:.3f} | "
                    f"lr {row['lr']:.2e} | {row['step_time']:.2f} s/step | "
                    f"{row['samples_per_s']:.1f} samples/s | {row['tokens_per_s']:.0f} tok/s | "
-                   f"MFU {100 * row['mfu']:.1f}% | data wait {100 * row['data_wait']:.1f}% | "
+                   f"{mfu} | data wait {100 * row['data_wait']:.1f}% | "
                    f"packing {100 * row['packing']:.1f}% | bad samples {row['bad_samples']} "
                    f"({row['bad_samples_distinct']} distinct)")
         message += "".join(f" | {k} {v:.4g}" for k, v in extra.items())
         self._write(message)
         self.jsonl.write(json.dumps(row) + "\n")
         self.jsonl.flush()
-        self._report("train", {k: v for k, v in row.items() if k != "step"}, step)
+        self._report("train", {k: v for k, v in row.items() if k != "step" and v is not None}, step)
 
     def record(self, step: int, values: dict[str, float]) -> None:
         """Metrics outside the step rhythm (validation): console, validation.jsonl, the backend."""

@@ -18,6 +18,8 @@ from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import LogFormatter  # noqa: E402
 
+from pan.config.arguments import ValueType, output_file  # noqa: E402
+
 Records = list[dict]
 
 
@@ -160,17 +162,23 @@ def plot_run(run_dir_or_metrics_file: str | Path, out: str | Path | None = None)
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pan plot", description="Plot a run's loss, grad norm, "
                                      "learning rate and seconds per step (metrics.jsonl) to a PNG.")
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="the run's output_dir, or its metrics.jsonl")
-    parser.add_argument("--out", metavar="FILE", default=None, help="the PNG to write "
-                        "(default: RUN_DIR/metrics.png)")
-    args = parser.parse_args(argv)
+    # Judged by plot_run (a one-line message, exit 2): missing, no metrics.jsonl, no metrics row.
+    parser.add_argument("run_dir", metavar="RUN_DIR", type=ValueType("path", Path, "path"),
+                        help="the run's output_dir, or its metrics.jsonl")
+    parser.add_argument("--out", metavar="FILE", type=output_file("the PNG file to write"), default=None,
+                        help="the PNG to write (default: RUN_DIR/metrics.png)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         print(plot_run(args.run_dir, args.out))
     except (OSError, ValueError) as e:  # a wrong path or an empty log is the user's to fix: no traceback
-        print(f"pan plot: {e}", file=sys.stderr)
+        print(f"pan plot: RUN_DIR: {e}", file=sys.stderr)
         return 2
     return 0
 

@@ -18,6 +18,13 @@ importing, waiting in the rendezvous, training or waiting in a collective, forev
 once when that is no launcher any more (torchrun died before the rank started), and from then on a
 thread ends the rank within LAUNCHER_POLL_S of the parent's change. That part uses the standard
 library only.
+
+A SIGTERM before the first step. A preemption (scancel, the time limit, the launch wrapper passing
+it on) can come at any moment of the start-up, which can take many minutes (model build, loader).
+`pan train` calls `record_sigterm` before the config loads and train() again when it starts: from
+then on a SIGTERM is only recorded (`sigterm_received`), the start-up looks at it at the end of
+each of its phases (pan.trainer.stop_if_sigterm: every rank together, exit 143, nothing written),
+and the loop after each step. Standard library only, as the launcher watch.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import collections
 import contextlib
 import faulthandler
 import os
+import signal
 import statistics
 import sys
 import threading
@@ -351,3 +359,44 @@ def exit_if_launcher_gone(grace_s: float = 0.0) -> None:
         if time.monotonic() >= deadline:
             return
         time.sleep(0.05)
+
+
+# -- SIGTERM before the first step -------------------------------------------------------------
+# Standard library only too: `pan train` records SIGTERM before the config (and torch) loads.
+
+_sigterm_seen = [0]       # the SIGTERM recorded since record_sigterm installed its handler (0: none)
+_sigterm_before = None    # SIGTERM's handler before that
+
+
+def _record_sigterm(signum, frame) -> None:
+    _sigterm_seen[0] = signum
+
+
+def record_sigterm() -> bool:
+    """From now on SIGTERM only records itself (`sigterm_received`) instead of ending this process.
+    Returns whether this call installed the recording (its caller then ends it with
+    `stop_recording_sigterm`); a call while it is installed keeps the first record. Nothing outside
+    the main thread (Python takes signals there only): SIGTERM keeps its action."""
+    global _sigterm_before
+    if threading.current_thread() is not threading.main_thread() or sigterm_recording():
+        return False
+    _sigterm_seen[0] = 0
+    _sigterm_before = signal.signal(signal.SIGTERM, _record_sigterm)
+    return True
+
+
+def sigterm_recording() -> bool:
+    """Whether SIGTERM is being recorded (record_sigterm) in this process."""
+    return signal.getsignal(signal.SIGTERM) is _record_sigterm
+
+
+def sigterm_received() -> list[int]:
+    """The record: [0] is the SIGTERM received since the recording started (0 while none was)."""
+    return _sigterm_seen
+
+
+def stop_recording_sigterm() -> None:
+    """SIGTERM's action as it was before record_sigterm (nothing when it is not recording)."""
+    if threading.current_thread() is threading.main_thread() and sigterm_recording():
+        # None: a handler set outside Python, which cannot be set back from here: the default.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if _sigterm_before is None else _sigterm_before)

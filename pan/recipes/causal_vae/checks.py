@@ -93,7 +93,7 @@ def check_gan(ctx) -> list[Row]:
 def check_clips(ctx) -> list[Row]:
     """A few samples of every source (video CSVs, annotation files: rows with `video` or `image`,
     image tars) decoded as training reads them (random windows of max_frames frames, resized and
-    cropped); images as 1-frame clips."""
+    cropped, checked against what the VAE can encode); images as 1-frame clips."""
 
     data, rows, sources = ctx.job.data, [], []
     opened = open_sources(data)
@@ -107,8 +107,10 @@ def check_clips(ctx) -> list[Row]:
             sources.append(o)
     csvs = {o.stream: o.source for o in sources if o.kind != "image_tars"}
     tars = opened.tars
-    reader = ClipReader(SampleReader(csvs, tars, rules_of(data)), seed=ctx.job.trainer.seed,
-                        temporal_factor=ctx.job.vae_config().temporal_factor)
+    # The reader training uses, with what the VAE can encode (the task's sample_fit): a clip it
+    # cannot encode is skipped as `unfit` here as it is in training.
+    reader = ClipReader(SampleReader(csvs, tars, rules_of(data), fit=ctx.task.sample_fit()),
+                        seed=ctx.job.trainer.seed, temporal_factor=ctx.job.vae_config().temporal_factor)
     for o in sources:
         label, stream, size = o.label, o.stream, len(o.source)
         picks = spread_rows(ctx.sample_rows, size)

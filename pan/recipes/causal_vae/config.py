@@ -18,7 +18,7 @@ import torch
 from pan.checkpoint import layout
 from pan.checkpoint.manager import CheckpointConfig
 from pan.config import JobConfig
-from pan.config.core import ConfigError, knob, reject_unused, require
+from pan.config.core import ConfigError, ErrorCollector, knob, reject_unused, require
 from pan.data.config import DataConfig
 from pan.runtime.metrics import MetricsConfig
 from pan.runtime.watchdog_config import WatchdogConfig
@@ -97,9 +97,13 @@ class CausalVAEModelConfig:
                 require(getattr(self, key) <= len(self.block_out_channels), key,
                         f"is {getattr(self, key)}, but there are only {len(self.block_out_channels)} "
                         "blocks (block_out_channels) to down-sample in.")
-        self.vae_config().check()
-        check_clip_rules(job)
-        check_output_dir_stage(job)
+        problems = ErrorCollector()  # the frame and size rules need the VAE's factors; the output_dir's do not
+        with problems.gather():
+            self.vae_config().check()
+            check_clip_rules(job)
+        with problems.gather():
+            check_output_dir_stage(job)
+        problems.raise_any()
 
 
 @dataclass(kw_only=True)
@@ -216,9 +220,15 @@ def check_clip_rules(job) -> None:
     """Frame and size rules the VAE and the discriminator impose on the data keys."""
     data, vae = job.data, job.vae_config()
     f = vae.temporal_factor
-    problem = context_frames_problem(data.max_frames, f, job.context.context_size)
-    require(problem is None, "max_frames", f"is {data.max_frames}: {problem}. Each video sample is a "
-            f"window of max_frames frames (the original's --max_frames): 1 + {f}k frames.")
+    size = job.context.context_size
+    problem = context_frames_problem(data.max_frames, f, size)
+    if problem is not None:
+        k = max(size, (data.max_frames - 1) // f)
+        fits = [1 + f * k] + ([1 + f * (k + 1)] if 1 + f * k < data.max_frames else [])
+        raise ConfigError("max_frames", f"is {data.max_frames}: {problem}. Each video sample is a window of "
+                          f"max_frames frames (the original's --max_frames): 1 + {f}k frames.",
+                          fix=f"set max_frames to 1 + {f}k frames with k >= {size} (the context group's ranks): "
+                              f"{' or '.join(map(str, fits))}.")
     for key in ("min_frames", "frames_mod", "frames_remainder"):
         require(key not in job.explicit_keys, key,
                 "has no effect in the causal_vae recipe: every video sample is a window of exactly "
@@ -250,9 +260,12 @@ def check_clip_rules(job) -> None:
 
 def _released_config(folder: Path) -> CausalVAEConfig:
     config_path = folder / CONFIG_NAME
-    require(config_path.is_file() and (folder / WEIGHTS_NAME).is_file(), "model_path",
-            f"{folder} is not a released causal_video_vae folder: it needs {CONFIG_NAME} and "
-            f"{WEIGHTS_NAME}.")
+    if not (config_path.is_file() and (folder / WEIGHTS_NAME).is_file()):
+        raise ConfigError("model_path", f"{folder} is not a released causal_video_vae folder: it needs "
+                          f"{CONFIG_NAME} and {WEIGHTS_NAME}.",
+                          fix=f"point model_path at the released folder ({CONFIG_NAME} and {WEIGHTS_NAME} "
+                              "together), or leave it unset to build the VAE from the architecture keys "
+                              "(block_out_channels, latent_channels, ...).")
     try:
         config, _ = CausalVAEConfig.from_json_dict(json.loads(config_path.read_text()), str(config_path))
     except ConfigError as e:

@@ -52,7 +52,6 @@ class CausalVAETask(Task):
 
     def __init__(self, job: CausalVAEJobConfig, world, dims, cp=None):
         super().__init__(job, world, dims, cp)
-        self.vae_cfg = job.vae_config()
         size = job.context.context_size
         if world.size % size or world.local_size % size:
             raise ConfigError("context_size", f"({size}) must divide the world size ({world.size}) and the "
@@ -60,6 +59,7 @@ class CausalVAETask(Task):
                                               "consecutive ranks of one node (its halos travel in every "
                                               "causal conv).",
                               fix=f"use a context_size that divides {world.local_size}, or {size}k processes per node.")
+        self.vae_cfg = job.vae_config()   # (after the layout's rule, which does not depend on it)
         self.context_size = size
         self.context_rank = world.rank % size
         self.data_rank, self.data_size = world.rank // size, world.size // size

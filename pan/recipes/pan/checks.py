@@ -89,21 +89,22 @@ def _clips(found, label: str) -> str:
 
 
 def check_data(ctx: Preflight) -> list[Row]:
-    """Parse every source (video CSVs, annotation files, image tars), and decode a few samples of
-    each with the data pipeline's reader, as training reads them."""
+    """Parse every source (video CSVs, annotation files, image tars), and read a few samples of
+    each with the reader training uses, with what the transformer takes (the task's `sample_fit`:
+    latent channels, whole patches, caption width; clips the VAE can encode): a row that does not
+    fit is skipped as `unfit` here as it is in training."""
 
     opened = open_sources(ctx.job.data)
     rows = [unopened_row("data", o) for o in opened.failed]
-    reader = SampleReader(opened.row_sources, opened.tars, rules_of(ctx.job.data))
-    geometry = vae_geometry(ctx.job.vae)
+    reader = SampleReader(opened.row_sources, opened.tars, rules_of(ctx.job.data), fit=ctx.task.sample_fit())
     for o in opened.opened:
-        row = _decode_sample(reader, geometry, o.label, o.stream, len(o.source), ctx.sample_rows)
+        row = _decode_sample(reader, o.label, o.stream, len(o.source), ctx.sample_rows)
         rows.append(with_annotation_scan(row, o.source) if isinstance(o.source, AnnotationSource) else row)
     return rows
 
 
-def _decode_sample(reader, geometry, label: str, stream: str, size: int, count: int) -> Row:
-    """Decode `count` samples spread over a source; fail when none is usable."""
+def _decode_sample(reader, label: str, stream: str, size: int, count: int) -> Row:
+    """Read `count` samples spread over a source; fail when none is usable."""
     picks = spread_rows(count, size)
     good, problems = 0, []
     for index in picks:
@@ -111,18 +112,14 @@ def _decode_sample(reader, geometry, label: str, stream: str, size: int, count: 
         if got.sample is None:
             problems.append(f"#{index} {got.reason}: {got.detail}")
             continue
-        if got.sample.frames is not None:
-            t, h, w = got.sample.grid
-            error = geometry.clip_shape_error(t, h, w)
-            if error:
-                problems.append(f"#{index} decodes to {t}x{h}x{w} but {error}")
-                continue
         good += 1
     detail = f"{label}: {size} samples; decoded {good}/{len(picks)} of rows {picks}"
     if problems:
         detail += ". Skipped:\n" + "\n".join(problems)  # one problem a line
     if good == 0:
-        return Row("data", "fail", detail + ".", "fix the paths, media or frame rules named above.")
+        return Row("data", "fail", detail + ".", "fix the paths, media or frame rules named above; rows "
+                   "`unfit` hold latents or caption features the transformer cannot take (of another VAE "
+                   "or text encoder?): precompute them again with this run's (`pan data precompute`).")
     if problems:
         return Row("data", "warn", detail + ".", "such samples are skipped in training; fix or "
                    "remove them.")

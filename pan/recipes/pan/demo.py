@@ -20,6 +20,7 @@ from pathlib import Path
 import yaml
 
 from pan.config import load_config_or_exit
+from pan.config.arguments import COUNT, SEED, input_file, output_folder, yaml_mapping
 from pan.data.precompute import PrecomputeError, precompute
 from pan.data.synth import synth_dataset
 from pan.demo.analyser import format_table, score_videos
@@ -47,16 +48,33 @@ QUICK_PROMPTS = 2
 SAMPLES_PER_PROMPT = 2
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pan demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", help="folder for data, run, samples and report (default: demo_out)")
-    parser.add_argument("--steps", type=int, help="training steps (default: the config's max_steps)")
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="the demo's run config")
-    parser.add_argument("--seed", type=int, help="the training seed (default: the config's; docs/demo.md "
-                                                 "and docs/demo_recipes.md score several)")
+    parser.add_argument("--out", type=output_folder("the folder to write the demo into"),
+                        help="folder for data, run, samples and report (default: demo_out)")
+    parser.add_argument("--steps", type=COUNT, help="training steps (default: the config's max_steps)")
+    parser.add_argument("--config", type=input_file("the demo's run config YAML", check=demo_config),
+                        default=DEFAULT_CONFIG, help="the demo's run config")
+    parser.add_argument("--seed", type=SEED, help="the training seed (default: the config's; docs/demo.md "
+                                                  "and docs/demo_recipes.md score several)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny data, model and schedule: checks the pipeline in about a minute")
-    return parser.parse_args(argv)
+    return parser
+
+
+def demo_config(path: Path) -> None:
+    """`--config`: a YAML whose `output` section gives the sample geometry the demo's data is made at."""
+    yaml_mapping(path)
+    output = yaml.safe_load(path.read_text(encoding="utf-8-sig")).get("output") or {}
+    missing = [k for k in ("sample_height", "sample_num_frames") if k not in output]
+    if missing:
+        raise ValueError(f"its output section lacks {missing} (the demo's clips are made at that size)")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    args.config = str(args.config)
+    return args
 
 
 def make_data(data_dir: Path, config: Path, quick: bool) -> dict[str, Path]:

@@ -3,22 +3,27 @@ classifier-free guidance on packed inputs."""
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from pan.config import load_config_or_exit
+from pan.config.arguments import COUNT, FRACTION, POSITIVE, SEED, number
 from pan.diffusion.conditioning import model_input_latent
 from pan.diffusion.flow import FlowConfig, output_velocity
 from pan.diffusion.sampler import euler_sample, known_frames
 from pan.encoders.text import TextEncoder
-from pan.encoders.vae import build_vae
+from pan.encoders.vae import build_vae, vae_geometry
 from pan.models.packing import PackInfo, patchify, unpatchify
 from pan.models.pan_dit import PanVideoDiffusionTransformer
 from pan.parallel.world import close_world, init_world
 from pan.sampling import (
+    CONDITION_IMAGE,
+    CONDITION_VIDEO,
+    FRAMES,
+    PIXELS,
     add_placement_options,
     compute_dtype,
     load_condition,
@@ -27,8 +32,11 @@ from pan.sampling import (
     resolve_weights,
     sample_dtype,
     sample_parser,
+    size_problems,
     write_video,
 )
+
+GUIDANCE = number(at_least=0)  # classifier-free guidance: 1 is off, 0 the unconditional prediction
 
 
 @dataclass
@@ -109,51 +117,71 @@ def sample_pan(job, argv: list[str]) -> int:
             close_world()
 
 
-def _sample_pan(job, argv: list[str]) -> int:
+def build_parser(job=None) -> argparse.ArgumentParser:
+    """`pan sample`'s options for a Pan run (`job`: its config; the defaults come from it when used)."""
     parser = sample_parser("Generate videos from a Pan checkpoint.")
-    parser.add_argument("--image", help="first-frame image (image-to-video)")
-    parser.add_argument("--video", help="video whose first --video-frames frames are continued")
-    parser.add_argument("--video-frames", type=int, default=5, help="pixel frames taken from --video")
-    parser.add_argument("--num-frames", type=int, help="pixel frames of each video (default: the run's "
-                                                       "sample_num_frames)")
-    parser.add_argument("--height", type=int, help="height in pixels (default: the run's sample_height)")
-    parser.add_argument("--width", type=int, help="width in pixels (default: the run's sample_width)")
-    parser.add_argument("--steps", type=int, help="sampling steps (default: the run's sample_steps)")
-    parser.add_argument("--guidance-scale", type=float,
+    parser.add_argument("--image", type=CONDITION_IMAGE, help="first-frame image (image-to-video)")
+    parser.add_argument("--video", type=CONDITION_VIDEO, help="video whose first --video-frames frames are continued")
+    parser.add_argument("--video-frames", type=COUNT, default=5, help="pixel frames taken from --video")
+    parser.add_argument("--num-frames", type=FRAMES, help="pixel frames of each video (default: the run's "
+                                                          "sample_num_frames)")
+    parser.add_argument("--height", type=PIXELS, help="height in pixels (default: the run's sample_height)")
+    parser.add_argument("--width", type=PIXELS, help="width in pixels (default: the run's sample_width)")
+    parser.add_argument("--steps", type=COUNT, help="sampling steps (default: the run's sample_steps)")
+    parser.add_argument("--guidance-scale", type=GUIDANCE,
                         help="classifier-free guidance scale, 1 = off (default: the run's sample_guidance_scale)")
-    parser.add_argument("--shift", type=float, help="timestep shift of the sampling schedule (default: the "
-                                                    "run's sample_shift)")
-    parser.add_argument("--fresh-noise", type=float,
+    parser.add_argument("--shift", type=POSITIVE, help="timestep shift of the sampling schedule (default: the "
+                                                       "run's sample_shift)")
+    parser.add_argument("--fresh-noise", type=FRACTION,
                         help="share of fresh noise per step: 0 = Euler, 1 = re-noise the predicted "
                              "sample (default: the run's sample_fresh_noise)")
-    parser.add_argument("--seed", type=int, default=0, help="noise seed of the first prompt (the next "
-                                                            "ones count up)")
-    parser.add_argument("--fps", type=float, default=8.0, help="frame rate of the videos written")
+    parser.add_argument("--seed", type=SEED, default=0, help="noise seed of the first prompt (the next "
+                                                             "ones count up)")
+    parser.add_argument("--fps", type=POSITIVE, default=8.0, help="frame rate of the videos written")
     parser.add_argument("--ema", action="store_true", help="use the EMA weights of the checkpoint")
     add_placement_options(parser)
-    args = parser.parse_args(argv)
-    if args.image and args.video:
-        parser.error("give --image or --video, not both")
-    if args.fresh_noise is not None and not 0 <= args.fresh_noise <= 1:
-        parser.error(f"--fresh-noise must be in [0, 1], got {args.fresh_noise}")
+    return parser
 
-    world = init_world()
-    if placement_problem(args, world):
-        parser.error(placement_problem(args, world))
-    # Sharded: rank 0 alone reads the weights and sends every rank its shard.
-    weights, run_dir = resolve_weights(args.checkpoint, args.ema, args.lora) if world.rank == 0 else ({}, None)
-    if job is None:
-        config = args.config or (run_dir / "config.yaml" if run_dir else None)
-        if config is None:
-            parser.error("--config is needed with an exported .safetensors (and under torchrun)")
-        job = load_config_or_exit(["--config", str(config)], use_only=True)
+
+def settings_of(job, args) -> SampleSettings:
+    """The run's sampling defaults (its `validation` keys) with the options given over them."""
     v = job.validation
-    settings = SampleSettings(
+    return SampleSettings(
         num_frames=args.num_frames or v.sample_num_frames, height=args.height or v.sample_height,
         width=args.width or v.sample_width, steps=args.steps or v.sample_steps,
         guidance_scale=v.sample_guidance_scale if args.guidance_scale is None else args.guidance_scale,
         shift=args.shift or v.sample_shift, seed=args.seed,
         fresh_noise=v.sample_fresh_noise if args.fresh_noise is None else args.fresh_noise)
+
+
+def clip_problems(job, settings: SampleSettings, video_frames: int | None = None) -> list[str]:
+    """What the run's model cannot take of the clip size asked for (its VAE's factors and the
+    transformer's patch, from the config alone: nothing is loaded)."""
+    geometry = vae_geometry(job.vae)
+    pt, ph, pw = job.model.transformer_config_overrides.patch_size
+    return size_problems(settings.num_frames, settings.height, settings.width,
+                         temporal_factor=geometry.temporal_factor, spatial_factor=geometry.spatial_factor,
+                         frame_unit=pt, pixel_unit=(ph, pw), why=" for the transformer's patch",
+                         video_frames=video_frames)
+
+
+def _sample_pan(job, argv: list[str]) -> int:
+    parser = build_parser(job)
+    args = parser.parse_args(argv)
+    if args.image and args.video:
+        parser.error("give --image or --video, not both")
+    if job is None:  # no config beside the checkpoint, none in an exported file, none given
+        parser.error(f"--config is needed: {args.checkpoint} carries no run config (give the run's config.yaml)")
+    settings = settings_of(job, args)
+    problems = clip_problems(job, settings, args.video_frames if args.video else None)
+    if problems:  # judged from the config, before a weight is read
+        parser.error("; ".join(problems))
+
+    world = init_world()
+    if placement_problem(args, world):
+        parser.error(placement_problem(args, world))
+    # Sharded: rank 0 alone reads the weights and sends every rank its shard.
+    weights, _ = resolve_weights(args.checkpoint, args.ema, args.lora) if world.rank == 0 else ({}, None)
     device, dtype = world.device, sample_dtype(args.dtype, world.device)
     arch = job.model.transformer_config_overrides
     # The text encoder first, and gone before the transformer comes: they never share the GPU.

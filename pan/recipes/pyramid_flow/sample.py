@@ -13,16 +13,21 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from pan.config.arguments import COUNT, POSITIVE, SEED, number
 from pan.diffusion.pyramid_draws import PerSampleDraws
 from pan.diffusion.pyramid_latents import denormalize_latent
 from pan.diffusion.pyramid_sampler import sample_full_sequence
 from pan.encoders.pyramid_text import TextFeatures
+from pan.encoders.vae import vae_geometry
 from pan.models.packing import PackInfo
 from pan.parallel.fsdp import autocast_forward
 from pan.parallel.world import close_world, init_world, planned_task
 from pan.recipes.pyramid_flow.config import PyramidJobConfig
 from pan.recipes.pyramid_flow.model import build_dit
+from pan.recipes.pyramid_flow.rules import stage_unit
 from pan.sampling import (
+    FRAMES,
+    PIXELS,
     add_batch_size_option,
     add_placement_options,
     forward_activation_bytes,
@@ -32,8 +37,11 @@ from pan.sampling import (
     resolve_weights,
     sample_dtype,
     sample_parser,
+    size_problems,
     write_video,
 )
+
+GUIDANCE = number(at_least=0)  # classifier-free guidance: 1 is off, 0 the unconditional prediction
 
 
 def velocity_fn(model: nn.Module, features: list[TextFeatures]):
@@ -110,24 +118,50 @@ def placed_for_sampling(job: PyramidJobConfig, args: argparse.Namespace, parser:
     return task, model
 
 
-def sample_main(job: PyramidJobConfig, argv: list[str]) -> int:
-    """`pan sample` for a pyramid_flow run: text-to-video with the stage-by-stage sampler and CFG."""
+def clip_problems(job: PyramidJobConfig, num_frames: int, height: int, width: int,
+                  video_frames: int | None = None) -> list[str]:
+    """What the run's model cannot take of the clip size asked for: its VAE's factors, and latents
+    that halve `stages - 1` times and still cut into the DiT's patches (from the config alone)."""
+    geometry = vae_geometry(job.vae)
+    return size_problems(num_frames, height, width, temporal_factor=geometry.temporal_factor,
+                         spatial_factor=geometry.spatial_factor, pixel_unit=stage_unit(job),
+                         why=f" for the DiT's patch at the smallest of {job.pyramid.stages} pyramid stages",
+                         video_frames=video_frames)
+
+
+def refuse_clip_size(parser: argparse.ArgumentParser, job: PyramidJobConfig, args: argparse.Namespace) -> None:
+    """A parser error naming each size option the model cannot take, before anything is loaded."""
+    problems = clip_problems(job, args.num_frames, args.height, args.width,
+                             getattr(args, "video_frames", None) if getattr(args, "video", None) else None)
+    if problems:
+        parser.error("; ".join(problems))
+
+
+def build_parser(job: PyramidJobConfig) -> argparse.ArgumentParser:
+    """`pan sample`'s options for a pyramid_flow run (the defaults are the run's `validation` keys)."""
     v = job.validation
     parser = sample_parser("Generate videos from a pyramid_flow checkpoint (stage by stage, with CFG).")
-    parser.add_argument("--num-frames", type=int, default=v.sample_num_frames,
+    parser.add_argument("--num-frames", type=FRAMES, default=v.sample_num_frames,
                         help="pixel frames of each video (the run's sample_num_frames)")
-    parser.add_argument("--height", type=int, default=v.sample_height, help="height in pixels")
-    parser.add_argument("--width", type=int, default=v.sample_width, help="width in pixels")
-    parser.add_argument("--steps", type=int, nargs="+", default=v.sample_steps,
+    parser.add_argument("--height", type=PIXELS, default=v.sample_height, help="height in pixels")
+    parser.add_argument("--width", type=PIXELS, default=v.sample_width, help="width in pixels")
+    parser.add_argument("--steps", type=COUNT, nargs="+", default=v.sample_steps,
                         help="Euler steps of each pyramid stage (one number: every stage)")
-    parser.add_argument("--guidance-scale", type=float, default=v.sample_guidance_scale,
+    parser.add_argument("--guidance-scale", type=GUIDANCE, default=v.sample_guidance_scale,
                         help="classifier-free guidance scale against the empty caption (1: off)")
-    parser.add_argument("--seed", type=int, default=0, help="noise seed of the first prompt (the next ones count up)")
-    parser.add_argument("--fps", type=float, default=v.sample_fps, help="frame rate of the videos written")
+    parser.add_argument("--seed", type=SEED, default=0, help="noise seed of the first prompt (the next ones count up)")
+    parser.add_argument("--fps", type=POSITIVE, default=v.sample_fps, help="frame rate of the videos written")
     add_batch_size_option(parser, v.sample_batch_size)
     parser.add_argument("--ema", action="store_true", help="use the EMA weights of the checkpoint")
     add_placement_options(parser)
+    return parser
+
+
+def sample_main(job: PyramidJobConfig, argv: list[str]) -> int:
+    """`pan sample` for a pyramid_flow run: text-to-video with the stage-by-stage sampler and CFG."""
+    parser = build_parser(job)
     args = parser.parse_args(argv)
+    refuse_clip_size(parser, job, args)
     with sampling_world() as world:
         task, model = placed_for_sampling(job, args, parser, world, num_frames=args.num_frames,
                                           height=args.height, width=args.width)

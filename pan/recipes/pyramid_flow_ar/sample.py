@@ -6,21 +6,23 @@ The `task` the functions take is the run's task (a PyramidFlowARTask) with its e
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 import torch
 from torch import Tensor, nn
 
+from pan.config.arguments import COUNT, POSITIVE, SEED
 from pan.diffusion.pyramid_draws import PerSampleDraws
 from pan.diffusion.pyramid_latents import denormalize_latent, normalize_latent
 from pan.diffusion.pyramid_units import unit_frames
 from pan.diffusion.pyramid_sampler import sample_autoregressive
 from pan.encoders.pyramid_text import TextFeatures
 from pan.models.packing import PackInfo
-from pan.recipes.pyramid_flow.sample import placed_for_sampling, sampling_world
+from pan.recipes.pyramid_flow.sample import GUIDANCE, placed_for_sampling, refuse_clip_size, sampling_world
 from pan.recipes.pyramid_flow_ar.config import PyramidARJobConfig
-from pan.sampling import (add_batch_size_option, add_placement_options, load_condition,
-                          prompt_batches, sample_parser, write_video)
+from pan.sampling import (CONDITION_IMAGE, CONDITION_VIDEO, FRAMES, PIXELS, add_batch_size_option,
+                          add_placement_options, load_condition, prompt_batches, sample_parser, write_video)
 
 
 def history_velocity(model: nn.Module, features: list[TextFeatures]):
@@ -90,37 +92,43 @@ def context_latent(task, path: str, *, frames: int, height: int, width: int) -> 
     return normalize_latent(raw[None, :, :unit_frames(units, fpu)], task.job.pyramid)
 
 
-def sample_main(job: PyramidARJobConfig, argv: list[str]) -> int:
-    """`pan sample` for a pyramid_flow_ar run: unit by unit, each through the spatial pyramid, with
-    CFG; from text, from a first image (--image) or continuing a clip (--video)."""
+def build_parser(job: PyramidARJobConfig) -> argparse.ArgumentParser:
+    """`pan sample`'s options for a pyramid_flow_ar run (the defaults are the run's `validation` keys)."""
     v = job.validation
     parser = sample_parser("Generate videos autoregressively from a pyramid_flow_ar checkpoint (unit by unit, "
                            "with CFG).")
-    parser.add_argument("--image", help="first frame (image-to-video): generation continues after it")
-    parser.add_argument("--video", help="a clip whose first --video-frames frames are continued")
-    parser.add_argument("--video-frames", type=int, default=None,
+    parser.add_argument("--image", type=CONDITION_IMAGE,
+                        help="first frame (image-to-video): generation continues after it")
+    parser.add_argument("--video", type=CONDITION_VIDEO, help="a clip whose first --video-frames frames are continued")
+    parser.add_argument("--video-frames", type=FRAMES, default=None,
                         help="pixel frames taken from --video (default: 1 + one VAE frame group)")
-    parser.add_argument("--num-frames", type=int, default=v.sample_num_frames, help="pixel frames in all")
-    parser.add_argument("--height", type=int, default=v.sample_height, help="height in pixels")
-    parser.add_argument("--width", type=int, default=v.sample_width, help="width in pixels")
-    parser.add_argument("--steps", type=int, nargs="+", default=v.sample_steps, help="first unit")
-    parser.add_argument("--video-steps", type=int, nargs="+", default=v.sample_video_steps, help="later units")
-    parser.add_argument("--guidance-scale", type=float, default=v.sample_guidance_scale,
+    parser.add_argument("--num-frames", type=FRAMES, default=v.sample_num_frames, help="pixel frames in all")
+    parser.add_argument("--height", type=PIXELS, default=v.sample_height, help="height in pixels")
+    parser.add_argument("--width", type=PIXELS, default=v.sample_width, help="width in pixels")
+    parser.add_argument("--steps", type=COUNT, nargs="+", default=v.sample_steps, help="first unit")
+    parser.add_argument("--video-steps", type=COUNT, nargs="+", default=v.sample_video_steps, help="later units")
+    parser.add_argument("--guidance-scale", type=GUIDANCE, default=v.sample_guidance_scale,
                         help="classifier-free guidance scale of the first unit (1: off)")
-    parser.add_argument("--video-guidance-scale", type=float, default=v.sample_video_guidance_scale,
+    parser.add_argument("--video-guidance-scale", type=GUIDANCE, default=v.sample_video_guidance_scale,
                         help="classifier-free guidance scale of every later unit")
-    parser.add_argument("--max-history-units", type=int, default=v.sample_max_history_units,
+    parser.add_argument("--max-history-units", type=COUNT, default=v.sample_max_history_units,
                         help="condition each unit on at most this many previous units (none: all)")
-    parser.add_argument("--seed", type=int, default=0, help="noise seed of the first prompt (the next ones count up)")
-    parser.add_argument("--fps", type=float, default=v.sample_fps, help="frame rate of the videos written")
+    parser.add_argument("--seed", type=SEED, default=0, help="noise seed of the first prompt (the next ones count up)")
+    parser.add_argument("--fps", type=POSITIVE, default=v.sample_fps, help="frame rate of the videos written")
     add_batch_size_option(parser, v.sample_batch_size)
     parser.add_argument("--ema", action="store_true", help="use the EMA weights of the checkpoint")
     add_placement_options(parser)
+    return parser
+
+
+def sample_main(job: PyramidARJobConfig, argv: list[str]) -> int:
+    """`pan sample` for a pyramid_flow_ar run: unit by unit, each through the spatial pyramid, with
+    CFG; from text, from a first image (--image) or continuing a clip (--video)."""
+    parser = build_parser(job)
     args = parser.parse_args(argv)
     if args.image and args.video:
         parser.error("give --image or --video, not both")
-    if args.max_history_units is not None and args.max_history_units < 1:
-        parser.error("--max-history-units must be >= 1")
+    refuse_clip_size(parser, job, args)
     with sampling_world() as world:
         # One clip per sync group: sampling draws each prompt's own noise.
         job = dataclasses.replace(job, ar=dataclasses.replace(job.ar, video_sync_group=1))

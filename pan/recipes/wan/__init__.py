@@ -7,7 +7,9 @@ by flow matching on packed video batches.
     precompute.py   `pan data precompute`: the folder's VAE latents and umT5 features
     text.py         umT5 prompts as WanPipeline encodes them
     sample.py       `pan sample`: diffusers' WanPipeline with the run's weights
-    export.py       `pan export --format wan_diffusers`: checkpoints as diffusers transformer folders
+    demo.py         `pan demo --recipe wan`: a tiny random Wan trained on the synthetic shapes, scored
+    tiny.py         tiny Wan diffusers folders written by diffusers (the demo's; the tests' sizes)
+    export.py       `pan export --format wan_diffusers / wan_lora`: diffusers transformer folders, LoRA files
     model.py        the transformer (diffusers' WanTransformer3DModel on packed batches)
     weights.py      its diffusers `transformer/` folders, read and written as they are
 """
@@ -22,5 +24,7 @@ RECIPE = Recipe(
     description="Wan 2.1 / 2.2: flow-matching fine-tuning of a diffusers Wan folder's transformer(s)",
     precompute="pan.recipes.wan.precompute:WanFormat",
     sample="pan.recipes.wan.sample:sample_wan",
-    exports={"wan_diffusers": "pan.recipes.wan.export:export_diffusers"},
+    demo="pan.recipes.wan.demo:demo",
+    exports={"wan_diffusers": "pan.recipes.wan.export:export_diffusers",
+             "wan_lora": "pan.recipes.wan.export:export_lora"},
 )

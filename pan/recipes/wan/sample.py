@@ -8,12 +8,15 @@ tokenizer, VAE (fp32) and scheduler (UniPC with flow sigmas, `flow_shift` from t
 its base with the adapters merged; --lora merges a peft folder's) in place of the folder's; an expert
 the run did not train (A14B with one expert) stays the folder's. Parameter names are the same on
 both sides (pan/recipes/wan/weights.py), so the sampler is exactly WanPipeline's: prompts encoded and
-padded to 512 rows, classifier-free guidance with --negative-prompt (A14B: --guidance-scale-2 for the
+padded to the run's `max_text_tokens` rows (512 for the releases, as WanPipeline pads them: what
+the transformer saw in training), classifier-free guidance with --negative-prompt (A14B: --guidance-scale-2 for the
 low-noise expert), the experts switched at boundary_ratio, TI2V folders' per-token timesteps.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from pathlib import Path
 
 import torch
@@ -34,10 +37,48 @@ def wan_pipeline(job, weights: dict[str, dict[str, torch.Tensor]], device: torch
     for name, state in weights.items():
         model = getattr(pipe, name)
         model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
-    pipe.vae.to(torch.float32)
+    if dtype != torch.float32:
+        pipe.vae.to(torch.float32)
     if flow_shift is not None:
         pipe.scheduler = UniPCMultistepScheduler.from_config(pipe.scheduler.config, flow_shift=flow_shift)
     return pipe.to(device)
+
+
+def pipeline_num_frames(pipe, frames: int) -> int:
+    """The `num_frames` to ask WanPipeline for so that it makes `frames` frames. WanPipeline rounds a
+    count that is not 1 + k x (the VAE's temporal factor) up to the next one, and with a VAE that does
+    not compress time (factor 1: the demo's pixel codec) every count n % 1 = 0 != 1 is "rounded" to
+    n + 1: so it is asked for one frame fewer there."""
+    temporal = pipe.vae_scale_factor_temporal
+    return frames - 1 if temporal == 1 else frames
+
+
+@contextlib.contextmanager
+def _quiet_frame_rounding(pipe):
+    """WanPipeline's warning about that rounding, silenced while pipeline_num_frames undoes it."""
+    log = logging.getLogger(type(pipe).__module__)
+    level = log.level
+    if pipe.vae_scale_factor_temporal == 1:
+        log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+@torch.no_grad()
+def generate(pipe, prompts: list[str], seeds: list[int], *, height: int, width: int, num_frames: int, steps: int,
+             guidance_scale: float, max_sequence_length: int, negative_prompt: str = "", **extra) -> torch.Tensor:
+    """WanPipeline's videos of `prompts` in one call (prompt i drawn with the noise of seed i), as
+    [B, T, 3, H, W] in [0, 1] on the CPU (fp32)."""
+    device = pipe.transformer.device
+    generators = [torch.Generator(device).manual_seed(seed) for seed in seeds]
+    with _quiet_frame_rounding(pipe):
+        frames = pipe(prompt=prompts, negative_prompt=[negative_prompt] * len(prompts), height=height, width=width,
+                      num_frames=pipeline_num_frames(pipe, num_frames), num_inference_steps=steps,
+                      guidance_scale=guidance_scale, generator=generators, output_type="pt",
+                      max_sequence_length=max_sequence_length, **extra).frames
+    return frames.float().cpu()
 
 
 def sample_wan(job, argv: list[str]) -> int:
@@ -70,9 +111,9 @@ def sample_wan(job, argv: list[str]) -> int:
     extra = {} if args.guidance_scale_2 is None else {"guidance_scale_2": args.guidance_scale_2}
     get_logger().info("sampling %d prompt(s) with %s", len(args.prompt), job.model.model_path)
     for i, prompt in enumerate(args.prompt):
-        generator = torch.Generator(device).manual_seed(args.seed + i)
-        video = pipe(prompt=prompt, negative_prompt=args.negative_prompt, height=args.height, width=args.width,
-                     num_frames=args.num_frames, num_inference_steps=args.steps, guidance_scale=args.guidance_scale,
-                     generator=generator, output_type="pt", **extra).frames[0]       # [T, 3, H, W] in [0, 1]
-        write_video(Path(args.out), i, len(args.prompt), video.float().cpu() * 2 - 1, prompt, args.fps)
+        (video,) = generate(pipe, [prompt], [args.seed + i], height=args.height, width=args.width,
+                            num_frames=args.num_frames, steps=args.steps, guidance_scale=args.guidance_scale,
+                            max_sequence_length=job.model.max_text_tokens, negative_prompt=args.negative_prompt,
+                            **extra)                                                   # [T, 3, H, W] in [0, 1]
+        write_video(Path(args.out), i, len(args.prompt), video * 2 - 1, prompt, args.fps)
     return 0
