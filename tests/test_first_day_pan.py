@@ -78,7 +78,9 @@ def test_a_short_runs_checkpoints_and_the_estimated_mfu_are_no_noise(tmp_path, c
     assert code == 0
     status, detail = rows["output dir"][0]
     assert status == "pass" and "2 checkpoint(s) kept" in detail, detail
-    assert "compute alone" in rows["step time"][0][1]
+    # What its MFU counts, or (where the estimate outruns the measured peak) that it prints none.
+    step_time = rows["step time"][0][1]
+    assert "compute alone" in step_time or ("no MFU" in step_time and "unreliable" in step_time), step_time
 
 
 def test_synth_help_shows_its_defaults(capsys):

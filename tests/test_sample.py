@@ -166,4 +166,8 @@ def test_a_missing_encoder_is_still_refused_by_name(run, tmp_path):
 def test_an_unreadable_safetensors_is_refused_by_name(tmp_path):
     (tmp_path / "broken.safetensors").write_bytes(b"not a safetensors file")
     for path in (tmp_path / "broken.safetensors", tmp_path / "missing.safetensors"):
-        assert sample_main(["--checkpoint", str(path), "--out", str(tmp_path / "a.mp4"), *ARGS]) == 2
+        try:  # refused by the command (exit code) or by its parser (argparse's SystemExit 2)
+            code = sample_main(["--checkpoint", str(path), "--out", str(tmp_path / "a.mp4"), *ARGS])
+        except SystemExit as e:
+            code = e.code
+        assert code == 2, path
