@@ -66,10 +66,6 @@ def latent_channels() -> int:
     return vae_config()["encoder_out_channels"]
 
 
-def columns(tensors: dict) -> list[int]:
-    """The column indices of a fixture call (`in.sample.col<c>.*`, `out.noisy.col<c>.*`, ...)."""
-    return sorted({int(k.split(".col")[1].split(".")[0]) for k in tensors if ".col" in k})
-
 
 # Gradients against the fp32 fixtures: pan's float64 gradients, within rtol 1e-4 and an atol of
 # FP32_NOISE_FACTOR x the fp32 rounding of the same call measured here (`fp32_noise`: pan's fp32

@@ -1,7 +1,8 @@
 """Make a set of Pyramid-Flow reference fixtures with the ORIGINAL code, in the public set's layout.
 
     python tests/fixturegen/make_pyramid_fixtures.py --out DIR [--preset second] [--seed N]
-        [--set KEY=VALUE ...] [--parts dit,scheduler,vae,loss] [--original DIR] [--deps DIR] [--numpy1 DIR]
+        [--set KEY=VALUE ...] [--parts scheduler,dit,vae,loss] [--quick] [--original DIR] [--deps DIR]
+        [--numpy1 DIR]
 
 The public set (`../shared/reference/pyramid_flow`, its README.md is the contract) was made by a
 generator that is not in that folder; this one follows the README section by section so that the
@@ -33,7 +34,7 @@ Not written: `original/` (the code; tests/pyramid_reference.py takes it from the
 
 All computation is fp32 on CPU, each call seeded from the set's seed; a float64 run of the same calls
 (the model in double, the same inputs and draws) is recorded beside each fixture as `fp64_reference`
-(the fp32 rounding scale of README section 1).
+(the fp32 rounding scale of README section 1), unless --quick.
 """
 
 from __future__ import annotations
@@ -828,7 +829,9 @@ def make_loss_fixtures(cfg: dict, folder: Path, root: Path, results: dict, tmp: 
                       {"in.x": "input clip [1,3,T,H,W] in [-1,1]", "draw.": "posterior.sample() eps (randn_tensor)",
                        "built.": "intermediate (see README 5.4)", "out.": "wrapper return value",
                        "log.": "loss log entry", "grad.": "d rec_loss / d param"})
-        results[case] = {"rec_loss": float(rec_loss)} | ({"gan_loss": float(gan_loss)} if gan_loss is not None else {})
+        results[case] = {"rec_loss": float(rec_loss.detach())}
+        if gan_loss is not None:
+            results[case]["gan_loss"] = float(gan_loss.detach())
     return {"lpips": lpips_info, "discriminator": disc_info}
 
 
