@@ -178,6 +178,7 @@ def diffusers_per_length_step(model, clips: SimpleNamespace):
 
 def agreement(pan: WanTransformer, pan_loss: torch.Tensor, reference, reference_loss: torch.Tensor) -> dict:
     """Loss and per-parameter gradient differences after one step of each (fp32)."""
+    pan_loss, reference_loss = pan_loss.detach(), torch.as_tensor(reference_loss).detach()
     ref = dict(reference.named_parameters())
     worst, name = 0.0, None
     for key, p in pan.named_parameters():
@@ -185,8 +186,8 @@ def agreement(pan: WanTransformer, pan_loss: torch.Tensor, reference, reference_
         diff = ((p.grad - ref[key].grad).abs().max() / scale).item()
         if diff > worst:
             worst, name = diff, key
-    return {"pan_loss": pan_loss.item(), "diffusers_loss": float(reference_loss),
-            "loss_rel_diff": abs(pan_loss.item() - float(reference_loss)) / abs(float(reference_loss)),
+    return {"pan_loss": pan_loss.item(), "diffusers_loss": reference_loss.item(),
+            "loss_rel_diff": abs(pan_loss.item() - reference_loss.item()) / abs(reference_loss.item()),
             "grad_max_rel_diff": worst, "grad_worst_tensor": name}
 
 
@@ -207,7 +208,7 @@ def measure_case(case: str, reference, args) -> dict:
         candidates = {"pan": pan_step(pan, clips), "diffusers_padded": diffusers_padded_step(reference, clips),
                       "diffusers_per_length": diffusers_per_length_step(reference, clips)}
         exact = "diffusers_per_length"
-        row["padded_loss"] = candidates["diffusers_padded"]().item()
+        row["padded_loss"] = candidates["diffusers_padded"]().detach().item()
     reference_loss = candidates[exact]()
     row |= agreement(pan, candidates["pan"](), reference, reference_loss)
     if row["loss_rel_diff"] > 1e-4:

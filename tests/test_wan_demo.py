@@ -63,8 +63,8 @@ def test_quick_demo_writes_its_outputs(quick):
 
 
 def test_the_demo_folder_is_a_wan_pipeline_that_codes_pixels(quick):
-    """diffusers loads the demo's folder; its VAE encodes frames as their own pixels (normalised by the
-    clips' statistics) and decodes them back; the text encoder is per-word (no layers)."""
+    """diffusers loads the demo's folder; its VAE encodes frames as their own pixels plus the place
+    channel and decodes them back; the text encoder is per-word (no layers)."""
     folder = quick / "model"
     pipe = diffusers.WanPipeline.from_pretrained(folder)
     assert pipe.text_encoder.config.num_layers == 0
@@ -73,22 +73,34 @@ def test_the_demo_folder_is_a_wan_pipeline_that_codes_pixels(quick):
     with torch.no_grad():
         latent = pipe.vae.encode(pixels).latent_dist.mode()
         back = pipe.vae.decode(latent).sample
-    assert latent.shape == pixels.shape
-    torch.testing.assert_close(latent, pixels, rtol=0, atol=CODEC_TOL)
+    assert latent.shape == (1, 4, *pixels.shape[2:]) and pipe.transformer.config.in_channels == 4
+    torch.testing.assert_close(latent[:, :3], pixels, rtol=0, atol=CODEC_TOL)
     torch.testing.assert_close(back, pixels, rtol=0, atol=CODEC_TOL)
-    stats = pipe.vae.config
+    stats = pipe.vae.config    # the clips' pixels, then the place map
     assert all(-1 < m < 1 for m in stats.latents_mean) and all(0 < s < 1 for s in stats.latents_std)
 
 
-def test_pixel_vae_codes_any_frames():
-    vae = tiny.pixel_vae([0.0, 0.1, -0.1], [0.5, 0.6, 0.7])
+@pytest.mark.parametrize("place", [False, True])
+def test_pixel_vae_codes_any_frames(place):
+    """The codec gives back any frames, whatever their size and count (the latents are the pixels);
+    with `place`, a fourth channel is the share of each pixel's 3 x 3 x 3 causal neighbourhood inside
+    the clip, the same for every clip, and the decoder reads the pixels alone."""
+    channels = 4 if place else 3
+    vae = tiny.pixel_vae([0.0, 0.1, -0.1, 0.5][:channels], [0.5, 0.6, 0.7, 0.2][:channels], place=place)
     pixels = torch.rand(2, 3, 9, 8, 12, generator=torch.Generator().manual_seed(0)) * 2 - 1
     with torch.no_grad():
         posterior = vae.encode(pixels).latent_dist
         back = vae.decode(posterior.mode()).sample
-    torch.testing.assert_close(posterior.mode(), pixels, rtol=0, atol=CODEC_TOL)
-    torch.testing.assert_close(posterior.sample(), pixels, rtol=0, atol=CODEC_TOL)   # the variance at the floor
+    torch.testing.assert_close(posterior.mode()[:, :3], pixels, rtol=0, atol=CODEC_TOL)
+    torch.testing.assert_close(posterior.sample()[:, :3], pixels, rtol=0, atol=CODEC_TOL)   # variance at the floor
     torch.testing.assert_close(back, pixels, rtol=0, atol=CODEC_TOL)
+    if place:
+        share = posterior.mode()[0, 3]                                                   # [T, H, W]
+        inside = torch.ones(1, 1, 9 + 2, 8, 12)
+        inside[:, :, :2] = 0                                                             # the causal padding
+        expected = torch.nn.functional.conv3d(inside, torch.ones(1, 1, 3, 3, 3) / 27, padding=(0, 1, 1))[0, 0]
+        torch.testing.assert_close(share, expected, rtol=0, atol=CODEC_TOL)
+        assert abs(share[0, 0, 0] - 4 / 27) < CODEC_TOL and abs(share[4, 3, 3] - 1) < CODEC_TOL
 
 
 def test_word_tokenizer_keeps_the_captions_words_whole():

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from pan.config import load_config_or_exit
 from pan.data.precompute import precompute
@@ -43,9 +44,10 @@ from pan.trainer import build_trainer
 
 # The other demos' clips: 5 frames of 16 x 16, shapes 44-52% of the frame, colour at full resolution.
 WAN_SIZE, WAN_FRAMES = 16, 5
-# The transformer: patches of 1 x 4 x 4 pixels (80 tokens a clip, as the Pan demo), width 128 in 4 heads
-# of 32 (RoPE: 12 dims on time, 10 on each spatial axis), 4 blocks.
-TRANSFORMER = dict(patch_size=[1, 4, 4], num_attention_heads=4, attention_head_dim=32, freq_dim=64, ffn_dim=512,
+# The transformer: patches of 1 x 4 x 4 pixels (80 tokens a clip, as the Pan demo), width 128 in 2 heads
+# of 64 (Wan's RoPE, theta 10000: 24 dims on time, 20 on each spatial axis; 4 heads of 32 read the
+# direction words in 60% of the held-out prompts, docs/wan.md), 4 blocks.
+TRANSFORMER = dict(patch_size=[1, 4, 4], num_attention_heads=2, attention_head_dim=64, freq_dim=64, ffn_dim=512,
                    num_layers=4, cross_attn_norm=True, eps=1e-6)
 # umT5 of no layers: per-word features (its token embeddings after the final RMSNorm), 32 wide.
 TEXT = dict(d_model=32, d_kv=16, d_ff=64, num_layers=0, num_heads=2)
@@ -69,21 +71,28 @@ def caption_corpus() -> list[str]:
     return [caption_for(c, s, d) for c in PALETTE for s in SHAPES for d in DIRECTIONS]
 
 
-def clip_statistics(train_csv: Path) -> tuple[list[float], list[float]]:
-    """Per-channel mean and std of the training clips' pixels in [-1, 1]: the pixel codec's
-    latents_mean / latents_std (as a release's are its VAE's latent statistics over its data)."""
+def latent_statistics(train_csv: Path) -> tuple[list[float], list[float]]:
+    """Per-channel mean and std of the training clips' latents under the pixel codec (the VAE's
+    latents_mean / latents_std, as a release's are its VAE's latent statistics over its data): the
+    pixels in [-1, 1], then the place channel (the same map for every clip of the demo's size)."""
     source = read_video_csv(train_csv)
     pixels = np.concatenate([load_video(source.resolve(source.field(row, "path"))).reshape(-1, 3)
                              for row in source.rows])
     values = pixels.astype(np.float64) / 127.5 - 1.0
-    return [round(float(v), 4) for v in values.mean(0)], [round(float(v), 4) for v in values.std(0)]
+    plain = tiny.pixel_vae([0.0] * 4, [1.0] * 4, place=True)
+    with torch.no_grad():
+        place = plain.encode(torch.zeros(1, 3, WAN_FRAMES, WAN_SIZE, WAN_SIZE)).latent_dist.mode()[0, 3].double()
+    mean = [*values.mean(0).tolist(), place.mean().item()]
+    std = [*values.std(0).tolist(), place.std().item()]
+    return [round(v, 4) for v in mean], [round(v, 4) for v in std]
 
 
 def write_tiny_wan(folder: Path, latents_mean: list[float], latents_std: list[float], seed: int = 0) -> Path:
     """The demo's Wan folder: a random WanTransformer3DModel with Wan's init for training from scratch,
-    the per-word umT5 and its tokenizer, the pixel codec VAE, UniPC with FLOW_SHIFT. Seeded."""
+    the per-word umT5 and its tokenizer, the pixel codec VAE with its place channel, UniPC with
+    FLOW_SHIFT. Seeded."""
     pipe = tiny.build_pipeline(tiny.word_tokenizer(caption_corpus()), text=TEXT,
-                               vae=tiny.pixel_vae(latents_mean, latents_std), transformer=TRANSFORMER,
+                               vae=tiny.pixel_vae(latents_mean, latents_std, place=True), transformer=TRANSFORMER,
                                flow_shift=FLOW_SHIFT, seed=seed, perturb=False, wan_init=True)
     return tiny.write_folder(pipe, folder)
 
@@ -148,7 +157,7 @@ def run(args: argparse.Namespace) -> dict:
     with announced("writing the synthetic clips"):
         data = make_data(out / "data", args.quick, WAN_SIZE, WAN_FRAMES, shape_size=SHAPE_SIZE, pix_fmt=PIX_FMT)
     with announced("writing the tiny Wan folder (transformer, umT5 and its tokenizer, pixel VAE, scheduler)"):
-        model_path = write_tiny_wan(out / "model", *clip_statistics(data["train_csv"]))
+        model_path = write_tiny_wan(out / "model", *latent_statistics(data["train_csv"]))
     run_dir = out / "run"
     fresh_run_dir(run_dir)
     config = write_wan_config(args, data, model_path, run_dir, out / "wan.yaml")

@@ -71,7 +71,7 @@ def word_tokenizer(corpus: Iterable[str], model_max_length: int = 512):
     return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=model_max_length)
 
 
-def pixel_vae(latents_mean: Sequence[float], latents_std: Sequence[float], width: int = 8):
+def pixel_vae(latents_mean: Sequence[float], latents_std: Sequence[float], width: int = 8, place: bool = False):
     """An `AutoencoderKLWan` (Wan 2.1 layout: no spatial or temporal compression, one resolution level)
     that encodes RGB frames in [-1, 1] as themselves and decodes them back, to ~1e-6.
 
@@ -81,14 +81,21 @@ def pixel_vae(latents_mean: Sequence[float], latents_std: Sequence[float], width
     closing RMS norm divides by the channels' norm sqrt(2|v|^2 + K^2) = K (1 + O(|v|^2 / K^2)) and its
     gains multiply by K again; SiLU(a) - SiLU(-a) = a exactly, so the last conv takes the difference of
     the v and -v channels. 1x1 quant convs are identities; the log-variance is diffusers' floor.
-    `latents_mean` / `latents_std` (3 each) normalise the latents as a release's statistics do."""
+
+    `place`: a fourth latent channel, the share of each pixel's 3 x 3 x 3 causal neighbourhood that lies
+    inside the clip (the encoder's last conv over the constant channel, zero-padded): lower on the
+    frame's border and in the first two frames, as a real Wan VAE's zero-padded convolutions and its
+    single-frame first chunk make border and first-frame latents differ. The decoder ignores it.
+    `latents_mean` / `latents_std` (one per latent channel) normalise the latents as a release's
+    statistics do."""
     from diffusers import AutoencoderKLWan
 
+    z = 4 if place else 3
     if width < 7:
         raise ValueError(f"width {width}: the codec needs 7 channels (v, -v, the constant)")
-    if len(latents_mean) != 3 or len(latents_std) != 3:
-        raise ValueError("latents_mean and latents_std: one value per RGB channel")
-    vae = AutoencoderKLWan(base_dim=width, z_dim=3, dim_mult=[1], num_res_blocks=1, temperal_downsample=[],
+    if len(latents_mean) != z or len(latents_std) != z:
+        raise ValueError(f"latents_mean and latents_std: one value per latent channel ({z})")
+    vae = AutoencoderKLWan(base_dim=width, z_dim=z, dim_mult=[1], num_res_blocks=1, temperal_downsample=[],
                            scale_factor_temporal=1, scale_factor_spatial=1, latents_mean=list(latents_mean),
                            latents_std=list(latents_std))
     with torch.no_grad():
@@ -105,8 +112,11 @@ def pixel_vae(latents_mean: Sequence[float], latents_std: Sequence[float], width
             _take_difference(coder.norm_out, coder.conv_out)
         # the encoder's head gives (mean, log-variance): the mean as above, the log-variance at the floor
         conv_out = vae.encoder.conv_out
-        conv_out.weight[3:] = 0.0
-        conv_out.bias[3:] = PIXEL_VAE_LOGVAR
+        conv_out.weight[z:] = 0.0
+        conv_out.bias[z:] = PIXEL_VAE_LOGVAR
+        if place:   # the constant channel, normalised to K / |x| ~ 1, through SiLU, summed over the kernel
+            vae.encoder.norm_out.gamma[6] = 1.0 / math.sqrt(width)
+            conv_out.weight[3, 6] = 1.0 / (conv_out.weight[3, 6].numel() * torch.nn.functional.silu(torch.tensor(1.0)))
         for quant in (vae.quant_conv, vae.post_quant_conv):
             quant.weight.zero_()
             quant.weight[:, :, 0, 0, 0] = torch.eye(quant.weight.shape[0])
