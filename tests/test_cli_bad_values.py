@@ -5,10 +5,13 @@ negative number, a size the model cannot take, an unknown name or choice), and e
 refusal: exit 2, a message naming the option, and no traceback.
 
 The kinds come from the option's `type` (pan/config/arguments.py: each `ValueType` names its kind,
-and a number the values its bounds refuse); an option of a plain `int`/`float` must refuse 0 and -1,
-and a plain string one an unknown name unless it is free text (a prompt). `pan sample`'s options are
-its run's recipe's: they are walked on a real tiny run (config/tiny_cpu.yaml, 2 steps). The commands
-run in this process (argparse's SystemExit caught); two go through the `pan` console script.
+and a number the values its bounds refuse, nan and inf among them); a number option of a plain
+`int`/`float` is itself a finding (it takes nan, inf and whatever its bounds exclude: only its type
+knows them), and a plain string one must refuse an unknown name unless it is free text (a prompt).
+`pan sample`'s options are its run's recipe's: they are walked on a real tiny run
+(config/tiny_cpu.yaml, 2 steps), and every registered recipe's sampler (from the registry: built in
+and plugins) in its parser. The commands run in this process (argparse's SystemExit caught); two go
+through the `pan` console script.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import io
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +30,8 @@ import pytest
 
 from pan import cli
 from pan.config import load_job_config
-from pan.config.arguments import input_file
+from pan.config.arguments import input_file, looked_up
+from pan.recipe import get_recipe, recipe_names, resolve
 from pan.data.synth import synth_dataset
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,6 +82,20 @@ class Bad:
         return str(Path(self.file) / "inside")
 
 
+def untyped(action: argparse.Action) -> str | None:
+    """The finding for an option whose type is not one of pan.config.arguments: a plain int/float
+    takes nan, inf and numbers out of its bounds, a plain Path a missing or unreadable file; only a
+    typed value knows what its option takes."""
+    if action.type in (int, float):
+        return (f"{needle(action)}: a plain {action.type.__name__} takes {'nan, inf, ' * (action.type is float)}0 "
+                "and negatives, whatever the option's bounds: give it a type of pan.config.arguments (COUNT, "
+                "SEED, POSITIVE, whole_number(...), number(...))")
+    if action.type is not None and getattr(action.type, "kind", None) is None:
+        name = getattr(action.type, "__name__", action.type)
+        return f"{needle(action)}: type {name} has no kind: give it a type of pan.config.arguments"
+    return None
+
+
 def bad_values(action: argparse.Action, bad: Bad) -> list[tuple[str, str]] | None:
     """(what, value) of each bad value of the option's kind; None for an option that takes none
     (a flag, help) or free text."""
@@ -110,8 +129,6 @@ def bad_values(action: argparse.Action, bad: Bad) -> list[tuple[str, str]] | Non
     if refuses:
         return [(f"{value} (out of bounds)", value) for value in refuses]
     assert kind is None, f"{option or action.dest}: the walk knows no bad values of kind {kind!r}"
-    if action.type in (int, float):
-        return [("zero", "0"), ("a negative number", "-1")]
     assert action.type is None, f"{option or action.dest}: type {action.type!r} without a kind (pan.config.arguments)"
     if option in FREE_TEXT:
         return None
@@ -184,6 +201,10 @@ def walk(prefix: list[str], parser: argparse.ArgumentParser, base: list[str], ba
             continue  # a hidden positional (export's out_file) is the same as its option
         if needle(action) in skip:
             continue
+        if untyped(action):
+            problems.append(f"pan {' '.join(prefix)} {untyped(action)}")
+            count += 1
+            continue
         for what, value in bad_values(action, bad) or []:
             argv = prefix + with_value(base, action, value)
             code, text = run_pan(argv)
@@ -196,9 +217,10 @@ def walk(prefix: list[str], parser: argparse.ArgumentParser, base: list[str], ba
     return problems
 
 
-def captured_parser(argv: list[str], wanted) -> argparse.ArgumentParser:
-    """The parser a command builds inside `pan ARGV` for a command without a `build_parser`: the
-    first whose `wanted(parser)` holds, taken when it starts parsing (the command goes no further)."""
+def captured_parser(argv: list[str] | Callable[[], object], wanted) -> argparse.ArgumentParser:
+    """The parser a command builds inside `pan ARGV` (or inside `argv()`, a callable) for a command
+    without a `build_parser`: the first whose `wanted(parser)` holds, taken when it starts parsing
+    (the command goes no further)."""
     class Got(Exception):
         pass
 
@@ -211,12 +233,12 @@ def captured_parser(argv: list[str], wanted) -> argparse.ArgumentParser:
 
     argparse.ArgumentParser.parse_known_args = grab
     try:
-        cli.main(argv)
+        argv() if callable(argv) else cli.main(argv)
     except Got as got:
         return got.args[0]
     finally:
         argparse.ArgumentParser.parse_known_args = original
-    raise AssertionError(f"pan {' '.join(argv)} built no parser that was wanted")
+    raise AssertionError(f"{argv if callable(argv) else 'pan ' + ' '.join(argv)} built no parser that was wanted")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -299,6 +321,8 @@ def test_data(bad, data, tmp_path):
     precompute = ["--config", str(TINY), "--video_csv_paths", str(data["train_csv"]), "--out", str(tmp_path / "pre")]
     problems += walk(["data", "precompute"], precompute_parser(), precompute, bad)
     problems += loader_config_problems(["data", "precompute"], precompute[2:], bad)
+    from pan.data.index import build_parser as index_parser
+    problems += walk(["data", "index"], index_parser(), [str(data["train_csv"]), "--out", str(tmp_path / "idx")], bad)
     code, text = run_pan(["data", "no-such-tool"])
     if code != 2:
         problems.append(f"pan data no-such-tool -> exit {code}")
@@ -323,58 +347,85 @@ def test_sample(bad, run, tmp_path):
     assert not (problems := walk(["sample"], module.build_parser(job), base, bad)), "\n".join(problems)
 
 
-def test_every_recipes_sampler_refuses_in_its_parser(bad, tmp_path):
-    """The samplers of the recipes not walked on a run: every option has a kind, and what their
-    parser judges (numbers, files, choices, outputs) it refuses by name. Their sizes the model cannot
-    take and their checkpoint's contents are judged as the walked recipe's are (pan.sampling)."""
-    from pan.recipe import get_recipe, recipe_names, resolve
+SAMPLERS = [name for name in recipe_names() if get_recipe(name).sample]
 
-    problems, parsers = [], 0
-    base = ["--checkpoint", str(tmp_path), "--prompt", "x", "--out", str(tmp_path / "a.mp4")]
-    for name in recipe_names():
-        spec = get_recipe(name).sample
-        module = resolve(spec.partition(":")[0]) if spec else None
-        if module is None or not hasattr(module, "build_parser"):
-            continue  # no sampler, or one that builds its parser as it runs
-        parser, parsers = module.build_parser(get_recipe(name).job_config()), parsers + 1
-        for action in parser._actions:
-            if getattr(action.type, "kind", None) == "checkpoint":
+
+def sampler_parser(name: str, base: list[str]) -> argparse.ArgumentParser:
+    """The parser of recipe `name`'s `pan sample`, as the registry names it: its `build_parser`, or
+    the one its sample function builds when called (taken before it parses: nothing runs)."""
+    module_name, _, function = get_recipe(name).sample.partition(":")
+    module, job = resolve(module_name), get_recipe(name).job_config()
+    if hasattr(module, "build_parser"):
+        return module.build_parser(job)
+    return captured_parser(lambda: getattr(module, function)(job, base), lambda p: p.prog == "pan sample")
+
+
+def parser_refusals(name: str, parser: argparse.ArgumentParser, base: list[str], bad: Bad) -> list[str]:
+    """Each option of a sampler's parser with its bad values: what the parser accepts or refuses
+    without naming the option. (A checkpoint's contents and a size the model cannot take are judged
+    after parsing, as for the recipe walked on a run: pan.sampling.)"""
+    problems = []
+    for action in parser._actions:
+        if untyped(action):
+            problems.append(f"{name}: {untyped(action)}")
+            continue
+        if getattr(action.type, "kind", None) == "checkpoint":
+            continue
+        for what, value in bad_values(action, bad) or []:
+            if what == "a size the model cannot take":
                 continue
-            for what, value in bad_values(action, bad) or []:
-                if what == "a size the model cannot take":
-                    continue
-                err = io.StringIO()
-                with contextlib.redirect_stderr(err), contextlib.suppress(SystemExit):
-                    parser.parse_args(with_value(base, action, value))
-                    problems.append(f"{name}: {needle(action)} = {what} is accepted by the parser")
-                    continue
-                if needle(action) not in err.getvalue():
-                    problems.append(f"{name}: {needle(action)} = {what}: {err.getvalue().strip()[-200:]}")
-    assert parsers >= 3 and not problems, "\n".join(problems)
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err), contextlib.suppress(SystemExit):
+                parser.parse_args(with_value(base, action, value))
+                problems.append(f"{name}: {needle(action)} = {what} is accepted by the parser")
+                continue
+            if needle(action) not in err.getvalue():
+                problems.append(f"{name}: {needle(action)} = {what}: {err.getvalue().strip()[-200:]}")
+    return problems
 
 
-def test_the_walk_finds_an_accepted_value_and_a_traceback(bad, monkeypatch):
-    """The walk's own check: a command that takes 0, crashes on -1 and never reads its CSV before
-    it is done (a corrupt one passes) is caught at all three, and only there."""
+@pytest.mark.parametrize("name", SAMPLERS)
+def test_every_recipes_sampler_refuses_in_its_parser(name, bad, tmp_path):
+    """Every registered recipe's sampler (built in and plugins, as the registry lists them): every
+    number option has a typed value, and what its parser judges (numbers, files, choices, outputs)
+    it refuses by name."""
+    base = ["--checkpoint", str(tmp_path), "--out", str(tmp_path / "a.mp4")]
+    parser = sampler_parser(name, base)
+    if any("--prompt" in a.option_strings for a in parser._actions):
+        base += ["--prompt", "x"]
+    assert not (problems := parser_refusals(name, parser, base, bad)), "\n".join(problems)
+
+
+def test_the_sampler_walk_reaches_every_recipe_with_a_sampler():
+    assert {"pan", "pyramid_flow", "pyramid_flow_ar", "wan", "toy_gan"} <= set(SAMPLERS)  # plugins too
+
+
+def test_the_walk_finds_an_untyped_number_an_accepted_value_and_a_traceback(bad, monkeypatch):
+    """The walk's own check: a command with a plain-int option, that crashes on an unknown device
+    and never reads its CSV before it is done (a corrupt one passes) is caught at all three, and
+    only there."""
     def build_parser() -> argparse.ArgumentParser:
         parser = argparse.ArgumentParser(prog="pan fake")
         parser.add_argument("--count", type=int, default=1)
+        parser.add_argument("--device", type=looked_up("device", str), default="cpu")
         parser.add_argument("--csv", type=input_file("a CSV"))
         return parser
 
     def fake(argv: list[str]) -> int:
         args = build_parser().parse_args(argv)
-        if args.count < 0:
-            raise ValueError("a negative count")
+        if args.device != "cpu":
+            raise ValueError(f"no device {args.device}")
         return 0
 
     monkeypatch.setitem(cli.COMMANDS, "fake", (fake, "the walk's self-test"))
     problems = walk(["fake"], build_parser(), [], bad)
-    assert any("[--count = zero] -> exit 0" in p for p in problems), problems
-    assert any("[--count = a negative number] -> exit raised" in p and "ValueError" in p for p in problems)
+    assert any("--count: a plain int takes 0 and negatives" in p for p in problems), problems
+    assert any("[--device = an unknown device] -> exit raised" in p and "ValueError" in p for p in problems)
     csv = [p.split("  ")[1] for p in problems if "--csv" in p]
     assert csv == ["[--csv = a corrupt file] -> exit 0: (nothing printed)"], problems
     assert len(problems) == 3, problems
+    # The same plain int in a sampler's parser is a finding of the parser walk too.
+    assert parser_refusals("fake", build_parser(), [], bad)[0].startswith("fake: --count: a plain int")
 
 
 def test_export(bad, run, tmp_path):

@@ -40,6 +40,14 @@ def section_commands() -> list[list[str]]:
             if shlex.split(line, comments=True)]
 
 
+def marked_commands(doc: Path) -> list[list[str]]:
+    """The commands of the doc's ```bash blocks marked `<!-- runs in tests/test_newcomer_path.py -->`
+    (docs/writing_docs.md): docs/lora.md's LoRA on the README's run."""
+    blocks = re.findall(r"<!-- runs in tests/test_newcomer_path.py -->\n```bash\n(.*?)```", doc.read_text(), re.DOTALL)
+    return [shlex.split(line, comments=True) for block in blocks for line in block.replace("\\\n", " ").splitlines()
+            if shlex.split(line, comments=True)]
+
+
 def option(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
 
@@ -104,13 +112,16 @@ def run_command(argv: list[str], cwd: Path, capsys) -> tuple[int, str]:
 
 
 def test_the_readme_section_runs_as_written(repo_like, monkeypatch, capsys):
+    """The README's section, then docs/lora.md's LoRA on the run it leaves."""
     commands = section_commands()
+    lora = marked_commands(REPO / "docs" / "lora.md")
+    assert any("--lora_rank" in a for a in lora) and any("--lora" in a for a in lora if a[:2] == ["pan", "sample"])
     kinds = {" ".join(a[:3]) if a[1] == "data" else " ".join(a[:2]) for a in commands}
     assert {"pan data synth", "pan check", "pan data precompute", "python train.py", "pan sample"} <= kinds
     assert any("--annotation_paths" in a for a in commands)  # the JSONL form is shown and run too
     monkeypatch.chdir(repo_like)
     monkeypatch.setenv("TQDM_DISABLE", "1")
-    for argv in commands:
+    for argv in commands + lora:
         extra = next((v for k, v in SPEEDUPS.items() if tuple(argv[:len(k)]) == k), [])
         code, output = run_command(argv + extra, repo_like, capsys)
         assert code == 0, f"{shlex.join(argv)} exited {code}:\n{output[-3000:]}"

@@ -79,7 +79,7 @@ def number(*, above: float | None = None, at_least: float | None = None, at_most
             raise ValueError(f"must be {' and '.join(say for _, _, say, _ in rules)}, got {text!r}")
         return value
     kind = "float" + "".join(say.replace(" ", "") for _, _, say, _ in rules)
-    refuses = ("nan", *dict.fromkeys(f"{b:g}" for _, _, _, bad in rules for b in bad))
+    refuses = ("nan", "inf", *dict.fromkeys(f"{b:g}" for _, _, _, bad in rules for b in bad))
     return ValueType(kind, convert, kind, refuses)
 
 

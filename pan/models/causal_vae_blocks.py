@@ -177,9 +177,9 @@ class UpBlock(nn.Module):
         if self.upsamplers is not None:
             x = space_from_channels(self.upsamplers[0].conv(x, windows))     # [B, C, T, 2H, 2W]
         if self.temporal_upsamplers is not None:
-            x = time_from_channels(self.temporal_upsamplers[0].conv(x, windows))  # [B, C, 2T, H, W]
-            if windows is None or windows.first:
-                x = x[:, :, 1:]  # the first latent frame stands for the first frame alone: 2T - 1 frames
+            # The first latent frame stands for the first frame alone: 2T - 1 frames where it is here.
+            x = time_from_channels(self.temporal_upsamplers[0].conv(x, windows),   # [B, C, 2T (- 1), H, W]
+                                   drop_first=windows is None or windows.first)
         return x
 
 
@@ -190,11 +190,16 @@ def space_from_channels(x: Tensor) -> Tensor:
     return x.reshape(b, c4 // 4, t, 2 * h, 2 * w)
 
 
-def time_from_channels(x: Tensor) -> Tensor:
-    """[B, 2C, T, H, W] -> [B, C, 2T, H, W]; channel c*2 + p goes to frame 2t + p."""
+def time_from_channels(x: Tensor, drop_first: bool = False) -> Tensor:
+    """[B, 2C, T, H, W] -> [B, C, 2T, H, W]; channel c*2 + p goes to frame 2t + p; without frame 0
+    (2T - 1 frames) when `drop_first`.
+
+    One gather into a fresh tensor that leaves frame 0 out: slicing it off afterwards returns a view,
+    which FSDP2 warns about as a wrapped block's output (and a copy after the slice costs more)."""
     b, c2, t, h, w = x.shape
-    x = x.reshape(b, c2 // 2, 2, t, h, w).transpose(2, 3)
-    return x.reshape(b, c2 // 2, 2 * t, h, w)
+    frames = torch.arange(int(drop_first), 2 * t, device=x.device)
+    pairs = x.reshape(b, c2 // 2, 2 * t, h, w)                              # (p, t) at p * T + t: a view
+    return pairs.index_select(2, frames % 2 * t + frames // 2)
 
 
 class Encoder(nn.Module):

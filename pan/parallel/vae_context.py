@@ -176,11 +176,15 @@ class _SendHalo(torch.autograd.Function):
 
 
 class _Join(torch.autograd.Function):
-    """output unchanged; in backward also a (zero) gradient for `token`, which triggers its node."""
+    """output unchanged; in backward also a (zero) gradient for `token`, which triggers its node.
+
+    The output is the conv's own tensor with its history rebased (`mark_dirty`), not a view of it:
+    no copy, and the block that returns it hands FSDP2 no view (whose hook an in-place op would drop)."""
 
     @staticmethod
     def forward(ctx, output: Tensor, token: Tensor) -> Tensor:
-        return output.view_as(output)
+        ctx.mark_dirty(output)  # (nothing but this join holds the conv's fresh output)
+        return output
 
     @staticmethod
     def backward(ctx, grad: Tensor):

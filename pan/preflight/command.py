@@ -24,6 +24,7 @@ import textwrap
 import torch
 
 from pan.config import ConfigError, load_job_config
+from pan.config.arguments import COUNT, POSITIVE
 from pan.preflight.checks import gib
 from pan.preflight.core import (
     DEFAULT_SAMPLE_ROWS,
@@ -44,26 +45,21 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                     "check failed; 2: the config does not load.",
         usage="pan check --config config/X.yaml [--key value ...] [--nodes N] [--gpus-per-node G] "
               "[--explain-memory] [--json] [--device-memory GIB]")
-    parser.add_argument("--nodes", type=int, default=1, help="nodes of the planned run (default 1)")
-    parser.add_argument("--gpus-per-node", type=int, default=None,
+    parser.add_argument("--nodes", type=COUNT, default=1, help="nodes of the planned run (default 1)")
+    parser.add_argument("--gpus-per-node", type=COUNT, default=None,
                         help="processes per node (default: the GPUs visible here, or 1)")
-    parser.add_argument("--sample-rows", type=int, default=DEFAULT_SAMPLE_ROWS,
+    parser.add_argument("--sample-rows", type=COUNT, default=DEFAULT_SAMPLE_ROWS,
                         help=f"samples decoded per data source (default {DEFAULT_SAMPLE_ROWS})")
     parser.add_argument("--explain-memory", action="store_true",
                         help="also print the estimated memory of one device by category")
     parser.add_argument("--json", action="store_true",
                         help="print every row and the memory / step-time estimate as JSON instead")
-    parser.add_argument("--device-memory", type=float, default=None, metavar="GIB",
+    parser.add_argument("--device-memory", type=POSITIVE, default=None, metavar="GIB",
                         help="memory of one device in GiB to plan for (default: this machine's GPU, or "
                              "its available host memory shared by the node's processes)")
     args, rest = parser.parse_known_args(argv)
     if args.gpus_per_node is None:
         args.gpus_per_node = max(torch.cuda.device_count(), 1) if torch.cuda.is_available() else 1
-    for name in ("nodes", "gpus_per_node", "sample_rows"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.device_memory is not None and args.device_memory <= 0:
-        parser.error("--device-memory must be > 0 (GiB)")
     return args, rest
 
 

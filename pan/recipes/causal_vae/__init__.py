@@ -29,7 +29,7 @@ data.py (clips and micro-batches), objective.py (the losses), task.py (the Task)
 check`), export.py (a checkpoint as a released folder: `python -m pan.recipes.causal_vae export`),
 quality.py (PSNR and SSIM), demo.py (`pan demo --recipe causal_vae`).
 This module imports only the config (the record names everything else lazily) and sets the
-recipe's two warning filters.
+recipe's warning filter.
 """
 
 import warnings
@@ -38,9 +38,6 @@ from pan.recipe import Recipe, Workflow
 from pan.recipes.causal_vae.config import CausalVAEJobConfig
 
 # Set by any import of the recipe, so before any of its parts trains.
-# The decoder's up blocks return a view (the first up-sampled frame dropped); nothing changes it in
-# place, which is what FSDP2 warns about at every step.
-warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPUpBlock\) returned a view tensor")
 # Before disc_start the discriminator's schedule advances without an optimizer step, on purpose.
 warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`")
 

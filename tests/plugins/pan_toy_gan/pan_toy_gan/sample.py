@@ -4,23 +4,24 @@ from __future__ import annotations
 
 import argparse
 import csv
-from pathlib import Path
 
 import torch
 
-from pan.sampling import resolve_weights
+from pan.config.arguments import COUNT, SEED, output_file
+from pan.sampling import JUDGED_PATH, RUN_CONFIG, resolve_weights
 from pan_toy_gan.task import NOISE, MLP
 
 
 def sample_main(job, argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="pan sample", description="Draw samples from a toy GAN run.")
-    parser.add_argument("--checkpoint", required=True, type=Path,
+    parser.add_argument("--checkpoint", required=True, type=JUDGED_PATH,
                         help="checkpoint-N/, the run's output_dir, or the generator exported as .safetensors")
-    parser.add_argument("--config", help="run config (default: the run's config.yaml)")
-    parser.add_argument("--num-samples", type=int, default=4, help="samples to draw (default 4)")
-    parser.add_argument("--seed", type=int, default=0, help="noise seed (default 0)")
+    parser.add_argument("--config", type=RUN_CONFIG, help="run config (default: the run's config.yaml)")
+    parser.add_argument("--num-samples", type=COUNT, default=4, help="samples to draw (default 4)")
+    parser.add_argument("--seed", type=SEED, default=0, help="noise seed (default 0)")
     parser.add_argument("--ema", action="store_true", help="use the generator's EMA weights")
-    parser.add_argument("--out", required=True, type=Path, help="the CSV to write, one sample a row")
+    parser.add_argument("--out", required=True, type=output_file("the CSV to write"),
+                        help="the CSV to write, one sample a row")
     args = parser.parse_args(argv)
     weights, _ = resolve_weights(args.checkpoint, args.ema, part="generator")
     model = MLP(NOISE, job.toy.toy_width, weights["fc2.weight"].shape[0])
