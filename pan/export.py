@@ -1,5 +1,6 @@
 """`pan export`: one trained part of a checkpoint as a .safetensors file, a LoRA run's adapters as a
-peft folder (`--format peft`) or merged into its base (`--merge`), or a format a recipe writes.
+peft folder (`--format peft`) or merged into its base (`--merge`), or a format a recipe writes (one
+declared with `adapter_format` writes a LoRA run's adapters: it takes the checkpoint without --merge).
 
 Runs on one process, without a process group: DCP reads every shard into full tensors, whatever
 world size wrote them (pan/checkpoint/consolidate.py); a LoRA checkpoint's base is rebuilt as the trainer
@@ -52,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=list(DTYPES), help="cast floating tensors (default: as saved)")
     parser.add_argument("--merge", action="store_true",
                         help="a LoRA run's checkpoint: write its base with the adapters merged in "
-                             "(W + scale * B @ A, fp32), in --format safetensors or a recipe's format")
+                             "(W + scale * B @ A, fp32), in --format safetensors or a recipe's weights format (a "
+                             "format that writes adapters takes the checkpoint without it)")
     formats = export_formats()
     parser.add_argument("--format", choices=["safetensors", PEFT, *formats], default="safetensors",
                         help="safetensors: one file; peft: a LoRA run's adapters as a folder that "
@@ -181,13 +183,32 @@ def describe(spec: str) -> str:
     return text.split(". ")[0].rstrip(".")
 
 
+# A recipe's export hook with this attribute set true writes a LoRA run's adapters themselves (not
+# merged): `pan export` then takes a LoRA checkpoint without --merge and refuses --merge with it.
+WRITES_ADAPTERS = "writes_adapters"
+
+
+def adapter_format(hook):
+    """Declare a recipe's export hook as one that writes a LoRA run's adapters (a decorator)."""
+    setattr(hook, WRITES_ADAPTERS, True)
+    return hook
+
+
+def writes_adapters(spec: str) -> bool:
+    """Whether the export hook `spec` declares that it writes adapters (WRITES_ADAPTERS)."""
+    return bool(getattr(resolve(spec), WRITES_ADAPTERS, False))
+
+
 def export_format(args, name: str, spec: str) -> int:
     """A recipe's own format: its hook writes the main part as saved (no --part or --dtype)."""
     if args.part is not None or args.dtype:
         print(f"pan export: --format {name} writes the main part as saved (no --part or --dtype)",
               file=sys.stderr)
         return 2
-    problem = lora_merge_problem(Path(args.checkpoint), args.merge)
+    if writes_adapters(spec):
+        problem = adapter_format_problem(Path(args.checkpoint), name, args.merge)
+    else:
+        problem = lora_merge_problem(Path(args.checkpoint), args.merge)
     if problem:
         print(f"pan export: {problem}", file=sys.stderr)
         return 2
@@ -210,4 +231,17 @@ def lora_merge_problem(ckpt_dir: Path, merge: bool, part: str | None = None) -> 
                 "the adapters merged in, or use --format peft for the adapters alone")
     if merge and not lora:
         return f"--merge is for a LoRA run's checkpoint; {ckpt_dir} holds whole weights (export it without --merge)"
+    return None
+
+
+def adapter_format_problem(ckpt_dir: Path, name: str, merge: bool) -> str | None:
+    """Why a format that writes adapters refuses this export: --merge (its files hold the adapters
+    apart from the base: merged weights are another format's), or a checkpoint without adapters."""
+    if merge:
+        return (f"--format {name} writes a LoRA run's adapters unmerged, to load onto the base; --merge asks "
+                "for the base with the adapters merged in: drop --merge, or use --merge with a format that "
+                "writes whole weights (--format safetensors or a recipe's weights format)")
+    if not layout.is_lora_checkpoint(ckpt_dir):
+        return (f"--format {name} writes a LoRA run's adapters, and {ckpt_dir} holds whole weights: export "
+                "it with --format safetensors or a recipe's weights format")
     return None

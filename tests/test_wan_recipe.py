@@ -20,17 +20,19 @@ import dataclasses
 import json
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from wan_tiny import clip_geometry, read_json, write_wan_folder
+from wan_tiny import prepare_variant, read_json
 
 from pan.config import ConfigError, load_job_config
 from pan.data.precompute import main as precompute_main
-from pan.data.synth import synth_dataset
+from pan.export import main_export as export_main
 from pan.models.packing import patchify, unpatchify
 from pan.parallel.world import planned_task
 from pan.recipes.wan.export import export_diffusers
@@ -61,34 +63,7 @@ _made: dict[str, dict] = {}
 def made(root: Path, variant: str) -> dict:
     """A variant's folder, clips, config and precomputed data (made once per module)."""
     if variant not in _made or not _made[variant]["folder"].exists():
-        here = root / variant
-        folder = write_wan_folder(here / "model", variant)
-        geometry = clip_geometry(folder)
-        clips = synth_dataset(here / "clips", num_train=NUM_CLIPS, num_heldout=1, size=geometry["size"],
-                              num_frames=geometry["frames"])["train_csv"]
-        yaml = here / "wan.yaml"
-        yaml.write_text(f"""recipe: wan
-model:
-  model_path: {folder}
-data:
-  resolution_buckets: ["{geometry['size']}x{geometry['size']}"]
-  min_frames: {geometry['frames']}
-  max_frames: {geometry['frames']}
-  max_tokens_per_batch: {2 * geometry['tokens']}
-  max_samples_per_batch: 2
-  packed_dataloader_num_workers: 0
-training:
-  dtype: fp32
-  learning_rate: 1.0e-3
-output:
-  save_interval: 2
-  log_interval: 1
-  progress_bar: false
-""")
-        rc = precompute_main(["--config", str(yaml), "--video_csv_paths", str(clips),
-                              "--output_dir", str(here / "unused"), "--out", str(here / "pre")])
-        _made[variant] = dict(folder=folder, geometry=geometry, clips=clips, yaml=yaml, rc=rc,
-                              pre=here / "pre", precomputed=here / "pre" / "train.csv")
+        _made[variant] = prepare_variant(root / variant, variant, NUM_CLIPS, num_heldout=1)
     return _made[variant]
 
 
@@ -326,6 +301,10 @@ def test_resume_equals_a_straight_run(root, tmp_path, variant):
     assert list(straight.parts) == list(experts)
     for run in ("straight", "resumed"):
         export_diffusers(tmp_path / run / "checkpoint-4", tmp_path / f"{run}-export")
+    # whole weights: the adapters' format refuses them (exit 2) and writes nothing
+    assert export_main([str(tmp_path / "straight/checkpoint-4"), "--format", "wan_lora",
+                        "--out", str(tmp_path / "lora")]) == 2
+    assert not (tmp_path / "lora").exists()
     for name in experts:
         a = diffusers.WanTransformer3DModel.from_pretrained(tmp_path / "straight-export" / name).state_dict()
         b = diffusers.WanTransformer3DModel.from_pretrained(tmp_path / "resumed-export" / name).state_dict()
@@ -403,7 +382,7 @@ def test_refusals_name_the_key(root, tmp_path):
         (("--resolution_buckets", f"[{geometry['size'] + spatial}x{geometry['size']}]"), "resolution_buckets"),
         (("--frames_mod", "2", "--min_frames", "1"), "frames_mod"),
         (("--use_muon", "true"), "use_muon"),
-        (("--cp_size", "2"), "cp_size"),
+        (("--cp_size", "3"), "cp_size"),                                         # 3 does not divide the heads
         (("--image_cond_prob", "0.3"), "image_cond_prob"),                         # t2v: nothing to give
         (("--flow_mode_scale", "1.0"), "flow_mode_scale"),                         # uniform draws
     ]
@@ -463,6 +442,12 @@ def test_pan_sample_is_wan_pipeline_with_the_trained_weights(root, tmp_path):
                       "--prompt", "a cat plays the piano", "--out", str(tmp_path / "clip.mp4"), *size])
     assert rc == 0
     assert (tmp_path / "clip_00.mp4").is_file() and (tmp_path / "clip_01.gif").is_file()
+    from PIL import Image                  # --image is an I2V run's: refused here (exit 2), not ignored
+    Image.new("RGB", (geometry["size"], geometry["size"])).save(tmp_path / "first.png")
+    with pytest.raises(SystemExit) as stop:
+        sample_main(["--checkpoint", str(run / "checkpoint-2"), "--prompt", "x", "--image", str(tmp_path / "first.png"),
+                     "--out", str(tmp_path / "no.mp4"), *size])
+    assert stop.value.code == 2 and not (tmp_path / "no.mp4").exists()
 
     loaded = job(setup, run)
     weights = {"transformer": resolve_weights(run / "checkpoint-2", False, part="transformer")[0]}
@@ -481,12 +466,20 @@ def test_pan_sample_is_wan_pipeline_with_the_trained_weights(root, tmp_path):
 # Step 5: a LoRA run's adapters in diffusers' format
 # ------------------------------------------------------------------------------------------------
 
+def pan_export(*argv: str) -> subprocess.CompletedProcess:
+    """`pan export ARGV` as a user types it (a process of its own)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    return subprocess.run([sys.executable, "-m", "pan.cli", "export", *argv], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
 def test_lora_adapters_load_in_diffusers_and_equal_the_merged_weights(root, tmp_path):
-    """`pan export --format wan_lora`: each expert's adapters, loaded by WanPipeline.load_lora_weights
-    (A14B's low-noise one with load_into_transformer_2), give each transformer the outputs of the merged
-    weights pan exports (`--merge --format wan_diffusers`), to fp32 rounding; and the adapters did train
-    (the outputs moved from the base's)."""
-    from pan.recipes.wan.export import DIFFUSERS_LORA_WEIGHTS, export_lora
+    """`pan export CKPT --format wan_lora --out DIR` (no --merge: the format writes adapters): each
+    expert's adapters, loaded by WanPipeline.load_lora_weights (A14B's low-noise one with
+    load_into_transformer_2), give each transformer the outputs of the merged weights pan exports
+    (`--merge --format wan_diffusers`), to fp32 rounding; the adapters did train (the outputs moved from
+    the base's); `--merge` with wan_lora is refused in one line, exit 2."""
+    from pan.recipes.wan.export import DIFFUSERS_LORA_WEIGHTS
 
     setup = made(root, "a14b")
     geometry = setup["geometry"]
@@ -497,7 +490,12 @@ def test_lora_adapters_load_in_diffusers_and_equal_the_merged_weights(root, tmp_
     trainer.fit()
     trainer.close()
     checkpoint = run / "checkpoint-6"
-    export_lora(checkpoint, tmp_path / "lora")
+    done = pan_export(str(checkpoint), "--format", "wan_lora", "--out", str(tmp_path / "lora"))
+    assert done.returncode == 0, done.stderr
+    refused = pan_export(str(checkpoint), "--format", "wan_lora", "--merge", "--out", str(tmp_path / "no"))
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip().count("\n") == 0 and "--merge" in refused.stderr, refused.stderr
+    assert not (tmp_path / "no").exists()
     export_diffusers(checkpoint, tmp_path / "merged")
     experts = read_folder(setup["folder"]).experts
     assert all((tmp_path / "lora" / name / DIFFUSERS_LORA_WEIGHTS).is_file() for name in experts)

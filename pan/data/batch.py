@@ -17,7 +17,8 @@ TEXT_FEATURE_DIMS = {"prompt_embed": 2, "prompt_attention_mask": 1, "pooled_prom
 @dataclass
 class Sample:
     """One clip or image. Decoded samples carry `frames`; pan's precomputed CSV rows carry `latent` +
-    `text`; annotation rows with a `latent` carry `raw_latent`, and with a `text_fea`, `text_features`."""
+    `text` (and `extras`: the file's other tensors, which a recipe's precompute wrote for its task);
+    annotation rows with a `latent` carry `raw_latent`, and with a `text_fea`, `text_features`."""
     sample_id: str                       # "<csv|jsonl stem>:<row>" (0 = first data row) or "<tar stem>:<key>"
     kind: Literal["video", "image"]
     caption: str
@@ -30,6 +31,7 @@ class Sample:
     raw_latent: torch.Tensor | None = None  # [C, T, H, W] as the VAE gave it, NOT normalised, in the
     #                                         dtype it was saved in (annotation rows' `latent`)
     text_features: dict[str, torch.Tensor] | None = None  # annotation rows' `text_fea` (TEXT_FEATURE_DIMS)
+    extras: dict[str, torch.Tensor] | None = None  # a precomputed row's other tensors (SampleFit.extras)
 
     # Between a decoding worker and the trainer, a tensor normally travels as a shared-memory file
     # descriptor, handed over through a fresh authenticated connection per tensor: about 1 ms each,
@@ -37,35 +39,38 @@ class Sample:
     # travel inside the pickled message instead.
     BY_VALUE_BYTES: ClassVar[int] = 1 << 20
     TENSORS: ClassVar[tuple[str, ...]] = ("frames", "latent", "text", "raw_latent")
+    TENSOR_DICTS: ClassVar[tuple[str, ...]] = ("text_features", "extras")
 
     def copy(self) -> Sample:
         """A copy with tensors of its own (what a cache hands out: a consumer may change its sample)."""
         def own(t):
             return t.clone() if isinstance(t, torch.Tensor) else t
-        features = None if self.text_features is None else {k: own(t) for k, t in self.text_features.items()}
-        return dataclasses.replace(self, **{k: own(getattr(self, k)) for k in self.TENSORS},
-                                   text_features=features)
+        dicts = {d: None if getattr(self, d) is None else {k: own(t) for k, t in getattr(self, d).items()}
+                 for d in self.TENSOR_DICTS}
+        return dataclasses.replace(self, **{k: own(getattr(self, k)) for k in self.TENSORS}, **dicts)
 
     @property
     def nbytes(self) -> int:
         """Bytes of its tensors."""
-        tensors = [getattr(self, k) for k in self.TENSORS] + list((self.text_features or {}).values())
+        tensors = [getattr(self, k) for k in self.TENSORS]
+        tensors += [t for d in self.TENSOR_DICTS for t in (getattr(self, d) or {}).values()]
         return sum(t.nbytes for t in tensors if isinstance(t, torch.Tensor))
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         for key in self.TENSORS:
             state[key] = _by_value(state[key], self.BY_VALUE_BYTES)
-        if state["text_features"] is not None:
-            state["text_features"] = {k: _by_value(t, self.BY_VALUE_BYTES)
-                                      for k, t in state["text_features"].items()}
+        for d in self.TENSOR_DICTS:
+            if state.get(d) is not None:
+                state[d] = {k: _by_value(t, self.BY_VALUE_BYTES) for k, t in state[d].items()}
         return state
 
     def __setstate__(self, state: dict) -> None:
         for key in self.TENSORS:
             state[key] = _from_value(state[key])
-        if state["text_features"] is not None:
-            state["text_features"] = {k: _from_value(t) for k, t in state["text_features"].items()}
+        for d in self.TENSOR_DICTS:
+            if state.get(d) is not None:
+                state[d] = {k: _from_value(t) for k, t in state[d].items()}
         self.__dict__.update(state)
 
 

@@ -13,7 +13,8 @@ engine knows no model. The checks cost a shape comparison and one pass over each
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +36,9 @@ class SampleFit:
     pooled_width: int | None = None         # P of its pooled_prompt_embed [P]
     raw_latents: bool = True                # whether annotation rows' (unnormalised) latents are taken
     model: str = "the model"                # how a skip's detail names the model
+    # A recipe's own per-sample tensors that its precomputed rows must carry (Sample.extras), name ->
+    # shape: each dim a size, None (any), or "C", "T", "H" or "W" (the latent's own).
+    extras: Mapping[str, tuple[int | str | None, ...]] = field(default_factory=dict)
 
     def check(self, sample: Sample) -> None:
         """Raise SkipSample (`unfit` or `not_finite`) when the model cannot take `sample`."""
@@ -45,6 +49,7 @@ class SampleFit:
             self._latent(sample.raw_latent)
         elif sample.latent is not None:
             self._latent(sample.latent)
+            self._extras(sample)
         elif sample.frames is not None:
             self._clip(*sample.grid)
         if sample.text is not None:
@@ -65,6 +70,20 @@ class SampleFit:
                                       "(a latent of another VAE?)")
         self._latent_size(*latent.shape[1:], "its latent")
         _finite("latent", latent)
+
+    def _extras(self, sample: Sample) -> None:
+        """A precomputed row holds the recipe's extra tensors, each of its declared shape."""
+        held, sizes = sample.extras or {}, dict(zip("CTHW", sample.latent.shape))
+        for name, shape in self.extras.items():
+            if name not in held:
+                raise SkipSample("unfit", f"it holds no `{name}`, which {self.model} takes: write it with "
+                                          "`pan data precompute` and this run's config")
+            want = [sizes.get(d, d) for d in shape]
+            got = held[name]
+            if got.dim() != len(want) or any(w is not None and w != g for w, g in zip(want, got.shape)):
+                raise SkipSample("unfit", f"its {name} is {_described(got)}, {self.model} takes "
+                                          f"{['any' if w is None else w for w in want]}")
+            _finite(name, got)
 
     def _clip(self, t: int, h: int, w: int) -> None:
         """A decoded clip: the VAE must encode it, and its latent fit the model."""

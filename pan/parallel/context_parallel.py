@@ -169,11 +169,13 @@ class ContextParallel:
                  device: torch.device = torch.device("cpu")):
         self.rank, self.size, self.group, self.device = rank, size, group, device
 
-    def distribute(self, inputs):
+    def distribute(self, inputs, split: dict[str, str] | None = None):
         """cp rank 0 passes its prepared micro-batch (whole), the others None; every rank gets back its
         share. The micro-batch type says how each tensor field is split in `CP_FIELDS`: "video" rows
         (rows `pack.video_index`), "text" rows (`pack.text_index`), or "whole" (per-sample tensors such
-        as timesteps and pooled text, kept whole on every rank).
+        as timesteps and pooled text, kept whole on every rank). `split` (given on cp rank 0) replaces
+        `CP_FIELDS` for this micro-batch: a field whose kind depends on its contents (per-sample or
+        per-token timesteps).
 
         Every rank rebuilds the pack from the sample layouts cp rank 0 sends (clips, RoPE positions,
         trained clips, attention rule), then takes its share. Counters (`samples`, `tokens`,
@@ -187,10 +189,11 @@ class ContextParallel:
         if self.rank == 0:
             if inputs.pack.cp_size != 1:
                 raise ValueError("distribute() takes a whole micro-batch, not a cp share.")
-            split = type(inputs).CP_FIELDS
+            split = type(inputs).CP_FIELDS if split is None else split
             fields = {f.name: getattr(inputs, f.name) for f in dataclasses.fields(inputs)}
             meta = [{
                 "type": type(inputs),  # pickled by reference: the receivers import its module
+                "split": split,
                 "shapes": {k: (tuple(fields[k].shape), fields[k].dtype) for k in split},
                 "layouts": inputs.pack.layouts,
                 "scalars": {k: v for k, v in fields.items() if k not in split and k != "pack"}}]
@@ -199,7 +202,7 @@ class ContextParallel:
         pack = PackInfo.from_layouts(meta["layouts"], device=self.device).shard(self.rank, self.size)
         rows = {"video": pack.video_index, "text": pack.text_index, "whole": None}
         shares = {}
-        for name, kind in meta["type"].CP_FIELDS.items():
+        for name, kind in meta["split"].items():
             shape, dtype = meta["shapes"][name]
             t = (getattr(inputs, name).to(self.device, dtype).contiguous() if self.rank == 0
                  else torch.empty(shape, dtype=dtype, device=self.device))

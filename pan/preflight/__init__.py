@@ -15,6 +15,7 @@ from pan.preflight.checks import (
     check_memory,
     check_output_dir,
     check_resume,
+    check_data,
     check_step_time,
     check_warm_start,
     checkpoint_bytes,
@@ -49,7 +50,7 @@ from pan.preflight.core import (
 __all__ = [
     "DEFAULT_SAMPLE_ROWS", "ENVIRONMENT_CHECKS", "EXIT_CONFIG_ERROR", "EXIT_FAILED", "EXIT_OK", "Check", "Preflight",
     "Row", "StartRefused", "Status", "check_cpu", "check_layout", "check_memory", "check_name", "check_output_dir",
-    "check_resume", "check_step_time", "check_warm_start", "checkpoint_bytes", "config_rows", "format_refusal",
+    "check_resume", "check_data", "check_step_time", "check_warm_start", "checkpoint_bytes", "config_rows", "format_refusal",
     "job_rows", "lora_base_too_large", "main_check", "one_line", "recipe_checks", "refuse_at_start",
     "run_preflight", "source_sizes", "spread_rows", "unopened_row", "with_annotation_scan",
 ]

@@ -1,8 +1,8 @@
 """The run checks any recipe may list in its `checks` hook (layout, cpu, output dir, warm start of
 every part that declares one, resume of every part, memory, step time), and what the recipes' own
-data rows share (`spread_rows`, `with_annotation_scan`, `unopened_row`, `source_sizes`; the sources
-themselves are opened by `pan.data.reader.open_sources`). What only one recipe knows lives in that
-recipe's package.
+data rows share (`check_data`, `spread_rows`, `with_annotation_scan`, `unopened_row`, `source_sizes`;
+the sources themselves are opened by `pan.data.reader.open_sources`). What only one recipe knows
+lives in that recipe's package.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from pan.checkpoint import layout
 from pan.checkpoint.warm_start import WarmStartConfig, part_folder, resolve_source
 from pan.config import ConfigError
 from pan.config.job import key_owners
-from pan.data.reader import OpenedSource, open_sources
+from pan.data.plan import Ref
+from pan.data.reader import OpenedSource, SampleReader, open_sources, rules_of
 from pan.data.sources import AnnotationSource, scan_annotations
 from pan.estimate import FP32_BYTES, probe_of, state_bytes
 from pan.lora.adapters import LORA_KEY, base_names, reference_differences
@@ -435,3 +436,38 @@ def source_sizes(data) -> dict[str, int]:
     that do not open are left to the data row."""
     return {("image tars" if o.kind == "image_tars" else Path(o.label).name): len(o.source)
             for o in open_sources(data).opened}
+
+
+def check_data(ctx: Preflight) -> list[Row]:
+    """Open every source (video CSVs, annotation files, image tars) and read a few samples of each
+    with the reader training uses and what the transformer takes (the task's `sample_fit`): a row
+    that does not fit is skipped as `unfit` here as it is in training. A recipe whose samples are
+    read this way lists it as its data check."""
+    opened = open_sources(ctx.job.data)
+    rows = [unopened_row("data", o) for o in opened.failed]
+    reader = SampleReader(opened.row_sources, opened.tars, rules_of(ctx.job.data), fit=ctx.task.sample_fit())
+    for o in opened.opened:
+        row = _read_spread_samples(reader, o.label, o.stream, len(o.source), ctx.sample_rows)
+        rows.append(with_annotation_scan(row, o.source) if isinstance(o.source, AnnotationSource) else row)
+    return rows
+
+
+def _read_spread_samples(reader: SampleReader, label: str, stream: str, size: int, count: int) -> Row:
+    """Read `count` samples spread over a source; fail when none is usable."""
+    picks = spread_rows(count, size)
+    problems = []
+    for index in picks:
+        got = reader[Ref(seq=0, stream=stream, epoch=0, pos=0, index=index)]
+        if got.sample is None:
+            problems.append(f"#{index} {got.reason}: {got.detail}")
+    good = len(picks) - len(problems)
+    detail = f"{label}: {size} samples; decoded {good}/{len(picks)} of rows {picks}"
+    if problems:
+        detail += ". Skipped:\n" + "\n".join(problems)  # one problem a line
+    if good == 0:
+        return Row("data", "fail", detail + ".", "fix the paths, media or frame rules named above; rows "
+                   "`unfit` hold latents or caption features the transformer cannot take (of another VAE "
+                   "or text encoder?): precompute them again with this run's (`pan data precompute`).")
+    if problems:
+        return Row("data", "warn", detail + ".", "such samples are skipped in training; fix or remove them.")
+    return Row("data", "pass", detail + ".")

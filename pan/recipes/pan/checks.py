@@ -5,9 +5,6 @@ from __future__ import annotations
 import torch
 
 from pan.config.core import ConfigError, require
-from pan.data.plan import Ref
-from pan.data.reader import SampleReader, open_sources, rules_of
-from pan.data.sources import AnnotationSource
 from pan.encoders.text import (
     frozen_dtype,
     load_text_config,
@@ -20,6 +17,7 @@ from pan.estimate import Phase, Probe, frozen_vae_bytes, hf_model_bytes, largest
 from pan.models.packing import PackInfo
 from pan.preflight.checks import (
     check_cpu,
+    check_data,
     check_layout,
     check_memory,
     check_output_dir,
@@ -27,9 +25,6 @@ from pan.preflight.checks import (
     check_step_time,
     check_warm_start,
     source_sizes,
-    spread_rows,
-    unopened_row,
-    with_annotation_scan,
 )
 from pan.preflight.core import Preflight, Row
 from pan.recipes.pan.task import ModelInputs
@@ -86,44 +81,6 @@ def check_batch(ctx: Preflight) -> list[Row]:
 
 def _clips(found, label: str) -> str:
     return ", ".join(f"{f}x{h}x{w} -> {tok} tokens" for lab, f, h, w, tok in found if lab == label)
-
-
-def check_data(ctx: Preflight) -> list[Row]:
-    """Parse every source (video CSVs, annotation files, image tars), and read a few samples of
-    each with the reader training uses, with what the transformer takes (the task's `sample_fit`:
-    latent channels, whole patches, caption width; clips the VAE can encode): a row that does not
-    fit is skipped as `unfit` here as it is in training."""
-
-    opened = open_sources(ctx.job.data)
-    rows = [unopened_row("data", o) for o in opened.failed]
-    reader = SampleReader(opened.row_sources, opened.tars, rules_of(ctx.job.data), fit=ctx.task.sample_fit())
-    for o in opened.opened:
-        row = _decode_sample(reader, o.label, o.stream, len(o.source), ctx.sample_rows)
-        rows.append(with_annotation_scan(row, o.source) if isinstance(o.source, AnnotationSource) else row)
-    return rows
-
-
-def _decode_sample(reader, label: str, stream: str, size: int, count: int) -> Row:
-    """Read `count` samples spread over a source; fail when none is usable."""
-    picks = spread_rows(count, size)
-    good, problems = 0, []
-    for index in picks:
-        got = reader[Ref(seq=0, stream=stream, epoch=0, pos=0, index=index)]
-        if got.sample is None:
-            problems.append(f"#{index} {got.reason}: {got.detail}")
-            continue
-        good += 1
-    detail = f"{label}: {size} samples; decoded {good}/{len(picks)} of rows {picks}"
-    if problems:
-        detail += ". Skipped:\n" + "\n".join(problems)  # one problem a line
-    if good == 0:
-        return Row("data", "fail", detail + ".", "fix the paths, media or frame rules named above; rows "
-                   "`unfit` hold latents or caption features the transformer cannot take (of another VAE "
-                   "or text encoder?): precompute them again with this run's (`pan data precompute`).")
-    if problems:
-        return Row("data", "warn", detail + ".", "such samples are skipped in training; fix or "
-                   "remove them.")
-    return Row("data", "pass", detail + ".")
 
 
 def check_text_encoder(ctx: Preflight) -> list[Row]:

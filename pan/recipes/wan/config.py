@@ -68,8 +68,9 @@ class WanModelConfig:
               "null = every transformer of the folder (one for 2.1 and TI2V folders, both for A14B)")
     conditioning: Literal["t2v", "ti2v", "i2v"] | None = knob(
         None, "what the model is trained to do: t2v (text only), ti2v (Wan 2.2 TI2V: the first latent frame is "
-              "given clean at timestep 0 with probability image_cond_prob), i2v (mask + condition channels: "
-              "not trained by this recipe yet); null = the folder's (ti2v where model_index.json sets "
+              "given clean at timestep 0 with probability image_cond_prob), i2v (Wan 2.1 I2V / 2.2 I2V A14B: every "
+              "clip conditioned on its first frame through the mask and condition channels, and CLIP rows "
+              "where the folder has an image encoder); null = the folder's (ti2v where model_index.json sets "
               "expand_timesteps, i2v where the transformer takes condition channels, else t2v)")
     max_text_tokens: int = knob(
         512, "umT5 tokens per caption (truncated; the features after the real tokens are zero rows, as "
@@ -98,14 +99,14 @@ class WanModelConfig:
                 "boundary_ratio: not an A14B release). Remove wan_experts.")
         derived = folder.derived_conditioning
         chosen = self.resolved_conditioning()
-        if derived == "i2v":
-            raise ConfigError("conditioning" if self.conditioning else "model_path",
-                              f"{folder.path} is an image-to-video release (its transformer takes "
-                              f"{folder.transformer.in_channels} channels: noisy latent, mask and condition "
-                              "latent). The wan recipe does not train I2V yet (its condition latent, the VAE "
-                              "encoding of the first frame followed by zeros, and the CLIP image features are "
-                              "not in pan's precomputed rows). Use a T2V or TI2V folder.")
-        require(chosen != "i2v", "conditioning",
+        require(derived != "i2v" or chosen == "i2v", "conditioning",
+                f"is {chosen}, but {folder.path} is an image-to-video release (its transformer takes "
+                f"{folder.transformer.in_channels} channels: noisy latent, mask and condition latent). Use i2v "
+                "(or null).")
+        require(derived != "i2v" or folder.transformer.pos_embed_seq_len is None, "model_path",
+                f"{folder.path} is a first-last-frame (FLF2V) release (pos_embed_seq_len "
+                f"{folder.transformer.pos_embed_seq_len}): its training is not built. Use an I2V, T2V or TI2V folder.")
+        require(chosen != "i2v" or derived == "i2v", "conditioning",
                 f"is i2v, but the transformer of {folder.path} takes only the noisy latent "
                 f"({folder.transformer.in_channels} channels): it is a {derived} release. Use {derived} (or null).")
         if chosen == "ti2v":
@@ -244,8 +245,5 @@ class WanJobConfig(JobConfig):
 
 def check_shared_keys(job: WanJobConfig) -> None:
     """Rules on shared keys that only this recipe's model imposes (called from WanModelConfig's check)."""
-    require(job.parallel.cp_size == 1, "cp_size",
-            f"is {job.parallel.cp_size}, but Wan's transformer runs whole packs (its cross-attention needs every "
-            "text row of a sample; context parallel for it is not written yet): set cp_size: 1.")
     require(not job.optim.use_muon, "use_muon",
             "is true, but Wan's transformer declares no hidden matrices for Muon: set use_muon: false (AdamW).")

@@ -10,12 +10,18 @@ cross-attention is that same machinery with segments = each sample's key rows an
 each sample's query rows, the query rows being another stream's. Only `flex`, which places queries
 by `query_rows` inside the key sequence, has no meaning here: this module never runs it.
 
+Under Ulysses context parallel a rank holds a strided share of each sample's video rows, and the
+text (and image) rows whole: a query row needs no other rank's rows (it attends to keys only), so the
+cross-attention runs locally with `query_lens` = this rank's video rows of each sample and the whole
+key rows, with no exchange (`WanPlan.of` in model.py; the task gives every cp rank the whole text).
+The text projections then run on every rank: at Wan's sizes 512 text rows against thousands of video
+rows a rank, about 1% of a block's FLOPs, where an all-gather of k and v would cost two exchanges a
+block. Each rank's gradients of the text-side weights come from its own queries; FSDP's sum over the
+ranks makes them the whole batch's.
+
 What should move to shared code (`pan/models/attention.py`, `pan/models/packing.py`): a constructor
 `AttnSegments.cross(query_lens, key_lens)` that says so (today `query_lens` is documented as a subset
-of the key rows), this module, and a context-parallel form of it. Under Ulysses the query rows of a
-rank need no other rank's queries (each row attends to keys only): a rank would all-gather the key and
-value rows of its samples (a few hundred text rows) and attend its own video rows locally, instead of
-the all-to-all the self-attention needs.
+of the key rows), and this module.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from pan.checkpoint import layout
+from pan.export import adapter_format
 from pan.lora.adapters import adapter_pairs
 from pan.lora.files import read_adapters, scale_of
 from pan.lora.runs import part_weights, run_job
@@ -53,6 +54,7 @@ DIFFUSERS_LORA_WEIGHTS = "pytorch_lora_weights.safetensors"   # diffusers' LORA_
 DIFFUSERS_LORA_PREFIX = "transformer"                          # WanLoraLoaderMixin.transformer_name
 
 
+@adapter_format   # `pan export --format wan_lora` takes a LoRA checkpoint without --merge
 def export_lora(checkpoint_dir: Path, out: Path, *, ema: bool = False) -> Path:
     """A LoRA run's adapters, not merged, in diffusers' LoRA layout (DIR/transformer[_2]/
     pytorch_lora_weights.safetensors), which WanPipeline's load_lora_weights loads. Returns `out`."""

@@ -50,6 +50,15 @@ class WanFolder:
     transformer: WanConfig              # of `experts[0]` (every expert has the same architecture)
     vae: dict                           # vae/config.json
     text_dim: int | None                # d_model of text_encoder/ (None: the folder has none)
+    image_encoder: dict | None = None   # image_encoder/config.json (CLIPVisionModel; Wan 2.1 I2V only)
+
+    @property
+    def image_rows(self) -> int | None:
+        """CLIP rows per image (its patches and the class token; the penultimate hidden states Wan's
+        I2V pipeline takes), None without an image encoder."""
+        if self.image_encoder is None:
+            return None
+        return (self.image_encoder["image_size"] // self.image_encoder["patch_size"]) ** 2 + 1
 
     @property
     def latent_channels(self) -> int:
@@ -76,6 +85,14 @@ class WanFolder:
     @property
     def vae_dir(self) -> Path:
         return self.path / "vae"
+
+    @property
+    def image_encoder_dir(self) -> Path:
+        return self.path / "image_encoder"
+
+    @property
+    def image_processor_dir(self) -> Path:
+        return self.path / "image_processor"
 
 
 def _json(path: Path, what: str) -> dict:
@@ -151,7 +168,30 @@ def _read_folder(path: Path) -> WanFolder:
                      expand_timesteps=bool(index.get("expand_timesteps", False)),
                      flow_shift=scheduler.get("flow_shift", scheduler.get("shift")),
                      num_train_timesteps=int(scheduler.get("num_train_timesteps", 1000)),
-                     transformer=transformer, vae=vae, text_dim=text_dim)
+                     transformer=transformer, vae=vae, text_dim=text_dim,
+                     image_encoder=_image_encoder(path, transformer))
+
+
+def _image_encoder(path: Path, transformer: WanConfig) -> dict | None:
+    """image_encoder/config.json (its vision config) where the transformer takes CLIP image rows."""
+    if transformer.image_dim is None:
+        return None
+    for sub, what in (("image_encoder", "config.json"), ("image_processor", "preprocessor_config.json")):
+        require((path / sub / what).is_file(), "model_path",
+                f"{path}/{sub}/{what} is missing: the transformer takes CLIP image features (image_dim "
+                f"{transformer.image_dim}), which the folder's image encoder makes. Download the folder whole.")
+    _json(path / "image_encoder" / "config.json", "the CLIP image encoder")
+    from transformers import CLIPVisionConfig   # its defaults fill what config.json leaves out
+
+    try:
+        vision = CLIPVisionConfig.from_pretrained(str(path / "image_encoder"), local_files_only=True).to_dict()
+    except (OSError, ValueError) as e:
+        raise ConfigError("model_path", f"{path}/image_encoder/config.json is not a CLIP vision config ({e}): "
+                                        "download the folder again.") from None
+    require(vision.get("hidden_size") == transformer.image_dim, "model_path",
+            f"{path}: the image encoder gives {vision.get('hidden_size')}-wide features but the transformer "
+            f"takes image_dim {transformer.image_dim}. Use one release's folder.")
+    return vision
 
 
 def _listed(index: dict, name: str) -> bool:

@@ -31,6 +31,7 @@ equal per-token timesteps), D = heads x head_dim, H heads, d head dim, p = patch
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -276,11 +277,27 @@ class CrossAttention(nn.Module):
 
 @dataclass(frozen=True)
 class WanPlan:
-    """What every block of one forward shares: who attends to whom, and the modulation groups."""
+    """What every block of one forward shares: who attends to whom, and the modulation groups.
+
+    Under Ulysses context parallel (`pack.cp_size > 1`) this process holds a strided share of each
+    sample's video rows (`pack.video_index`): the self-attention's segments say so (`local_index`), and
+    the Ulysses wrapper around `inner_attention` trades rows for heads. The text (and image) rows are
+    whole on every rank, so the cross-attention needs no exchange: this rank's video rows of sample i
+    (`pack.video_counts[i]` of them) attend to all of sample i's text rows, locally.
+    """
     video: AttnSegments          # self-attention: each sample's video rows
-    text: AttnSegments           # video rows of sample i -> text rows of sample i
-    image: AttnSegments | None   # video rows of sample i -> image rows of sample i (I2V)
+    text: AttnSegments           # this rank's video rows of sample i -> text rows of sample i
+    image: AttnSegments | None   # this rank's video rows of sample i -> image rows of sample i (I2V)
     groups: Samples              # modulation group of each video row (contiguous runs)
+
+    @classmethod
+    def of(cls, pack: PackInfo, image_rows: int | None, device, groups: Samples) -> WanPlan:
+        video = AttnSegments.from_lengths(pack.video_lens, device)
+        if pack.cp_size > 1:
+            video = dataclasses.replace(video, local_index=pack.video_index)
+        queries = pack.video_counts
+        image = None if image_rows is None else cross_segments(queries, [image_rows] * pack.num_samples, device)
+        return cls(video=video, text=cross_segments(queries, pack.text_lens, device), image=image, groups=groups)
 
 
 class WanBlock(nn.Module):
@@ -386,22 +403,24 @@ class WanTransformer(nn.Module):
         return list(self.blocks)
 
     def forward_flops(self, pack: PackInfo, image_rows: int = 0) -> int:
-        """Matmul and attention FLOPs of one forward over a whole pack (a training step: 3x this).
+        """Matmul and attention FLOPs of one forward over a pack, as this process runs it (a training
+        step: 3x this): the whole pack, or a context-parallel rank's share of it.
 
         Linears cost 2 x rows x in x out; attention 4 x D x queries x keys per sample (QK^T and AV over
-        all heads). The timestep MLP and modulation are counted once per sample (per-token TI2V
-        timesteps add a group or two); norms, RoPE and elementwise work are not counted. `image_rows`:
-        CLIP rows per sample (I2V)."""
+        all heads; under cp a rank attends whole sequences for 1/cp of the heads, and its own video rows
+        to the whole text). The text (and image) rows are projected on every cp rank. The timestep MLP
+        and modulation are counted once per sample (per-token TI2V timesteps add a group or two); norms,
+        RoPE and elementwise work are not counted. `image_rows`: CLIP rows per sample (I2V)."""
         c, d = self.config, self.config.inner_dim
-        nv, nt, b = sum(pack.video_lens), sum(pack.text_lens), pack.num_samples
+        nv, nt, b = pack.num_video_tokens, sum(pack.text_lens), pack.num_samples
         ni = image_rows * b
         flops = 2 * nv * c.in_channels * c.patch_volume * d                           # patch embedding
         flops += 2 * b * (c.freq_dim * d + d * d + d * 6 * d)                         # timestep MLP, projection
         flops += 2 * nt * (c.text_dim * d + d * d)                                     # text projection
         if c.image_dim is not None and ni:
             flops += 2 * ni * (c.image_dim * c.image_dim + c.image_dim * d)            # image projection
-        self_attn = 4 * d * sum(n * n for n in pack.video_lens)
-        cross = 4 * d * sum(v * t for v, t in zip(pack.video_lens, pack.text_lens))
+        self_attn = 4 * d * sum(n * n for n in pack.video_lens) // pack.cp_size
+        cross = 4 * d * sum(v * t for v, t in zip(pack.video_counts, pack.text_lens))
         block = (2 * nv * 4 * d * d + self_attn                                        # self-attention
                  + 2 * nv * 2 * d * d + 2 * nt * 2 * d * d + cross                     # cross-attention (text)
                  + 2 * nv * 2 * d * c.ffn_dim)                                         # MLP
@@ -411,19 +430,16 @@ class WanTransformer(nn.Module):
 
     def forward(self, x: Tensor, timesteps: Tensor, text: Tensor, pack: PackInfo,
                 image: Tensor | None = None) -> Tensor:
-        """x [Nv, in_channels * p] (pan's patchify order), timesteps [B] or per token [Nv] on Wan's
-        0..1000 scale (1000 x sigma, what diffusers' model takes), text [Nt, text_dim] (each sample's
-        `pack.text_lens` rows), image [B, Li, image_dim] (I2V: each sample's CLIP rows; FLF2V: its two
-        images' rows, Li = pos_embed_seq_len) -> [Nv, out_channels * p] in pan's patchify order."""
+        """x [Nv, in_channels * p] (pan's patchify order; under cp this rank's rows, `pack.video_index`),
+        timesteps [B] or per token [Nv] on Wan's 0..1000 scale (1000 x sigma, what diffusers' model
+        takes), text [Nt, text_dim] (each sample's `pack.text_lens` rows, whole on every cp rank), image
+        [B, Li, image_dim] (I2V: each sample's CLIP rows; FLF2V: its two images' rows, Li =
+        pos_embed_seq_len) -> [Nv, out_channels * p] in pan's patchify order."""
         self._check_inputs(x, text, pack, image)
         t, groups = timestep_groups(timesteps, pack)
         temb, proj = self.condition_embedder.time(t, text.dtype)                             # [G, D], [G, 6D]
         text = self.condition_embedder.text_embedder(text)                                    # [Nt, D]
-        plan = WanPlan(video=AttnSegments.from_lengths(pack.video_lens, x.device),
-                       text=cross_segments(pack.video_lens, pack.text_lens, x.device),
-                       image=None if image is None else cross_segments(
-                           pack.video_lens, [image.shape[1]] * pack.num_samples, x.device),
-                       groups=groups)
+        plan = WanPlan.of(pack, None if image is None else image.shape[1], x.device, groups)
         if image is not None:
             image = self.condition_embedder.image_embedder(image).flatten(0, 1)               # [Ni, D]
         rope = rope_frequencies(pack.video_pos, self.config.rope_axes_dim, ROPE_THETA, 1.0)   # [Nv, d/2]
@@ -437,14 +453,13 @@ class WanTransformer(nn.Module):
 
     def _check_inputs(self, x: Tensor, text: Tensor, pack: PackInfo, image: Tensor | None) -> None:
         c = self.config
-        if pack.cp_size != 1:
-            raise ValueError("WanTransformer runs whole packs: under context parallel its cross-attention "
-                             "needs every text row of its samples (see pan/recipes/wan/cross_attention.py).")
         if x.shape != (pack.num_video_tokens, c.in_channels * c.patch_volume):
             raise ValueError(f"video tokens {tuple(x.shape)}, expected [{pack.num_video_tokens}, "
                              f"{c.in_channels * c.patch_volume}] (in_channels x patch volume).")
-        if text.shape != (pack.num_text_tokens, c.text_dim):
-            raise ValueError(f"text rows {tuple(text.shape)}, expected [{pack.num_text_tokens}, {c.text_dim}].")
+        text_rows = sum(pack.text_lens)   # whole on every cp rank (WanPlan)
+        if text.shape != (text_rows, c.text_dim):
+            raise ValueError(f"text rows {tuple(text.shape)}, expected [{text_rows}, {c.text_dim}] (every "
+                             "sample's rows, also on a context-parallel rank).")
         for layout in pack.layouts:
             if layout.attention != "full":
                 raise ValueError(f"Wan attends fully within a sample; got the {layout.attention!r} rule.")

@@ -18,6 +18,11 @@ One micro-batch (`prepare`, on the data-reading rank, its draws seeded from the 
              averaged over the loss elements of the whole step (as the Pan recipe)
     ti2v     with probability image_cond_prob the first latent frame is given: x_t keeps x0 there, its
              tokens get timestep 0 (per-token timesteps, WanPipeline's expand_timesteps) and weight 0
+    i2v      every clip is conditioned on its first frame as WanImageToVideoPipeline conditions: the
+             transformer's input is [x_t ; mask ; condition] on the channels (mask: 4 channels, 1 on
+             the first latent frame, 0 after; condition: the VAE encoding of the first frame followed by
+             zero frames, precomputed), and for Wan 2.1 I2V the first frame's CLIP rows go to the
+             cross-attention (`image`); every frame is predicted, as the pipeline denoises every frame
 A14B with both experts: the samples with t >= boundary_ratio go to `transformer`, the others to
 `transformer_2`; each part's step is the mean over its own samples of the whole step (all ranks, all
 micro-batches). A part without a sample in a micro-batch gets a zero-weight stand-in (the batch's first
@@ -43,8 +48,10 @@ from pan.diffusion.flow import add_noise, sample_timesteps, velocity_target
 from pan.models.packing import PackInfo, patchify
 from pan.recipes.packed import PackedInputs, PackedTask, to_device
 from pan.recipes.wan.config import WanJobConfig
+from pan.recipes.wan.context_parallel import share_batch
+from pan.recipes.wan.folder import I2V_MASK_CHANNELS
 from pan.recipes.wan.model import WanTransformer
-from pan.recipes.wan.precompute import WanEncoders, read_empty_text, saved_empty_text
+from pan.recipes.wan.precompute import CONDITION, IMAGE_EMBEDS, WanEncoders, read_empty_text, saved_empty_text
 from pan.recipes.wan.text import padded
 from pan.recipes.wan.weights import load_config, read_state_dict
 from pan.task import PartSpec, global_sum
@@ -64,8 +71,14 @@ class ModelInputs(PackedInputs):
         timesteps   [B], or [Nv] per token (ti2v), on Wan's 0..1000 scale: what the transformer takes
         text        [B * max_text_tokens, text_dim] caption rows, zero-padded per sample
         sigmas      [B] each sample's t in [0, 1]
+        image       [B, Li, image_dim] each sample's CLIP rows (Wan 2.1 I2V), else None
     """
     sigmas: Tensor | None = None
+    image: Tensor | None = None
+
+    def to(self, device) -> ModelInputs:
+        moved = super().to(device)
+        return moved if self.image is None else dataclasses.replace(moved, image=to_device(self.image, device))
 
 
 @dataclass
@@ -142,7 +155,16 @@ class WanTask(PackedTask):
         arch = self.arch
         return dataclasses.replace(super().sample_fit(), channels=arch.output_channels, unit=tuple(arch.patch_size),
                                    unit_from=f"patch_size {list(arch.patch_size)}", text_width=arch.text_dim,
-                                   raw_latents=False, model="the Wan transformer")
+                                   raw_latents=False, model="the Wan transformer", extras=self.extras())
+
+    def extras(self) -> dict[str, tuple]:
+        """The per-sample tensors an I2V run's precomputed rows carry (pan/recipes/wan/precompute.py)."""
+        if self.conditioning != "i2v":
+            return {}
+        out = {CONDITION: ("C", "T", "H", "W")}
+        if self.arch.image_dim is not None:
+            out[IMAGE_EMBEDS] = (self.folder.image_rows, self.arch.image_dim)
+        return out
 
     def wants_validation(self, step: int) -> bool:
         return False
@@ -166,6 +188,18 @@ class WanTask(PackedTask):
         p = self.job.tasks.text_dropout_prob
         return [padded(to_device(self._empty_text if self.rng.random() < p else t, device).float(), rows)
                 for t in texts]
+
+    def conditions(self, samples) -> list[dict[str, Tensor]]:
+        """Each sample's I2V condition (its precomputed extras, or encoded from its frames), fp32 on this
+        process's device; {} per sample for other runs."""
+        if self.conditioning != "i2v":
+            return [{} for _ in samples]
+        out = []
+        for sample in samples:
+            precomputed = getattr(sample, "latent", None) is not None
+            extras = sample.extras if precomputed else self.encoders.condition(sample.frames)
+            out.append({k: to_device(extras[k], self.world.device).float() for k in self.extras()})
+        return out
 
     def draw_timesteps(self, token_counts: list[int]) -> Tensor:
         """Each sample's t in [0, 1] (CPU), shifted by flow_shift; with one A14B expert trained, drawn
@@ -210,13 +244,14 @@ class WanTask(PackedTask):
         samples = batch.samples
         latents = [self.sample_latent(s) for s in samples]
         texts = self.caption_features(samples)
+        conditions = self.conditions(samples)
         grids = [(t // patch[0], h // patch[1], w // patch[2]) for _, t, h, w in (x.shape for x in latents)]
         token_counts = [math.prod(g) for g in grids]
         sigmas = self.draw_timesteps(token_counts)
         scale = self.folder.num_train_timesteps
         per_token = self.conditioning == "ti2v"
         rows = []   # per sample: (x, target, weight, timesteps)
-        for x0, sigma, grid in zip(latents, sigmas.tolist(), grids):
+        for x0, sigma, grid, condition in zip(latents, sigmas.tolist(), grids, conditions):
             noise = to_device(torch.randn(x0.shape, generator=self.generator), x0.device)
             # (drawn for every clip, so the stream stays in step; a one-frame clip has nothing else to predict)
             given = per_token and self.rng.random() < self.job.tasks.image_cond_prob and x0.shape[1] > 1
@@ -228,6 +263,8 @@ class WanTask(PackedTask):
                 x_t[:, 0] = x0[:, 0]
                 weight[:frame_tokens] = 0.0
                 timesteps[:frame_tokens] = 0.0
+            if CONDITION in condition:   # i2v: [x_t ; mask ; condition] on the channels
+                x_t = torch.cat([x_t, first_frame_mask(x0), condition[CONDITION]])
             rows.append((patchify(x_t, patch), patchify(velocity_target(x0, noise), patch), weight, timesteps))
         self.bad_samples += sum(batch.skipped.values())
         parts, counted = {}, {}
@@ -235,24 +272,29 @@ class WanTask(PackedTask):
             mine = [i for i, s in enumerate(sigmas.tolist()) if self.expert_of(s) == name]
             counted[name] = len(mine)
             parts[name] = self._inputs(mine or [0], rows, texts, grids, sigmas, per_token, batch,
-                                       stand_in=not mine)
+                                       stand_in=not mine, images=[c.get(IMAGE_EMBEDS) for c in conditions])
         return WanBatch(parts=parts, sample_ids=[s.sample_id for s in samples], samples=len(samples),
                         tokens=sum(token_counts), packing=batch.packing_efficiency, bad_samples=self.bad_samples,
                         counted=counted)
 
     def _inputs(self, index: list[int], rows, texts, grids, sigmas, per_token: bool, batch,
-                stand_in: bool) -> ModelInputs:
+                stand_in: bool, images: list[Tensor | None]) -> ModelInputs:
         x, target, weight, timesteps = (torch.cat([rows[i][k] for i in index]) for k in range(4))
         if stand_in:
             weight = torch.zeros_like(weight)
         if not per_token:
             timesteps = (sigmas[index] * self.folder.num_train_timesteps).to(x.device)
         text = torch.cat([texts[i] for i in index])
+        image = None if images[index[0]] is None else torch.stack([images[i] for i in index])
         return ModelInputs(x=x, target=target, weight=weight, timesteps=timesteps, text=text,
                            pack=PackInfo.build([grids[i] for i in index], [texts[i].shape[0] for i in index]),
                            sample_ids=[batch.samples[i].sample_id for i in index], samples=len(index),
                            tokens=sum(math.prod(grids[i]) for i in index), packing=batch.packing_efficiency,
-                           bad_samples=self.bad_samples, sigmas=sigmas[index].to(x.device))
+                           bad_samples=self.bad_samples, sigmas=sigmas[index].to(x.device), image=image)
+
+    def share(self, batch: WanBatch | None) -> WanBatch:
+        """cp rank 0's whole micro-batch -> this process's share, on its device (context_parallel.py)."""
+        return share_batch(self.cp, batch).to(self.world.device)
 
     # -- the step --------------------------------------------------------------------------------
     def loss_count(self, inputs: ModelInputs) -> float:
@@ -293,14 +335,23 @@ class WanTask(PackedTask):
 
     def flops(self, batches: list[WanBatch]) -> float:
         """Training FLOPs this process executes for these micro-batches (3x forward; stand-ins too)."""
-        return sum(3 * self.models[name].forward_flops(inputs.pack)
+        return sum(3 * self.models[name].forward_flops(
+                       inputs.pack, 0 if inputs.image is None else inputs.image.shape[1])
                    for b in batches for name, inputs in b.parts.items()
                    if b.counted[name] or self.world.size > 1)
 
 
 def loss_sum(model, inputs: ModelInputs) -> Tensor:
     """Sum of squared velocity errors over the loss elements of these rows, in fp32 at least."""
-    out = model(inputs.x, inputs.timesteps, inputs.text, inputs.pack)
+    out = model(inputs.x, inputs.timesteps, inputs.text, inputs.pack, image=inputs.image)
     dtype = torch.promote_types(out.dtype, torch.float32)
     err = (out.to(dtype) - inputs.target.to(dtype)).square().sum(dim=1)
     return (err * inputs.weight.to(dtype)).sum()
+
+
+def first_frame_mask(x0: Tensor) -> Tensor:
+    """WanImageToVideoPipeline's mask channels for a latent [C, T, H, W]: [4, T, H, W], 1 on the first
+    latent frame (the given image's four pixel-frame slots), 0 on the others."""
+    mask = x0.new_zeros(I2V_MASK_CHANNELS, *x0.shape[1:])
+    mask[:, 0] = 1.0
+    return mask

@@ -1,0 +1,113 @@
+"""`pan check`'s rows of the Wan recipe (its `checks` hook): the folder as its JSON files describe it
+(the variant, each expert's sizes, the text encoder and the VAE; no weight is read: the run loads
+them strictly at start), a sample of every data source read as training reads it, the shared run
+rows, and memory: the shared estimate (probe.py's micro-batch traced on fake tensors) beside the same
+parameters, gradients and optimizer states counted by hand from config.json (`hand_count`).
+"""
+
+from __future__ import annotations
+
+import json
+
+from pan.preflight.checks import (
+    check_cpu,
+    check_data,
+    check_layout,
+    check_memory,
+    check_output_dir,
+    check_resume,
+    check_step_time,
+    check_warm_start,
+    gib,
+)
+from pan.preflight.core import Preflight, Row
+from pan.recipes.wan.probe import encodes_online, hand_count, loads_text_encoder, transformer_parameters
+from pan.recipes.wan.weights import load_config
+
+
+def check_wan_folder(ctx: Preflight) -> list[Row]:
+    """The release the folder holds: its pipeline, experts, conditioning and each expert's sizes (from
+    config.json), the parameters counted by hand against the model pan builds from it."""
+    job = ctx.job
+    folder = job.model.folder()
+    rows, counted = [], {}
+    for name in folder.experts:
+        c = load_config(folder.expert_dir(name))
+        matrices, vectors = transformer_parameters(c)
+        counted[name] = matrices + vectors
+        trained = name in job.model.trained_experts()
+        rows.append(f"{name}{'' if trained else ' (not trained)'}: {c.num_layers} blocks, width "
+                    f"{c.inner_dim} ({c.num_attention_heads} heads x {c.attention_head_dim}), MLP {c.ffn_dim}, "
+                    f"patch {c.patch_size}, {c.in_channels} -> {c.output_channels} channels, text {c.text_dim}: "
+                    f"{(matrices + vectors) / 1e9:.3f}B parameters")
+    built = {name: sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
+             for name, model in ctx.models.items()}
+    differ = {name: (n, counted[name]) for name, n in built.items() if n != counted[name]}
+    if differ:
+        return [Row("wan folder", "fail", f"the transformers built from {folder.path}'s config.json files have "
+                    f"other parameter counts than their values give (built, counted): {differ}.",
+                    "report this: the hand count (pan/recipes/wan/probe.py) and the model disagree.")]
+    boundary = (f"; experts split at boundary_ratio {folder.boundary_ratio} (transformer: t >= it)"
+                if len(folder.experts) == 2 else "")
+    return [Row("wan folder", "pass", f"{folder.path}: {folder.pipeline}, {folder.derived_conditioning}"
+                f"{boundary}; trains {', '.join(job.model.trained_experts())} "
+                f"({job.model.resolved_conditioning()}).\n" + "\n".join(rows)
+                + "\n(config.json only: the weights are loaded strictly when the run starts.)")]
+
+
+def check_text_encoder(ctx: Preflight) -> list[Row]:
+    """umT5's shape (text_encoder/config.json) and whether training loads it."""
+    folder = ctx.job.model.folder()
+    path = folder.text_encoder_dir / "config.json"
+    loaded = loads_text_encoder(ctx.job)
+    if not path.is_file():
+        if loaded:
+            return [Row("text encoder", "fail", f"{path} is missing, and training encodes captions (or the empty "
+                        "caption) with umT5.", "copy the folder's text_encoder/ and tokenizer/, or precompute "
+                        "every row and the empty caption (`pan data precompute`).")]
+        return [Row("text encoder", "pass", "not in the folder, and not loaded in training: every caption and the "
+                    "empty caption are precomputed.")]
+    config = json.loads(path.read_text())
+    shape = (f"umT5 {config.get('num_layers')} layers, width {config.get('d_model')} (MLP {config.get('d_ff')}, "
+             f"{config.get('num_heads')} heads), {ctx.job.model.max_text_tokens} rows per caption")
+    where = ("loaded on every data-reading rank (captions encoded in training)" if loaded else
+             "not loaded in training: every caption and the empty caption are precomputed")
+    return [Row("text encoder", "pass", f"{shape}; {where}.")]
+
+
+def check_vae(ctx: Preflight) -> list[Row]:
+    """The VAE's latent geometry (vae/config.json) against the transformer's channels and patches."""
+    folder, geometry = ctx.job.model.folder(), ctx.task.geometry
+    pt, ph, pw = folder.transformer.patch_size
+    where = ("loaded (fp32) on every data-reading rank: some rows are encoded in training"
+             if encodes_online(ctx.job) else "not loaded in training: every row is precomputed")
+    return [Row("vae", "pass", f"AutoencoderKLWan: {geometry.latent_channels} latent channels, "
+                f"{geometry.temporal_factor}x in time, {geometry.spatial_factor}x in space; a token is "
+                f"{pt}x{ph * geometry.spatial_factor}x{pw * geometry.spatial_factor} latent frames x pixels; "
+                f"{where}.")]
+
+
+def check_memory_by_hand(ctx: Preflight) -> list[Row]:
+    """Parameters, gradients and optimizer states per device counted from config.json alone, beside the
+    estimate's (which counts them from the model built on the meta device): they must agree."""
+    if ctx.job.lora.enabled and ctx.job.lora.lora_target_modules is not None:
+        return [Row("memory by hand", "pass", "not counted by hand: the hand count covers adapters on every "
+                    "linear of every block (lora_target_modules: null); the estimate counts these targets.")]
+    count = hand_count(ctx)
+    mine = count.bytes
+    est = ctx.estimate.device
+    differ = [f"{k} {gib(mine[k])} by hand, {gib(est.get(k, 0))} estimated"
+              for k in ("parameters", "frozen parameters", "optimizer states") if mine[k] != est.get(k, 0)]
+    if est.get("gradients", 0) > mine["gradients"]:
+        differ.append(f"gradients {gib(est['gradients'])} estimated, more than all of them ({gib(mine['gradients'])})")
+    if differ:
+        return [Row("memory by hand", "fail", "; ".join(differ) + ".", "report this: the hand count "
+                    "(pan/recipes/wan/probe.py) and the estimate disagree.")]
+    return [Row("memory by hand", "pass", count.arithmetic() + f"; the estimate's gradients at the peak: "
+                f"{gib(est.get('gradients', 0))}, activations {gib(est.get('activations', 0))}.")]
+
+
+# `pan check`'s table, in order: the layout, the folder, what the run reads, the machine and the output
+# folder, then memory (the estimate, and by hand) and step time (`pan.recipes.wan.probe.wan_probe`).
+CHECKS = [check_layout, check_wan_folder, check_text_encoder, check_vae, check_data, check_warm_start, check_cpu,
+          check_output_dir, check_resume, check_memory, check_memory_by_hand, check_step_time]
