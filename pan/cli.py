@@ -34,13 +34,16 @@ def cmd_train(argv: list[str]) -> int:
 
 
 def cmd_data(argv: list[str]) -> int:
-    """`pan data synth ...` (the demo dataset) and `pan data precompute ...` (latents + text features)."""
-    tools = {"synth": "pan.data.synth", "precompute": "pan.data.precompute"}
+    """`pan data synth ...` (the demo dataset), `pan data precompute ...` (latents + text features) and
+    `pan data index ...` (the row indexes of manifests, ahead of a large run)."""
+    tools = {"synth": "pan.data.synth", "precompute": "pan.data.precompute", "index": "pan.data.index"}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in tools:
-        print("usage: pan data {synth,precompute} [options]\n\n"
+        print("usage: pan data {synth,precompute,index} [options]\n\n"
               "  synth       write the demo's synthetic captioned videos (MP4 + CSV + held-out prompts)\n"
               "  precompute  encode a run's video CSVs into latents + text features: --config X.yaml\n"
-              "              [--key value ...] --out DIR [--limit N] [--device D]")
+              "              [--key value ...] --out DIR [--limit N] [--device D]\n"
+              "  index       build the row index of each manifest ahead of a large run: MANIFEST...\n"
+              "              [--out FOLDER] (under torchrun the processes split the manifests)")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     import importlib
     return importlib.import_module(tools[argv[0]]).main(argv[1:])
@@ -60,7 +63,8 @@ COMMANDS = {
               "preflight: validate a config and the environment without training"),
     "launch-command": (_delegate("pan.launch_command", "main_launch_command"),
                        "print a validated torchrun/srun command for a workflow"),
-    "data": (cmd_data, "data tools: synth (the demo dataset), precompute (latents + text features)"),
+    "data": (cmd_data, "data tools: synth (the demo dataset), precompute (latents + text features), "
+                       "index (row indexes)"),
     "eval": (_delegate("pan.demo.analyser"), "score generated videos against their prompts (the demo's analyser)"),
     "sample": (_delegate("pan.sampling"), "generate videos from a checkpoint"),
     "export": (_delegate("pan.export", "main_export"),

@@ -50,7 +50,11 @@ rel 1.5e-7); the Pan and causal VAE values came out bit-identical that time. Rec
 the DiTs' RMSNorm got its own CPU autograd function and the per-sample modulation and gating, the
 single-stream blocks' output projection and the block-causal attention's key gradients stopped
 concatenating or zero-filling (issue 31: other fp32 sums; losses and grad norms within rel 1.5e-7
-of the values before, the first difference at step 4; the causal VAE's bit-identical).
+of the values before, the first difference at step 4; the causal VAE's bit-identical). Recorded
+again when each epoch's shuffle became a Feistel bijection computed slot by slot (issue 51:
+pan.data.plan.Shuffle instead of numpy's permutation), which changes the order the runs read the
+clips in; the row index that came with it was first checked to leave every value bit-identical
+under the old shuffle (the index files it writes beside the CSVs are no input of the checksums).
 
 Cost: 23 processes (2 inputs, 4 one-process runs, 4 torchrun launches of 3 processes, 5 exports),
 ~120 CPU-seconds in all, most of it importing torch. They share the machine's cores (a 2-rank run
@@ -275,8 +279,9 @@ def pin_tokenizers(released: Path) -> None:
 def input_checksums(work: Path) -> dict[str, str]:
     data, released = work / "synth", work / "released"
     model_files = [p for p in released.rglob("*") if p.is_file()]
-    # The clips, CSVs and prompts the runs read; not the JSONL copy of the CSVs synth writes since.
-    clips = [p for p in data.rglob("*") if p.is_file() and p.suffix != ".jsonl"]
+    # The clips, CSVs and prompts the runs read; not the JSONL copy of the CSVs synth writes since,
+    # nor the row indexes the runs build beside the CSVs (pan/data/index.py).
+    clips = [p for p in data.rglob("*") if p.is_file() and p.suffix != ".jsonl" and not p.name.endswith(".index.arrow")]
     return {"synth_clips": files_sha256(data, clips),
             "released_tensors": tensors_sha256(sorted(p for p in model_files if p.suffix == ".safetensors"))["sha256"],
             "released_other_files": files_sha256(released, [p for p in model_files if p.suffix != ".safetensors"])}

@@ -106,6 +106,12 @@ class DataConfig:
 
     def check(self, job) -> None:
         self._check_sources()
+        from pan.data.storage import Settings  # lazy: the object-store settings of this machine
+
+        try:
+            Settings.from_env()
+        except ValueError as e:
+            raise ConfigError(None, f"{e}.") from None
         for text in self.resolution_buckets:
             try:
                 parse_bucket(text)
@@ -152,6 +158,9 @@ class DataConfig:
         for key, paths in (("video_csv_paths", videos), ("annotation_paths", annotations),
                            ("image_tar_paths", images)):
             for p in paths:
+                require(not _is_url(p), key, f"lists {p}: the files it lists (clips, latents, shards, text "
+                        "features) may be URLs, but the manifests and image tars themselves are read from "
+                        "local files: copy it to local disk and list that.")
                 if not Path(p).is_file():
                     raise ConfigError(key, f"{p} does not exist (or is not a file).",
                                       fix=f"point {key} at existing files (a relative path is read from the "
@@ -184,6 +193,12 @@ class DataConfig:
                     "is set but the other of video_csv_weights / annotation_weights is null: video CSVs "
                     "and annotation files are mixed on one scale, so give both lists or neither "
                     "(null weighs every file by its number of rows).")
+
+
+def _is_url(path: str) -> bool:
+    from pan.data.storage import is_url  # lazy: loading a config imports no data engine
+
+    return is_url(str(path))
 
 
 def _csv_header_of(path: Path) -> list[str] | None:

@@ -19,7 +19,8 @@ only and a run continues exactly on any layout with the same count.
 Elastic resume (another number of shards, `load_elastic_state`): from every old rank's cursor, the
 samples of each stream's unfinished epochs that no old rank consumed (their buffers included) are
 dealt round robin to the new ranks as a head, drawn before the stream continues with the new
-shares from the next epoch. No sample is lost or trained twice in any epoch.
+shares from the next epoch. No sample is lost or trained twice in any epoch. The head is computed
+as it is drawn (pan.data.plan.Head): its state is the old ranks' cursors, not a list of rows.
 """
 
 from __future__ import annotations
@@ -39,13 +40,14 @@ from pan.data.batch import RawBatch, Sample
 from pan.data.config import DataConfig
 from pan.data.fit import SampleFit
 from pan.data.packing import LookaheadPacker
-from pan.data.plan import IMAGE_STREAM, Planner, Ref, StreamOrder
+from pan.data.plan import IMAGE_STREAM, Head, Left, Listed, Planner, Ref, StreamOrder, Undrawn
 from pan.data.reader import Deferred, KnownBad, Loaded, RowSource, SampleReader, rules_of
 from pan.data.sources import ImageTarSet, SourceError
 
 logger = logging.getLogger(__name__)
 
-STATE_VERSION = 1
+STATE_VERSION = 2     # 2: epochs shuffled by pan.data.plan.Shuffle, elastic heads as cursors
+READABLE_VERSIONS = (1, 2)
 TokensOf = Callable[[int, int, int], int]
 
 
@@ -391,9 +393,10 @@ class PackedLoader:
         self.packer.buffer, self.replay = [], []
         self._skipped_since = collections.Counter()
         self.known_bad = {}
-        if state.get("version") != STATE_VERSION:
-            raise DataResumeError(f"dataloader state version {state.get('version')} is not "
-                                  f"{STATE_VERSION}: it was written by another pan version.")
+        if state.get("version") not in READABLE_VERSIONS:
+            raise DataResumeError(f"dataloader state version {state.get('version')} is not one of "
+                                  f"{READABLE_VERSIONS}: it was written by another pan version.")
+        _warn_if_shuffled_otherwise([state])
         if state["dp_size"] != self.dp_size:
             if not self.cfg.restart_data_on_dp_change:
                 raise DataResumeError(
@@ -435,10 +438,11 @@ class PackedLoader:
         self._skipped_since = collections.Counter()
         old_dp = len(states)
         for r, state in enumerate(states):
-            if state.get("version") != STATE_VERSION or state["dp_rank"] != r or state["dp_size"] != old_dp:
+            if state.get("version") not in READABLE_VERSIONS or state["dp_rank"] != r or state["dp_size"] != old_dp:
                 raise DataResumeError(f"the {old_dp} data cursors of the checkpoint are not those of one run "
                                       f"(cursor {r}: rank {state.get('dp_rank')} of {state.get('dp_size')}, "
                                       f"version {state.get('version')})")
+        _warn_if_shuffled_otherwise(states)
         planner = self._initial.copy()
         planner.step = max(state["planner"]["step"] for state in states)  # fresh mixing draws
         self.batches = max(state.get("batches", 0) for state in states)
@@ -452,8 +456,7 @@ class PackedLoader:
                                "is false)", name)
                 restarted.add(name)
                 continue
-            left = unconsumed(order, states, name)
-            planner.head[name] = collections.deque(left[self.dp_rank::self.dp_size])
+            planner.head[name] = Head(unconsumed(order, states, name), self.dp_rank, self.dp_size)
             planner.cursor[name] = (max(c["epoch"] for c in saved) + 1, 0)
         self.planner = planner
         self.known_bad = {(stream, index): (reason, detail) for state in states
@@ -484,29 +487,35 @@ class PackedLoader:
                 planner.cursor[name] = (cursor["epoch"], cursor["pos"])
                 head = saved.get("head", {}).get(name)
                 if head:
-                    planner.head[name] = collections.deque(tuple(item) for item in head)
+                    planner.head[name] = Head.from_state(head, order)
                 continue
             restarted.add(name)
         restarted |= set(saved["streams"]) - set(planner.streams)
         return planner, restarted
 
 
-def unconsumed(order: StreamOrder, states: list[dict], name: str) -> list[tuple[int, int]]:
+def _warn_if_shuffled_otherwise(states: list[dict]) -> None:
+    old = sorted({state["version"] for state in states if state["version"] < STATE_VERSION})
+    if old:
+        logger.warning("the data cursors were written by a pan that shuffled epochs otherwise (state version "
+                       "%s): the streams keep their positions in differently shuffled epochs",
+                       ", ".join(map(str, old)))
+
+
+def unconsumed(order: StreamOrder, states: list[dict], name: str) -> Left:
     """(epoch, index) of every sample of stream `name` that the ranks of `states` (old rank r:
-    positions r, r + dp, ... of each epoch's shuffle) had not consumed, in epoch order: what is
-    left of their unfinished epochs, what sat in their buffers, and their own elastic heads."""
+    positions r, r + dp, ... of each epoch's shuffle) had not consumed, as a lazy sequence: the rest
+    of their own elastic heads, what sat in their buffers, and what is left of their unfinished
+    epochs (described by their cursors, not listed: O(ranks), not O(rows))."""
     old_dp = len(states)
-    left = []
+    heads, buffered = [], []
     for r, state in enumerate(states):
-        left += [tuple(item) for item in state["planner"].get("head", {}).get(name, [])]
+        head = state["planner"].get("head", {}).get(name)
+        if head:
+            heads.append(Head.from_state(head, order).rest())
         # Buffered samples were drawn (possibly epochs ago: packing keeps a long one waiting) but
         # not trained. (Cursors of older pan versions carry no index.)
-        left += [(epoch, index[0] if index else order.at(epoch, pos * old_dp + r))
-                 for _seq, stream, epoch, pos, *index in state["buffer"] if stream == name]
+        buffered += [(epoch, index[0] if index else order.at(epoch, pos * old_dp + r))
+                     for _seq, stream, epoch, pos, *index in state["buffer"] if stream == name]
     cursors = [(c["epoch"], c["pos"]) for c in (s["planner"]["streams"][name] for s in states)]
-    share = order.size // old_dp
-    for epoch in range(min(e for e, _ in cursors), max(e for e, _ in cursors) + 1):
-        for slot in range(share * old_dp):
-            if (epoch, slot // old_dp) >= cursors[slot % old_dp]:  # not drawn yet by its old rank
-                left.append((epoch, order.at(epoch, slot)))
-    return sorted(left, key=lambda item: item[0])
+    return Left([*heads, Listed(sorted(buffered, key=lambda item: item[0])), Undrawn(order, old_dp, cursors)])

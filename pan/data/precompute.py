@@ -1,6 +1,6 @@
 """`pan data precompute`: encode a run's data once, offline, into latents + text features.
 
-    pan data precompute --config X.yaml [--key value ...] --out DIR [--limit N] [--device D]
+    pan data precompute --config X.yaml [--key value ...] --out DIR [--limit N] [--device D] [--shards [SIZE]]
 
 The engine here is every recipe's; what is written is the run's recipe's: its `precompute` hook
 (pan/recipe.py) gives a `PrecomputeFormat` for the job, which names the sources it encodes, the
@@ -22,9 +22,16 @@ The two indexes the data pipeline reads are written here for the formats:
   files exist, pointing at them (Pyramid-Flow's format: pan/recipes/pyramid_flow/precompute.py);
   train from them with `annotation_paths`.
 
-Each file is written to a temporary name and renamed, and rows whose files exist are skipped, so
-a killed precompute continues where it stopped. Image tars are not precomputed: keep them in
-`image_tar_paths` next to the precomputed files and they are decoded online.
+With `--shards [SIZE]` a CSV format writes its latents into tar shards of about SIZE (1GB when
+not given) instead of one file per clip: `<csv stem>/shard-rRRR-NNNNNN.tar`, each with its member
+list `shard-rRRR-NNNNNN.index.json` (pan/data/shards.py), and the precomputed CSV gains the columns
+`latent_offset` and `latent_size` (`latent_path` names the shard). DIR may be a URL (s3://...,
+gs://...; pan/data/storage.py) for a CSV format: shards are put there as each is finished, the
+other files once written, and the CSV's paths are absolute (clips) and URLs (latents).
+
+Each file is written to a temporary name and renamed, and rows whose files exist (or that a finished
+shard holds) are skipped, so a killed precompute continues where it stopped. Image tars are not
+precomputed: keep them in `image_tar_paths` next to the precomputed files and they are decoded online.
 
 Under torchrun (`torchrun --nproc_per_node 8 -m pan.cli data precompute ...`) each process encodes
 every WORLD_SIZE-th missing row on its own GPU (cuda:LOCAL_RANK); rank 0 writes the files every row
@@ -38,29 +45,35 @@ import abc
 import argparse
 import csv
 import dataclasses
+import io
 import json
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save, save_file
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from pan.config import ConfigError, load_config_or_exit
-from pan.config.arguments import COUNT, looked_up, output_folder
+from pan.config.arguments import COUNT, ValueType, looked_up, output_folder
 from pan.data.decode import FrameRules, SkipSample
 from pan.data.plan import Ref
 from pan.data.reader import Loaded, RowSource, SampleReader, stream_name
+from pan.data.shards import DEFAULT_SHARD_BYTES, ShardWriter, member_key, parse_size, read_indexes
 from pan.data.sources import AnnotationSource, SourceError, VideoCsvSource
+from pan.data.storage import PathLike, StorageError, is_url, join, known_store, storage
 from pan.logging import quiet_library_progress_bars
 from pan.parallel.world import close_world, start_process_group
 from pan.recipe import get_recipe
 
 LATENT_COLUMN = "latent_path"
+SHARD_COLUMNS = ("latent_offset", "latent_size")   # where a sharded row's bytes are in its shard
 FAILURE_COLUMNS = ("csv", "row", "reason", "detail")
 SETTINGS_FILE = "precompute.json"
 
@@ -86,6 +99,7 @@ class PrecomputeReport:
     written_by_rank: list[int] = field(default_factory=list)  # under torchrun: rows per process
     annotations: list[Path] = field(default_factory=list)  # the annotation JSONLs written under DIR
     empty_text: Path | None = None         # the empty caption's features, where the format writes them
+    shards: list[PathLike] = field(default_factory=list)   # the shards this run wrote (--shards)
 
 
 @dataclass(frozen=True)
@@ -133,6 +147,7 @@ class PrecomputeFormat(abc.ABC):
     source_kind = "source"     # what the sources are called in messages
     unit = "row"               # what the progress bars count
     use_precomputed = True     # whether rows are read from the latents they already name
+    shardable = False          # `save` writes what `encode` returns (tensors): it may go into shards
     rules: FrameRules          # the frame rules rows are decoded with
 
     @abc.abstractmethod
@@ -174,6 +189,7 @@ class CsvFormat(PrecomputeFormat):
 
     source_kind = "video CSV"
     unit = "clip"
+    shardable = True
 
     def files(self, source: VideoCsvSource, row: int) -> tuple[str, ...]:
         return (latent_file(source, row),)
@@ -181,7 +197,7 @@ class CsvFormat(PrecomputeFormat):
     def save(self, encoded: dict[str, torch.Tensor], source: VideoCsvSource, row: int, out_dir: Path) -> None:
         save_atomic(encoded, out_dir / latent_file(source, row))
 
-    def write_index(self, source: VideoCsvSource, rows: range, out_dir: Path, report: PrecomputeReport) -> None:
+    def write_index(self, source: VideoCsvSource, rows: range, out_dir: PathLike, report: PrecomputeReport) -> None:
         report.csvs.append(write_precomputed_csv(source, rows, out_dir))
 
 
@@ -212,24 +228,18 @@ def latent_settings(job) -> dict:
             "vae": dataclasses.asdict(job.vae)}
 
 
-def check_settings(out_dir: Path, settings: dict) -> None:
+def check_settings(out_dir: PathLike, settings: dict) -> None:
     """Refuse to mix latents of different settings in one DIR (resume would reuse stale ones)."""
-    path = out_dir / SETTINGS_FILE
-    if path.is_file():
-        before = json.loads(path.read_text())
+    path = join(out_dir, SETTINGS_FILE)
+    if storage().exists(path):
+        before = json.loads(storage().read_text(path))
         if before != settings:
             changed = sorted(f"{section}.{k}" for section in settings for k in settings[section]
                              if before.get(section, {}).get(k) != settings[section][k])
             raise PrecomputeError(f"{out_dir} holds latents made with other settings "
                              f"({', '.join(changed)} changed): use a new --out folder.")
     else:
-        write_atomic_text(path, json.dumps(settings, indent=2) + "\n")
-
-
-def write_atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+        storage().write_text(path, json.dumps(settings, indent=2) + "\n")
 
 
 def save_atomic(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -252,34 +262,53 @@ def source_rows(source: RowSource, limit: int | None) -> range:
     return range(min(len(source), limit) if limit is not None else len(source))
 
 
-def missing_rows(fmt: PrecomputeFormat, source: RowSource, out_dir: Path, limit: int | None) -> list[int]:
-    """The rows of `source` (its first `limit`) some file of which is not written yet."""
-    return [i for i in source_rows(source, limit)
-            if not all((out_dir / f).is_file() for f in fmt.files(source, i))]
+def written_files(fmt: PrecomputeFormat, source: RowSource, out_dir: PathLike, rows: range) -> set[str]:
+    """The files (relative to DIR) of `rows` that exist: one listing per folder, not a look-up per
+    file (a request per row on an object store)."""
+    folders = {os.path.dirname(f) for i in rows for f in fmt.files(source, i)}
+    return {f"{d}/{n}" if d else n for d in folders for n in storage().listdir(join(out_dir, d) if d else out_dir)}
 
 
-def write_precomputed_csv(source: VideoCsvSource, rows: range, out_dir: Path) -> Path:
-    """The source's columns plus latent_path, for the rows whose latent exists; `path` is
-    re-pointed so that it still names the clip from the new CSV's folder."""
-    header = list(source.columns) + [LATENT_COLUMN]
+def missing_rows(fmt: PrecomputeFormat, source: RowSource, out_dir: PathLike, limit: int | None) -> list[int]:
+    """The rows of `source` (its first `limit`) some file of which is not written yet (and that no
+    finished shard holds)."""
+    rows = source_rows(source, limit)
+    there = written_files(fmt, source, out_dir, rows)
+    sharded = read_indexes(join(out_dir, source.name)) if fmt.shardable else {}
+    return [i for i in rows if i not in sharded and not all(f in there for f in fmt.files(source, i))]
+
+
+def write_precomputed_csv(source: VideoCsvSource, rows: range, out_dir: PathLike) -> PathLike:
+    """The source's columns plus latent_path (and, where some row is in a shard, latent_offset and
+    latent_size), for the rows whose latent exists; `path` is re-pointed so that it still names the
+    clip from the new CSV's folder. In a remote DIR, clips are absolute paths and latents URLs."""
+    remote = is_url(out_dir)
+    sharded = read_indexes(join(out_dir, source.name))
+    files = set(storage().listdir(join(out_dir, source.name)))
     path_at = source.columns["path"]
     lines = []
     for i in rows:
-        name = latent_file(source, i)
-        if not (out_dir / name).is_file():
+        member = sharded.get(i)
+        name = f"{source.name}/{member.shard}" if member else latent_file(source, i)
+        if member is None and os.path.basename(name) not in files:
             continue
         row = list(source.rows[i]) + [""] * (len(source.columns) - len(source.rows[i]))
         clip = source.field(row, "path")
-        if clip is not None:
-            row[path_at] = os.path.relpath(source.resolve(clip).resolve(), out_dir.resolve())
-        lines.append(row[:len(source.columns)] + [name])
-    out = out_dir / f"{source.name}.csv"
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", newline="", encoding="utf-8") as f:
-        writer = csv.writer(f)
-        writer.writerow(header)
-        writer.writerows(lines)
-    os.replace(tmp, out)
+        if clip is not None and not is_url(clip):
+            where = source.resolve(clip).resolve()
+            row[path_at] = str(where) if remote else os.path.relpath(where, Path(out_dir).resolve())
+        located = str(join(out_dir, name)) if remote else name
+        lines.append(row[:len(source.columns)] + [located]
+                     + ([str(member.offset), str(member.size)] if member else ["", ""]))
+    header = list(source.columns) + [LATENT_COLUMN] + list(SHARD_COLUMNS)
+    if not sharded:  # the one-file-per-sample layout's CSV, as it always was
+        header, lines = header[:-2], [line[:-2] for line in lines]
+    text = io.StringIO(newline="")
+    writer = csv.writer(text)
+    writer.writerow(header)
+    writer.writerows(lines)
+    out = join(out_dir, f"{source.name}.csv")
+    storage().write_text(out, text.getvalue())
     return out
 
 
@@ -314,18 +343,17 @@ def write_annotation_jsonl(source: RowSource, rows: range, out_dir: Path,
         entry["latent"], entry["text_fea"] = files
         lines.append(json.dumps(entry, ensure_ascii=False))
     path = out_dir / f"{source.name}.jsonl"
-    write_atomic_text(path, "".join(line + "\n" for line in lines))
+    storage().write_text(path, "".join(line + "\n" for line in lines))
     return path
 
 
-def write_failures(failures: list[Failure], out_dir: Path) -> Path:
-    path = out_dir / "failures.csv"
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", newline="", encoding="utf-8") as f:
-        writer = csv.writer(f)
-        writer.writerow(FAILURE_COLUMNS)
-        writer.writerows([f.csv, f.row, f.reason, f.detail] for f in failures)
-    os.replace(tmp, path)
+def write_failures(failures: list[Failure], out_dir: PathLike) -> PathLike:
+    text = io.StringIO(newline="")
+    writer = csv.writer(text)
+    writer.writerow(FAILURE_COLUMNS)
+    writer.writerows([f.csv, f.row, f.reason, f.detail] for f in failures)
+    path = join(out_dir, "failures.csv")
+    storage().write_text(path, text.getvalue())
     return path
 
 
@@ -350,8 +378,10 @@ def _keep(item: Loaded) -> Loaded:
 
 
 def encode_rows(fmt: PrecomputeFormat, source: RowSource, rows: list[int], reader: SampleReader,
-                out_dir: Path, report: PrecomputeReport, *, workers: int, prefetch: int) -> None:
-    """Decode `rows` of one source (in worker processes) and encode and write each."""
+                out_dir: Path, report: PrecomputeReport, *, workers: int, prefetch: int,
+                shards: ShardWriter | None = None) -> None:
+    """Decode `rows` of one source (in worker processes) and encode and write each (into `shards`
+    when given, else as the format saves it)."""
     stream = stream_name(source)
     refs = [Ref(i, stream, 0, i, i) for i in rows]
     decoded = DataLoader(reader, batch_size=None, sampler=refs, collate_fn=_keep, num_workers=workers,
@@ -369,21 +399,51 @@ def encode_rows(fmt: PrecomputeFormat, source: RowSource, rows: list[int], reade
         except Exception as e:  # noqa: BLE001 - one row's encoder error must not stop the others
             report.failures.append(Failure(str(source.path), row, "encode_error", f"{type(e).__name__}: {e}"))
             continue
-        fmt.save(encoded, source, row, out_dir)
+        if shards is not None:
+            shards.add(member_key(row), save(encoded))
+        else:
+            fmt.save(encoded, source, row, out_dir)
         report.written += 1
+    if shards is not None:
+        shards.close()
+        report.shards += shards.finished
 
 
-def run_format(fmt: PrecomputeFormat, out_dir: str | Path, *, limit: int | None = None,
+def check_layout(fmt: PrecomputeFormat, out_dir: PathLike, shard_bytes: int | None) -> None:
+    if shard_bytes is not None and not fmt.shardable:
+        raise PrecomputeError(f"--shards: this recipe's format writes its own files per {fmt.unit} (they "
+                              "are not what tar shards hold): drop --shards.")
+    if is_url(out_dir) and not fmt.shardable:
+        raise PrecomputeError(f"--out {out_dir}: this recipe's format writes its files itself, to a local "
+                              "folder: give a local --out, then copy the folder to object storage.")
+
+
+def run_format(fmt: PrecomputeFormat, out_dir: PathLike, *, limit: int | None = None,
                device: torch.device | str | None = None, workers: int = 0, prefetch: int = 2,
-               share: Share = Share()) -> PrecomputeReport:
-    """Encode every row of the format's sources (the first `limit` rows of each) into `out_dir`;
-    with several processes (`share`), each encodes its share and all get the merged report."""
-    out_dir = Path(out_dir)
+               share: Share = Share(), shard_bytes: int | None = None) -> PrecomputeReport:
+    """Encode every row of the format's sources (the first `limit` rows of each) into `out_dir` (a
+    folder or a URL), into tar shards of about `shard_bytes` when given; with several processes
+    (`share`), each encodes its share (into its own shards) and all get the merged report."""
+    out_dir = out_dir if is_url(out_dir) else Path(out_dir)
+    check_layout(fmt, out_dir, shard_bytes)
     sources = fmt.sources()
     names = [s.name for s in sources]
     if len(set(names)) != len(names):
         raise PrecomputeError(f"{fmt.source_kind} file stems must be unique (they name the outputs): {names}")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    # What the format writes itself goes to a local folder: DIR, or one put to the URL DIR at the end.
+    work = Path(tempfile.mkdtemp(prefix="pan-precompute-")) if is_url(out_dir) else out_dir
+    try:
+        return _encode_all(fmt, sources, out_dir, work, limit=limit, device=device, workers=workers,
+                           prefetch=prefetch, share=share, shard_bytes=shard_bytes)
+    finally:
+        if work != out_dir:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _encode_all(fmt: PrecomputeFormat, sources: list[RowSource], out_dir: PathLike, work: Path, *,
+                limit: int | None, device, workers: int, prefetch: int, share: Share,
+                shard_bytes: int | None) -> PrecomputeReport:
+    work.mkdir(parents=True, exist_ok=True)
     settings, refusal = fmt.settings(), None
     if share.rank == 0 and settings is not None:  # one process writes or compares the settings
         try:
@@ -396,19 +456,25 @@ def run_format(fmt: PrecomputeFormat, out_dir: str | Path, *, limit: int | None 
     fmt.load_encoders(encoder_device(device))
     mine = PrecomputeReport()
     if share.rank == 0:
-        fmt.start(out_dir, mine)
+        fmt.start(work, mine)
     reader = SampleReader({stream_name(s): s for s in sources}, None, fmt.rules, use_precomputed=fmt.use_precomputed)
     # One list of missing rows, taken by rank 0 before anyone writes, so the shares agree.
     missing = share.from_rank0([missing_rows(fmt, s, out_dir, limit) for s in sources] if share.rank == 0 else None)
     for source, todo in zip(sources, missing):
-        encode_rows(fmt, source, todo[share.rank::share.world], reader, out_dir, mine, workers=workers,
-                    prefetch=prefetch)
+        shards = (ShardWriter(join(out_dir, source.name), f"shard-r{share.rank:03d}", shard_bytes)
+                  if shard_bytes is not None else None)
+        encode_rows(fmt, source, todo[share.rank::share.world], reader, work, mine, workers=workers,
+                    prefetch=prefetch, shards=shards)
+    if work != out_dir:  # each process puts what it wrote itself
+        storage().put_tree(work, out_dir)
+        if mine.empty_text is not None:
+            mine.empty_text = join(out_dir, mine.empty_text.relative_to(work).as_posix())
     everyone = share.gather(mine)
     report = dataclasses.replace(  # what rank 0 wrote first, and every process's rows
         everyone[0], written=sum(r.written for r in everyone),
         existing=sum(len(source_rows(s, limit)) - len(m) for s, m in zip(sources, missing)),
         failures=sorted((f for r in everyone for f in r.failures), key=lambda f: (f.csv, f.row)),
-        written_by_rank=[r.written for r in everyone])
+        written_by_rank=[r.written for r in everyone], shards=[p for r in everyone for p in r.shards])
     if share.rank == 0:  # every file is on disk now: list them
         for source in sources:
             fmt.write_index(source, source_rows(source, limit), out_dir, report)
@@ -417,20 +483,22 @@ def run_format(fmt: PrecomputeFormat, out_dir: str | Path, *, limit: int | None 
     return report
 
 
-def precompute(job, out_dir: str | Path, *, limit: int | None = None,
-               device: torch.device | str | None = None, share: Share = Share()) -> PrecomputeReport:
+def precompute(job, out_dir: PathLike, *, limit: int | None = None,
+               device: torch.device | str | None = None, share: Share = Share(),
+               shard_bytes: int | None = None) -> PrecomputeReport:
     """Encode the job's data (the first `limit` rows of each source) into `out_dir` in its recipe's
-    format; with several processes (`share`), each encodes its share and all get the merged report."""
+    format (into tar shards of about `shard_bytes`, when given); with several processes (`share`),
+    each encodes its share and all get the merged report."""
     return run_format(output_format(job), out_dir, limit=limit, device=device, share=share,
                       workers=job.data.packed_dataloader_num_workers,
-                      prefetch=job.data.packed_dataloader_prefetch_factor)
+                      prefetch=job.data.packed_dataloader_prefetch_factor, shard_bytes=shard_bytes)
 
 
 # ----------------------------------------------------------------------------------------------
 # The command
 # ----------------------------------------------------------------------------------------------
 
-def print_report(report: PrecomputeReport, out_dir: Path) -> None:
+def print_report(report: PrecomputeReport, out_dir: PathLike) -> None:
     by_rank = (f" (by rank: {', '.join(map(str, report.written_by_rank))})"
                if len(report.written_by_rank) > 1 else "")
     print(f"precompute: {report.written} latents written{by_rank}, {report.existing} already there, "
@@ -438,7 +506,9 @@ def print_report(report: PrecomputeReport, out_dir: Path) -> None:
     for f in report.failures:
         print(f"  failed: {f.csv} row {f.row}: {f.reason}: {f.detail}")
     if report.failures:
-        print(f"failures listed in {out_dir / 'failures.csv'}")
+        print(f"failures listed in {join(out_dir, 'failures.csv')}")
+    if report.shards:
+        print(f"shards: {len(report.shards)} written by this run")
     for path in report.csvs:
         print(f"precomputed CSV: {path}")
     for path in report.annotations:
@@ -466,12 +536,23 @@ def build_parser() -> argparse.ArgumentParser:
         description="Encode the run's video CSVs (and, for a Pyramid-Flow job, its annotation files) "
                     "into latents + text features (see docs/data.md). Other options are the run's "
                     "config (--config X.yaml) and key overrides.")
-    parser.add_argument("--out", required=True, type=output_folder("the folder to write the latents into"),
-                        help="folder for the latents and precomputed CSVs")
+    parser.add_argument("--out", required=True, type=OUT, help="folder (or URL: s3://bucket/prefix, "
+                        "gs://...) for the latents and precomputed CSVs")
     parser.add_argument("--limit", type=COUNT, default=None, help="only the first N rows of each CSV")
     parser.add_argument("--device", type=looked_up("device", device_name), default=None,
                         help="encoder device (default: cuda if present, else cpu)")
+    parser.add_argument("--shards", nargs="?", const=DEFAULT_SHARD_BYTES, default=None, metavar="SIZE",
+                        type=ValueType("size", parse_size, "size", refuses=("0", "1XB")),
+                        help="write the latents into tar shards of about SIZE each (e.g. 256MB; 1GB when "
+                             "SIZE is not given) instead of one file per clip: the layout for large sets "
+                             "and object storage (docs/data.md)")
     return parser
+
+
+_LOCAL_OUT = output_folder("the folder to write the latents into")
+# `--out`: a local folder (made when missing), or a URL of a store fsspec can open here
+OUT = ValueType("output folder", lambda text: known_store(text) if is_url(text) else _LOCAL_OUT.convert(text),
+                "output_folder")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -494,15 +575,19 @@ def _run(job, args, share: Share) -> int:
         print("precompute: image tars are not precomputed; keep image_tar_paths in the training "
               "config and they are decoded online.", file=sys.stderr)
     try:
-        report = precompute(job, args.out, limit=args.limit, device=args.device, share=share)
+        report = precompute(job, args.out, limit=args.limit, device=args.device, share=share,
+                            shard_bytes=args.shards)
     except (PrecomputeError, SourceError) as e:
         print(f"pan data precompute: {e}", file=sys.stderr)
         return 2
+    except StorageError as e:  # the store stayed unreachable through every retry
+        print(f"pan data precompute: {e}", file=sys.stderr)
+        return 1
     except ConfigError as e:  # an encoder the config names cannot be loaded (text encoders, VAE)
         print(f"pan data precompute: refused: {e}", file=sys.stderr)
         return 2
     if share.rank == 0:
-        print_report(report, Path(args.out))
+        print_report(report, args.out)
     return 0 if report.written + report.existing > 0 else 1
 
 

@@ -7,6 +7,7 @@ or the error that stops it, for `pan check`'s data rows)."""
 from __future__ import annotations
 
 import collections
+import io
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Literal
 import av
 import numpy as np
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load, load_file
 from torch.utils.data import Dataset
 
 from pan.data.batch import TEXT_FEATURE_DIMS, Sample
@@ -32,6 +33,7 @@ from pan.data.decode import (
 )
 from pan.data.fit import SampleFit
 from pan.data.plan import IMAGE_STREAM, Ref
+from pan.data.shards import shard_reader
 from pan.data.sources import (
     AnnotationSource,
     ImageTarSet,
@@ -42,6 +44,7 @@ from pan.data.sources import (
     read_image_tars,
     read_video_csv,
 )
+from pan.data.storage import PathLike, StorageError, is_url, storage
 
 RowSource = VideoCsvSource | AnnotationSource
 
@@ -104,6 +107,8 @@ class SampleReader(Dataset):
             return Loaded(ref, sample)
         except SkipSample as e:
             return Loaded(ref, None, e.reason, e.detail)
+        except StorageError:  # a store unreachable through every retry: the run stops, the sample is not bad
+            raise
         except FileNotFoundError as e:
             return Loaded(ref, None, "missing_file", str(e))
         except Exception as e:  # noqa: BLE001 - any error in a file (FFmpeg, Pillow, safetensors,
@@ -132,10 +137,7 @@ class SampleReader(Dataset):
         start = number(src, row, "start_time") or 0.0
         end = number(src, row, "end_time")
         self._precheck(src, row, start, end)
-        path = src.resolve(path)
-        if not path.is_file():
-            raise SkipSample("missing_file", str(path))
-        frames, fps = decode_video(str(path), self.rules, start, end)
+        frames, fps = decode_video(readable(existing(locate(src, path))), self.rules, start, end)
         return Sample(sample_id, "video", caption, tuple(frames.shape[i] for i in (0, 2, 3)), 0,
                       frames=frames, fps=fps)
 
@@ -161,15 +163,20 @@ class SampleReader(Dataset):
         path = src.field(row, "latent_path")
         if path is None:
             raise SkipSample("missing_file", "the latent_path cell is empty")
-        path = src.resolve(path)
-        if not path.is_file():
-            raise SkipSample("missing_file", str(path))
-        tensors = load_file(str(path))
+        path = locate(src, path)
+        if src.field(row, "latent_offset") is not None:  # a member of a tar shard: one range read
+            tensors = load(shard_reader().read(path, *member_span(src, row)))
+        elif is_url(path):
+            tensors = load(storage().read_bytes(path))
+        else:
+            tensors = load_file(str(existing(path)))
         latent, text = tensors.get("latent"), tensors.get("text")
         if latent is None or text is None or latent.dim() != 4 or text.dim() != 2:
             raise SkipSample("decode_error", f"{path} must hold latent [C, T, H, W] and text [L, D]; "
                                              f"it holds {sorted(tensors)}")
-        return Sample(sample_id, "video", caption, tuple(latent.shape[1:]), 0, latent=latent, text=text)
+        extras = {k: v for k, v in tensors.items() if k not in ("latent", "text")}   # a recipe's own (SampleFit.extras)
+        return Sample(sample_id, "video", caption, tuple(latent.shape[1:]), 0, latent=latent, text=text,
+                      extras=extras or None)
 
     def _annotation_row(self, src: AnnotationSource, i: int) -> Sample:
         """A JSONL row: its precomputed latent if it names one, else its decoded video or image."""
@@ -235,15 +242,38 @@ class SampleCache:
             self.used -= dropped.nbytes
 
 
-def existing(path: Path) -> Path:
-    if not path.is_file():
+def existing(path: PathLike) -> PathLike:
+    """A local file that is there (else the sample is skipped); a URL as it is (a missing object is
+    found by its read, which skips the sample as missing_file without a request more)."""
+    if not is_url(path) and not Path(path).is_file():
         raise SkipSample("missing_file", str(path))
     return path
 
 
-def read_raw_latent(path: Path) -> torch.Tensor:
+def locate(src: VideoCsvSource, cell: str) -> PathLike:
+    """A path cell of a CSV: a URL as it is, else a path relative to the CSV's folder."""
+    return cell if is_url(cell) else src.resolve(cell)
+
+
+def readable(path: PathLike):
+    """What a decoder opens: a local path, or a remote file's bytes (read through the local cache)."""
+    return io.BytesIO(storage().read_bytes(path)) if is_url(path) else str(path)
+
+
+def member_span(src: VideoCsvSource, row: list[str]) -> tuple[int, int]:
+    """(offset, size) of a sharded row's member, from its latent_offset and latent_size cells."""
+    span = []
+    for column in ("latent_offset", "latent_size"):
+        text = src.field(row, column)
+        if text is None or not str(text).isdigit():
+            raise SkipSample("bad_row", f"{column} is {text!r}, not a byte count")
+        span.append(int(text))
+    return span[0], span[1]
+
+
+def read_raw_latent(path: PathLike) -> torch.Tensor:
     """A Pyramid-Flow latent `.pt`: [C, T, H, W], or [1, C, T, H, W] as its extraction tool saves it."""
-    latent = torch.load(path, map_location="cpu", weights_only=True)
+    latent = torch.load(readable(path), map_location="cpu", weights_only=True)
     if isinstance(latent, torch.Tensor) and latent.dim() == 5 and latent.shape[0] == 1:
         latent = latent[0]
     if not isinstance(latent, torch.Tensor) or latent.dim() != 4 or not latent.is_floating_point():
@@ -252,10 +282,10 @@ def read_raw_latent(path: Path) -> torch.Tensor:
     return latent
 
 
-def read_text_features(path: Path) -> dict[str, torch.Tensor]:
+def read_text_features(path: PathLike) -> dict[str, torch.Tensor]:
     """A Pyramid-Flow text-feature `.pt` (a dict of TEXT_FEATURE_DIMS tensors, each possibly with a
     leading batch dim of 1, which is dropped)."""
-    saved = torch.load(path, map_location="cpu", weights_only=True)
+    saved = torch.load(readable(path), map_location="cpu", weights_only=True)
     if not (isinstance(saved, dict) and all(torch.is_tensor(saved.get(k)) for k in TEXT_FEATURE_DIMS)):
         raise SkipSample("decode_error", f"{path} must hold a dict of tensors {list(TEXT_FEATURE_DIMS)}; "
                                          f"it holds {describe(saved)}")

@@ -1,33 +1,74 @@
-"""Data sources: the rows of video CSVs and of JSONL annotation files, and the images inside
-webdataset tars, by index.
+"""Data sources: the rows of video CSVs (or Parquet tables of the same columns) and of JSONL
+annotation files, and the images inside webdataset tars, by index.
 
-Sources are read once at startup (rows and tar headers only, no pixels) so that any sample can be
-fetched by index: that is what makes seeded shuffles, disjoint data-parallel shares and exact resume
-possible. Rows are kept as the file's text and parsed when the sample is loaded, so a malformed
-value or line spoils one sample (skipped as bad data), not the run.
+Each source is read through its row index (pan/data/index.py): a memory-mapped file built once per
+manifest, so that any sample can be fetched by number without every process parsing the manifest:
+that is what makes seeded shuffles, disjoint data-parallel shares and exact resume possible at any
+size. Rows are kept as the file's text and parsed when the sample is loaded, so a malformed value or
+line spoils one sample (skipped as bad data), not the run.
 """
 
 from __future__ import annotations
 
+import bisect
 import csv
 import json
 import logging
-import tarfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from pan.data.decode import SkipSample
+from pan.data.index import (  # noqa: F401  (SourceError, split_key and the extensions: re-exported)
+    CAPTION_EXTENSIONS,
+    IMAGE_EXTENSIONS,
+    RowIndex,
+    SourceError,
+    header_of,
+    open_index,
+    split_key,
+)
 
 logger = logging.getLogger(__name__)
 
-IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
-CAPTION_EXTENSIONS = ("txt", "json")
 OPTIONAL_VIDEO_COLUMNS = ("fps", "num_frames", "width", "height", "start_time", "end_time")
 
 
-class SourceError(ValueError):
-    """A data file that cannot be used at all (as opposed to one bad sample inside it)."""
+class TableRows(Sequence):
+    """The rows of a table index, each a list of its cells' text made when asked (none are kept)."""
+
+    def __init__(self, index: RowIndex):
+        self.index = index
+
+    def __reduce__(self):  # a spawned worker maps the index again: no rows travel
+        return TableRows, (self.index,)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int) -> list[str]:
+        if not 0 <= i < len(self.index):
+            raise IndexError(i)
+        return self.index.cells(i, "cells")
+
+
+class LineRows(Sequence):
+    """The lines of a lines index (JSONL), each as bytes."""
+
+    def __init__(self, index: RowIndex):
+        self.index = index
+
+    def __reduce__(self):  # a spawned worker maps the index again: no rows travel
+        return LineRows, (self.index,)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int) -> bytes:
+        if not 0 <= i < len(self.index):
+            raise IndexError(i)
+        return self.index.blob(i, "line")
 
 
 @dataclass
@@ -36,7 +77,7 @@ class VideoCsvSource:
     name: str                # file stem: the prefix of sample ids and the stream's cursor name
     path: Path
     columns: dict[str, int]  # column name -> position
-    rows: list[list[str]]
+    rows: Sequence[list[str]]  # TableRows: each row read from the index when asked
 
     @property
     def precomputed(self) -> bool:
@@ -60,25 +101,20 @@ class VideoCsvSource:
 
 
 def read_video_csv(path: str | Path) -> VideoCsvSource:
-    """The rows of a video CSV; utf-8 with or without a byte-order mark (Excel's "CSV UTF-8" starts
-    with one, which would otherwise become part of the first column's name)."""
+    """The rows of a video CSV (utf-8, with or without a byte-order mark) or of a Parquet table of
+    the same columns, through its row index."""
     path = Path(path)
-    with open(path, newline="", encoding="utf-8-sig") as f:
-        reader = csv.reader(f)
-        try:
-            header = [h.strip() for h in next(reader)]
-        except StopIteration:
-            raise SourceError(f"{path} is empty: a video CSV needs a header row.") from None
-        rows = [row for row in reader if any(cell.strip() for cell in row)]
+    index = open_index(path, "table")
+    header = header_of(index)
     columns = {name: i for i, name in enumerate(header)}
     required = ("latent_path", "caption") if "latent_path" in columns else ("path", "caption")
     missing = [c for c in required if c not in columns]
     if missing:
         raise SourceError(f"{path} lacks the column(s) {missing}; its header is {header}. A video CSV "
                           "needs path and caption (or latent_path and caption for precomputed rows).")
-    if not rows:
+    if not len(index):
         raise SourceError(f"{path} has a header but no rows.")
-    return VideoCsvSource(name=path.stem, path=path, columns=columns, rows=rows)
+    return VideoCsvSource(name=path.stem, path=path, columns=columns, rows=TableRows(index))
 
 
 @dataclass(frozen=True)
@@ -97,12 +133,40 @@ class TarImage:
     caption: TarMember | None
 
 
+class TarImages(Sequence):
+    """The images of several tars as one sequence, each a TarImage made from the tars' indexes."""
+
+    def __init__(self, indexes: list[RowIndex]):
+        self.indexes = indexes
+        self.starts = [0]
+        for index in indexes:
+            self.starts.append(self.starts[-1] + len(index))
+
+    def __reduce__(self):  # a spawned worker maps the index again: no rows travel
+        return TarImages, (self.indexes,)
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def __getitem__(self, i: int) -> TarImage:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        tar = bisect.bisect_right(self.starts, i) - 1
+        index, row = self.indexes[tar], i - self.starts[tar]
+
+        def member(prefix: str) -> TarMember:
+            return TarMember(index.integer(row, f"{prefix}_offset"), index.integer(row, f"{prefix}_size"),
+                             index.blob(row, f"{prefix}_ext").decode())
+        caption = member("caption") if index.integer(row, "caption_offset") >= 0 else None
+        return TarImage(tar, index.blob(row, "key").decode(), member("image"), caption)
+
+
 @dataclass
 class ImageTarSet:
-    """Every image of every tar, as one indexable list (one image stream for all tars)."""
+    """Every image of every tar, as one indexable sequence (one image stream for all tars)."""
     paths: list[Path]
     names: list[str]
-    images: list[TarImage]
+    images: Sequence[TarImage]
 
     def __len__(self) -> int:
         return len(self.images)
@@ -122,42 +186,19 @@ class ImageTarSet:
         return data, caption
 
 
-def split_key(member_name: str) -> tuple[str, str]:
-    """webdataset convention: "dir/abc.seg.jpg" -> key "dir/abc", extension "seg.jpg"."""
-    folder, _, base = member_name.rpartition("/")
-    stem, dot, ext = base.partition(".")
-    return (f"{folder}/{stem}" if folder else stem), ext.lower()
-
-
-def index_tar(path: Path, tar_index: int) -> list[TarImage]:
-    """Scan a tar's headers (no image bytes are read) and pair images with their captions.
-
-    A tar that breaks off part-way keeps the samples indexed before the break (logged).
-    """
-    images: dict[str, TarMember] = {}
-    captions: dict[str, TarMember] = {}
-    try:
-        with tarfile.open(path, mode="r:") as tar:
-            for member in tar:
-                if not member.isfile():
-                    continue
-                key, ext = split_key(member.name)
-                entry = TarMember(member.offset_data, member.size, ext)
-                if ext in IMAGE_EXTENSIONS:
-                    images[key] = entry
-                elif ext in CAPTION_EXTENSIONS:
-                    captions[key] = entry
-    except tarfile.TarError as e:
-        if not images:
-            raise SourceError(f"{path} is not a readable tar: {e}") from None
-        logger.warning("image tar %s is damaged after %d images (%s); using those", path, len(images), e)
-    return [TarImage(tar_index, key, member, captions.get(key)) for key, member in images.items()]
+def index_tar(path: Path) -> RowIndex:
+    """A tar's index (its headers scanned once, no image bytes read; see pan.data.index.build_tar).
+    A tar that breaks off part-way keeps the samples indexed before the break (logged)."""
+    index = open_index(path, "tar")
+    if index.meta.get("damage"):
+        logger.warning("image tar %s is %s; using those", path, index.meta["damage"])
+    return index
 
 
 def read_image_tars(paths: list[str | Path]) -> ImageTarSet:
     paths = [Path(p) for p in paths]
-    images = [img for i, p in enumerate(paths) for img in index_tar(p, i)]
-    if not images:
+    images = TarImages([index_tar(p) for p in paths])
+    if not len(images):
         raise SourceError(f"no images (.{'/.'.join(IMAGE_EXTENSIONS)}) in {[str(p) for p in paths]}.")
     return ImageTarSet(paths=paths, names=[p.stem for p in paths], images=images)
 
@@ -193,15 +234,19 @@ class AnnotationSource:
     """The lines of one JSONL annotation file, as bytes: each is parsed when its sample is loaded."""
     name: str          # file stem: the prefix of sample ids and the stream's cursor name
     path: Path
-    rows: list[bytes]  # non-blank lines
+    rows: Sequence[bytes]  # non-blank lines (LineRows: read from the index when asked)
 
     def __len__(self) -> int:
         return len(self.rows)
 
+    def rows_naming(self, key: str) -> int:
+        """Rows whose text names `key` ("latent" or "text_fea"; a text search kept in the index)."""
+        return self.rows.index.count_true(key)
+
     @property
     def names_latents(self) -> bool:
         """Does some row name a precomputed latent? (A text search: rows are parsed only when read.)"""
-        return any(b'"latent"' in row for row in self.rows)
+        return self.rows_naming("latent") > 0
 
     def resolve(self, value: str) -> Path:
         """Paths in an annotation file are relative to its folder unless absolute."""
@@ -256,8 +301,8 @@ def read_annotations(path: str | Path) -> AnnotationSource:
     """A JSONL annotation file: one JSON object per line; blank lines are not rows. A video CSV given
     as one (its header row is no JSON object) is refused whole, not skipped row by row."""
     path = Path(path)
-    rows = [line.strip() for line in path.read_bytes().splitlines() if line.strip()]
-    if not rows:
+    rows = LineRows(open_index(path, "lines"))
+    if not len(rows):
         raise SourceError(f"{path} has no rows (an annotation file holds one JSON object per line).")
     header = looks_like_csv_header(rows[0])
     if header is not None:

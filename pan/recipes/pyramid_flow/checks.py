@@ -274,7 +274,7 @@ def _sources_encoded_online(job) -> list[str]:
     for opened in open_sources(job.data, ("video_csv", "annotations")).opened:
         source = opened.source
         if (not source.precomputed if isinstance(source, VideoCsvSource) else
-                any(b'"latent"' not in row for row in source.rows)):
+                source.rows_naming("latent") < len(source)):   # counted in the row index
             online.append(opened.label)
     return online
 

@@ -124,8 +124,8 @@ class PyramidTask(PackedTask):
         data = self.job.data
         if self.job.validation.validation_interval or data.video_csv_paths or data.image_tar_paths:
             return True
-        return any(b'"text_fea"' not in row for path in data.annotation_paths
-                   for row in read_annotations(path).rows)
+        return any(source.rows_naming("text_fea") < len(source)   # counted in the row index
+                   for source in map(read_annotations, data.annotation_paths))
 
     def empty_caption(self) -> TextFeatures:
         """The empty caption's features (caption dropout, guidance): the text encoders' where training
