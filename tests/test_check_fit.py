@@ -5,8 +5,8 @@ Every recipe's data check reads a sample of rows with the reader its training us
 in training. For every recipe (the built-in ones and the plugin tests/plugins/pan_toy_gan, from
 `pan.recipe.recipe_names()`), a run whose every row is unfit for its model (each recipe its own kind)
 fails its data row naming the problem and `pan check` exits non-zero; a recipe whose check cannot
-see rows says why below (and the reason is checked to still hold). For the Pan recipe, train.py's
-entry refuses such a run before it builds the model: no config.yaml, lease or metrics.jsonl.
+see rows says why below (and the reason is checked to still hold). For the Pan and Wan recipes,
+train.py's entry refuses such a run before it builds the model: no config.yaml, lease or metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -29,9 +29,11 @@ from test_refusal_parity import (
     BASES,
     IN_PROCESS,
     PyramidRelease,
+    WanRelease,
     Work,
     nothing_built,
     pan_cli,
+    write_wan_release,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,6 +95,24 @@ def vae_clips_it_cannot_encode(w: Work) -> tuple[list[str], str, str]:
             "height and width must be multiples of 4")
 
 
+def wan_latents_of_another_vae(w: Work) -> tuple[list[str], str, str]:
+    """Wan's precomputed rows (latent_path CSV, as `pan data precompute` writes them) whose latents have
+    6 channels (a Wan 2.2 VAE's z_dim, here): the tiny Wan 2.1 folder's transformer takes its VAE's 4."""
+    root = w.dir / "latents"
+    root.mkdir(parents=True)
+    channels, frames, height, width = w.wan.geometry["latent"]
+    text_dim = json.loads((w.wan.model / "transformer/config.json").read_text())["text_dim"]
+    rows = []
+    for i in range(4):
+        save_file({"latent": randn(channels + 2, frames, height, width, seed=i),
+                   "text": randn(6, text_dim, seed=100 + i)}, str(root / f"clip{i}.safetensors"))
+        rows.append([f"clip{i}.safetensors", f"a clip of another VAE {i}"])
+    with open(root / "latents.csv", "w", newline="") as f:
+        csv.writer(f).writerows([["latent_path", "caption"], *rows])
+    return (["--video_csv_paths", str(root / "latents.csv")], "data",
+            f"its latent has {channels + 2} channels, the Wan transformer takes {channels}")
+
+
 # The config as loaded, changed after the loader's checks (a key the loader refuses otherwise).
 HOSTILE: dict[str, Callable] = {
     "causal_vae": lambda job: dataclasses.replace(job, data=dataclasses.replace(job.data,
@@ -100,15 +120,13 @@ HOSTILE: dict[str, Callable] = {
 }
 
 CASES = {"pan": pan_latents_of_another_vae, "pyramid_flow": pyramid_latents_of_another_vae,
-         "pyramid_flow_ar": ar_latents_without_whole_units, "causal_vae": vae_clips_it_cannot_encode}
+         "pyramid_flow_ar": ar_latents_without_whole_units, "causal_vae": vae_clips_it_cannot_encode,
+         "wan": wan_latents_of_another_vae}
 
 # Recipes whose `pan check` reads no rows, and why; `still_true` says the reason still holds.
 NO_ROWS: dict[str, tuple[str, Callable[[], bool]]] = {
     "toy_gan": ("its data is made from a seed in the task (real_sample(i)): there are no rows, and its task "
                 "declares no sample_fit", lambda: not hasattr(resolve(get_recipe("toy_gan").task), "sample_fit")),
-    "wan": ("it declares no `checks` hook yet (the recipe's first steps, issue 50): `pan check` runs only the "
-            "environment rows for it, so no data row exists to read its rows",
-            lambda: get_recipe("wan").checks is None),
 }
 
 
@@ -141,10 +159,16 @@ def pyramid_release(tmp_path_factory) -> PyramidRelease:
     return PyramidRelease(write_released(root / "model", (VARIANT,)), clips)
 
 
+@pytest.fixture(scope="module")
+def wan_release(tmp_path_factory) -> WanRelease:
+    return write_wan_release(tmp_path_factory.mktemp("wan"))
+
+
 @pytest.mark.parametrize("recipe", sorted(CASES))
 def test_the_data_check_reads_rows_with_the_models_fit(recipe, tmp_path, clips_csv, capsys, request, monkeypatch):
     pyramid = request.getfixturevalue("pyramid_release") if recipe.startswith("pyramid_flow") else None
-    work = Work(tmp_path, clips_csv, pyramid)
+    wan = request.getfixturevalue("wan_release") if recipe == "wan" else None
+    work = Work(tmp_path, clips_csv, pyramid, wan)
     extra, row, says = CASES[recipe](work)
     argv = BASES[recipe](work) + extra
     if recipe in HOSTILE:
@@ -159,7 +183,7 @@ def test_the_data_check_reads_rows_with_the_models_fit(recipe, tmp_path, clips_c
     assert all(r["fix"] for r in data)
     assert code == 1 and report["exit_code"] == 1
 
-    if recipe == "pan":
+    if recipe in ("pan", "wan"):
         # train.py's entry runs what `pan check` fails before the lease, config.yaml or the model.
         code, _, err = pan_cli(["train", *argv, *IN_PROCESS], capsys)
         assert code == 2, err[-3000:]

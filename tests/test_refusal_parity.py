@@ -50,6 +50,13 @@ CANNOT_FAIL = {
                            "every recipe (pan.config.core.placeholder_in): the row passes once it loads",
     ("causal_vae", "frames"): "never fails: an unbalanced context split is a warning",
     ("causal_vae", "gan"): "never fails: no discriminator, or a disc_start the run never reaches, is a warning",
+    ("wan", "warm start"): "the recipe has no warm-start keys (no part is `warm_start`): each trained part starts "
+                           "from the folder's own transformer weights, and the row only says so (the folder's "
+                           "problems are the `wan folder`, `text encoder` and `vae` rows')",
+    ("wan", "memory by hand"): "fails only where the hand count of config.json (pan/recipes/wan/probe.py) disagrees "
+                               "with the estimate's count of the model built: tests/test_wan_check.py checks they "
+                               "agree (test_hand_count_is_the_model, test_estimate_is_what_a_step_allocates) and "
+                               "that the row passes (test_shipped_config_fits_its_layout)",
 }
 
 
@@ -62,9 +69,21 @@ class PyramidRelease:
     clips_csv: Path          # 4 synthetic clips, 5 frames of 16x16
 
 
+@dataclass
+class WanRelease:
+    """A tiny diffusers Wan 2.1 T2V folder (tests/wan_tiny.py) and synthetic clips of its geometry,
+    which the base run encodes online (its VAE and umT5)."""
+    model: Path
+    clips_csv: Path          # 2 synthetic clips of clip_geometry(model): 5 frames of 32x32
+    geometry: dict
+
+
 # The workflow `pan launch-command` prints each recipe's commands with.
 WORKFLOWS = {"pan": "pretrain", "causal_vae": "causal-video-vae", "toy_gan": "toy-gan",
              "pyramid_flow": "pyramid-flow-no-ar", "pyramid_flow_ar": "pyramid-flow-ar"}
+# Recipes that declare no workflow (`Recipe.workflows`), so `pan launch-command` has none to print;
+# `test_every_recipe_has_a_workflow_or_a_reason` checks that each still declares none.
+NO_WORKFLOW = {"wan": "it declares no workflow yet (its runs start with train.py / torchrun on a config)"}
 
 
 @dataclass
@@ -73,6 +92,7 @@ class Work:
     dir: Path
     clips_csv: Path          # 4 synthetic clips, 9 frames of 32x32 (pan data synth)
     pyramid: PyramidRelease | None = None   # the Pyramid-Flow recipes' (only built for their cases)
+    wan: WanRelease | None = None           # the Wan recipe's (only built for its cases)
 
     @property
     def out(self) -> Path:
@@ -129,9 +149,23 @@ def pyramid_flow_ar_base(w: Work) -> list[str]:
                           data={"max_frames": 2, "max_tokens_per_batch": 1000})
 
 
+def wan_base(w: Work) -> list[str]:
+    """The tiny Wan folder fine-tuned on its clips, encoded online: 2 clips of 8 tokens a micro-batch."""
+    g = w.wan.geometry
+    cfg = {"recipe": "wan", "model": {"model_path": str(w.wan.model)},
+           "training": {"max_steps": 2, "learning_rate": 1e-3, "dtype": "fp32"},
+           "data": {"video_csv_paths": [str(w.wan.clips_csv)], "resolution_buckets": [f"{g['size']}x{g['size']}"],
+                    "min_frames": g["frames"], "max_frames": g["frames"], "max_tokens_per_batch": 2 * g["tokens"],
+                    "max_samples_per_batch": 2, "packed_dataloader_num_workers": 0},
+           "output": {"output_dir": str(w.out), "save_interval": 2, "log_interval": 1, "progress_bar": False}}
+    path = w.dir / "wan.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return ["--config", str(path)]
+
+
 BASES: dict[str, Callable[[Work], list[str]]] = {"pan": pan_base, "causal_vae": causal_vae_base,
                                                   "toy_gan": toy_gan_base, "pyramid_flow": pyramid_flow_base,
-                                                  "pyramid_flow_ar": pyramid_flow_ar_base}
+                                                  "pyramid_flow_ar": pyramid_flow_ar_base, "wan": wan_base}
 
 
 # ---- what makes each row fail: extra arguments (and files) on top of the recipe's base ----------
@@ -229,6 +263,32 @@ HUGE_VAE = ["--resolution_buckets", '["512x512"]', "--max_samples_per_batch", "4
             "--max_tokens_per_batch", str(400 * 9 * 512 * 512)]
 
 
+def wan_folder(w: Work, transformer: dict | None = None, without: tuple[str, ...] = (),
+               weights: bool = True) -> list[str]:
+    """A Wan folder of its own: the shared tiny folder's parts (linked), its transformer's config.json
+    keys changed to `transformer` (the weights kept, or none with `weights` false), the parts in
+    `without` left out."""
+    root = w.dir / "wan"
+    root.mkdir(parents=True)
+    for part in w.wan.model.iterdir():
+        if part.name not in without and not (transformer and part.name == "transformer"):
+            (root / part.name).symlink_to(part)
+    if transformer:
+        (root / "transformer").mkdir()
+        for f in (w.wan.model / "transformer").iterdir():
+            if weights and f.name != "config.json":
+                (root / "transformer" / f.name).symlink_to(f)
+        config = json.loads((w.wan.model / "transformer/config.json").read_text())
+        (root / "transformer/config.json").write_text(json.dumps({**config, **transformer}))
+    return ["--model_path", str(root)]
+
+
+# A transformer no test machine holds, fully fine-tuned: 2 blocks of width 16384 (128 heads x 128), MLP
+# 65536 (~10.7B parameters, ~173 GiB with their gradients and AdamW states) on the tiny folder's VAE and
+# umT5, as config.json only (no weights: the check reads only their headers), traced on fake tensors.
+HUGE_WAN = dict(num_layers=2, num_attention_heads=128, attention_head_dim=128, ffn_dim=65536)
+
+
 @dataclass
 class Case:
     make: Callable[[Work], list[str]]
@@ -294,6 +354,19 @@ CASES: dict[tuple[str, str], Case] = {
     ("pyramid_flow_ar", "output dir"): Case(output_dir_is_a_file),
     ("pyramid_flow_ar", "resume"): Case(unreadable_checkpoint),
     ("pyramid_flow_ar", "memory"): Case(args(*HUGE_PYRAMID, "--frame_per_unit", "4")),
+    # 1 process: a cp group of 2 does not fit in it.
+    ("wan", "layout"): Case(args("--cp_size", "2")),
+    # config.json of 1 block, the weights of the tiny folder's 2 (their headers are read).
+    ("wan", "wan folder"): Case(lambda w: wan_folder(w, transformer={"num_layers": 1})),
+    # The clips' captions are encoded in training, with umT5: a folder without text_encoder/.
+    ("wan", "text encoder"): Case(lambda w: wan_folder(w, without=("text_encoder",))),
+    # A transformer predicting 6 latent channels, beside the VAE's 4: refused when the config loads.
+    ("wan", "vae"): Case(lambda w: wan_folder(w, transformer={"in_channels": 6, "out_channels": 6}),
+                         expect="config"),
+    ("wan", "data"): Case(missing_clip_csv),
+    ("wan", "output dir"): Case(output_dir_is_a_file),
+    ("wan", "resume"): Case(unreadable_checkpoint),
+    ("wan", "memory"): Case(lambda w: wan_folder(w, transformer=HUGE_WAN, weights=False)),
 }
 
 # Checks that can fail but have no case here yet, with the reason. They are still declared (a new
@@ -310,6 +383,17 @@ def declared_checks() -> list[tuple[str, str]]:
             if (recipe, check_name(fn)) not in found:
                 found.append((recipe, check_name(fn)))
     return found
+
+
+def test_every_recipe_has_a_workflow_or_a_reason():
+    from pan.recipe import all_workflows
+
+    declared = {w.recipe for w in all_workflows().values()}
+    missing = [r for r in recipe_names() if r not in WORKFLOWS and r not in NO_WORKFLOW]
+    assert not missing, f"recipes with no workflow for `pan launch-command` in WORKFLOWS or NO_WORKFLOW: {missing}"
+    assert all(all_workflows()[name].recipe == recipe for recipe, name in WORKFLOWS.items()), WORKFLOWS
+    stale = [r for r in NO_WORKFLOW if r in declared]
+    assert not stale, f"recipes in NO_WORKFLOW that now declare a workflow (add it to WORKFLOWS): {stale}"
 
 
 def cannot_fail(recipe: str, check: str) -> str | None:
@@ -344,6 +428,31 @@ def pyramid_release(tmp_path_factory) -> PyramidRelease:
     root = tmp_path_factory.mktemp("pyramid")
     clips = synth_dataset(root / "clips", num_train=4, num_heldout=1, size=16, num_frames=5)["train_csv"]
     return PyramidRelease(write_released(root / "model", (VARIANT, "diffusion_transformer_768p")), clips)
+
+
+def write_wan_release(root: Path) -> WanRelease:
+    """The tiny Wan 2.1 T2V folder and 2 clips of its geometry (5 frames of 32x32) under `root`."""
+    from wan_tiny import clip_geometry, write_wan_folder
+
+    from pan.data.synth import synth_dataset
+
+    model = write_wan_folder(root / "model", "t2v")
+    geometry = clip_geometry(model)
+    clips = synth_dataset(root / "clips", num_train=2, num_heldout=0, size=geometry["size"],
+                          num_frames=geometry["frames"])["train_csv"]
+    return WanRelease(model, clips, geometry)
+
+
+@pytest.fixture(scope="module")
+def wan_release(tmp_path_factory) -> WanRelease:
+    return write_wan_release(tmp_path_factory.mktemp("wan"))
+
+
+def work_for(recipe: str, tmp_path: Path, clips_csv: Path, request) -> Work:
+    """A case's Work, with the shared tiny release its recipe needs (built once per module)."""
+    pyramid = request.getfixturevalue("pyramid_release") if recipe.startswith("pyramid_flow") else None
+    wan = request.getfixturevalue("wan_release") if recipe == "wan" else None
+    return Work(tmp_path, clips_csv, pyramid, wan)
 
 
 def nothing_built(out: Path) -> None:
@@ -383,8 +492,7 @@ def problems_of(report: dict, check: str, expect: str) -> list[str]:
 @pytest.mark.parametrize("recipe,check", sorted(CASES), ids=[f"{r}-{c}" for r, c in sorted(CASES)])
 def test_train_refuses_what_pan_check_fails(recipe, check, tmp_path, clips_csv, capsys, request):
     case = CASES[(recipe, check)]
-    pyramid = request.getfixturevalue("pyramid_release") if recipe.startswith("pyramid_flow") else None
-    work = Work(tmp_path, clips_csv, pyramid)
+    work = work_for(recipe, tmp_path, clips_csv, request)
     argv = BASES[recipe](work) + case.make(work)
 
     code, out, err = pan_cli(["check", *argv, "--json"], capsys)
@@ -400,6 +508,8 @@ def test_train_refuses_what_pan_check_fails(recipe, check, tmp_path, clips_csv, 
     for problem in problems:  # numbers apart: a measured value (free memory) may differ
         assert numbers_apart(problem)[:60] in numbers_apart(err), f"{problem!r} not said by train:\n{err[-3000:]}"
     nothing_built(work.out)
+    if recipe in NO_WORKFLOW:
+        return
 
     # `pan launch-command` for the same layout (one process), planning the memory `pan check` planned for.
     capacity = report.get("estimate", {}).get("capacity")

@@ -1,14 +1,19 @@
 """`pan check`'s rows of the Wan recipe (its `checks` hook): the folder as its JSON files describe it
-(the variant, each expert's sizes, the text encoder and the VAE; no weight is read: the run loads
-them strictly at start), a sample of every data source read as training reads it, the shared run
-rows, and memory: the shared estimate (probe.py's micro-batch traced on fake tensors) beside the same
-parameters, gradients and optimizer states counted by hand from config.json (`hand_count`).
+(the variant, each expert's sizes, the text encoder and the VAE; of the weights only the headers
+are read, against the model each trained expert builds: the run loads them strictly at start), a
+sample of every data source read as training reads it, the shared run rows, and memory: the shared
+estimate (probe.py's micro-batch traced on fake tensors) beside the same parameters, gradients and
+optimizer states counted by hand from config.json (`hand_count`).
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+from pan.lora.adapters import base_names
+from pan.models.pyramid_io import WEIGHTS_INDEX_NAME, WEIGHTS_NAME
+from pan.models.state_dict import ShapeDiff
 from pan.preflight.checks import (
     check_cpu,
     check_data,
@@ -22,12 +27,33 @@ from pan.preflight.checks import (
 )
 from pan.preflight.core import Preflight, Row
 from pan.recipes.wan.probe import encodes_online, hand_count, loads_text_encoder, transformer_parameters
-from pan.recipes.wan.weights import load_config
+from pan.recipes.wan.weights import IGNORED_KEYS, load_config
+
+
+def stored_shapes(folder: Path) -> dict[str, tuple[int, ...]] | None:
+    """name -> shape from the safetensors headers of a transformer folder (one file or the shards its
+    index lists; no tensor data is read), less the tensors diffusers' loader drops; None where it holds
+    no weights (a config-only folder: the run's strict load names what is missing)."""
+    from safetensors import safe_open
+
+    if (folder / WEIGHTS_NAME).is_file():
+        files = [folder / WEIGHTS_NAME]
+    elif (folder / WEIGHTS_INDEX_NAME).is_file():
+        shards = json.loads((folder / WEIGHTS_INDEX_NAME).read_text())["weight_map"].values()
+        files = [folder / f for f in sorted(set(shards))]
+    else:
+        return None
+    shapes = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})  # noqa: SIM118
+    return {k: v for k, v in shapes.items() if not IGNORED_KEYS.fullmatch(k)}
 
 
 def check_wan_folder(ctx: Preflight) -> list[Row]:
     """The release the folder holds: its pipeline, experts, conditioning and each expert's sizes (from
-    config.json), the parameters counted by hand against the model pan builds from it."""
+    config.json), the parameters counted by hand against the model pan builds from it, and each trained
+    expert's weights (their safetensors headers) against that model."""
     job = ctx.job
     folder = job.model.folder()
     rows, counted = [], {}
@@ -47,12 +73,25 @@ def check_wan_folder(ctx: Preflight) -> list[Row]:
         return [Row("wan folder", "fail", f"the transformers built from {folder.path}'s config.json files have "
                     f"other parameter counts than their values give (built, counted): {differ}.",
                     "report this: the hand count (pan/recipes/wan/probe.py) and the model disagree.")]
+    # the weights each trained expert loads strictly at start, from their headers
+    for name, model in ctx.models.items():
+        stored = stored_shapes(folder.expert_dir(name))
+        if stored is None:
+            continue
+        diff = ShapeDiff.of(stored, {k: tuple(v.shape) for k, v in base_names(model.state_dict()).items()})
+        if diff.differ or diff.unexpected:
+            examples = diff.lines("missing") + [f"{n} not in the model" for n in diff.unexpected]
+            return [Row("wan folder", "fail", f"{folder.expert_dir(name)}'s weights do not fit the transformer its "
+                        f"config.json describes: {len(diff.missing)} model tensors missing, {len(diff.unexpected)} "
+                        f"not in the model, {len(diff.mismatched)} of another shape (e.g. {'; '.join(examples[:3])}).",
+                        f"copy the release's {name}/ folder whole (config.json and its safetensors together).")]
     boundary = (f"; experts split at boundary_ratio {folder.boundary_ratio} (transformer: t >= it)"
                 if len(folder.experts) == 2 else "")
     return [Row("wan folder", "pass", f"{folder.path}: {folder.pipeline}, {folder.derived_conditioning}"
                 f"{boundary}; trains {', '.join(job.model.trained_experts())} "
                 f"({job.model.resolved_conditioning()}).\n" + "\n".join(rows)
-                + "\n(config.json only: the weights are loaded strictly when the run starts.)")]
+                + "\n(config.json and the weights' headers: the weights are loaded strictly when the run "
+                "starts.)")]
 
 
 def check_text_encoder(ctx: Preflight) -> list[Row]:
