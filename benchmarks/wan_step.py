@@ -109,7 +109,7 @@ def pan_step(model: WanTransformer, clips: SimpleNamespace):
         target = torch.cat([patchify(v, patch) for v in clips.target])
         pack = PackInfo.build(grids, [t.shape[0] for t in clips.text])
         inputs = SimpleNamespace(x=x, target=target, weight=torch.ones(x.shape[0]), timesteps=clips.timesteps,
-                                 text=torch.cat(clips.text), pack=pack)
+                                 text=torch.cat(clips.text), pack=pack, image=None)
         loss = loss_sum(model, inputs) / target.numel()
         loss.backward()
         return loss

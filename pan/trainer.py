@@ -24,6 +24,7 @@ from pan.config.job import dump_sections, job_to_sections
 from pan.data.audit import SampleAudit
 from pan.data.packed import DataResumeError
 from pan.data.sources import SourceError
+from pan.data.storage import StorageError
 from pan.logging import get_logger, quiet_library_progress_bars
 from pan.lora.runs import base_with_adapters
 from pan.runtime.metrics import Metrics
@@ -447,13 +448,14 @@ def build_trainer(job) -> Trainer:
 def build_loader_everywhere(task, dims):
     """The task's data loader on the ranks that read data. A data source that cannot be used (a CSV
     without a caption column, fewer rows than ranks) is raised on every rank together, so the run
-    stops with one message instead of some ranks waiting for the others forever."""
+    stops with one message instead of some ranks waiting for the others forever (so is a manifest
+    whose store stayed unreachable through every retry)."""
 
     loader, problem = None, None
     if task.reads_data:
         try:
             loader = task.build_loader(dims)
-        except SourceError as e:
+        except (SourceError, StorageError) as e:
             problem = str(e)
     problem = first_problem(problem)
     if problem is not None:
@@ -546,6 +548,13 @@ def train(job, preflight=None) -> int:
         if is_main_process() or trainer is not None:
             print(f"pan: {'cannot start' if trainer is None else 'stopped'}: {e}", file=sys.stderr)
         return 2
+    except StorageError as e:
+        # A store unreachable through every retry (or refusing the credentials) while training: said
+        # by the rank that read it, naming the URL. Nothing was taken for a bad sample, and the
+        # checkpoints hold the data cursors: a resume once the store answers continues exactly.
+        print(f"pan: stopped: {e}. Resume once it answers: the data continues exactly where the last "
+              "checkpoint left it.", file=sys.stderr)
+        return 1
     except dist.DistBackendError as e:
         # A peer process died (its own error is above): one line here, not a traceback per rank.
         # When the launcher is gone, that is why (the peers stopped on seeing it): say so instead.

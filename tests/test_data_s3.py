@@ -1,13 +1,16 @@
 """Object storage (pan/data/storage.py) against a real S3 server on 127.0.0.1 (tests/s3_server.py):
 precompute into s3://, train from its shards, an endpoint that goes away mid-epoch (retried, the
-stream unchanged; or, past the retries, a clear stop and an exact resume), clips read from s3://;
-and the retry policy and the local cache on their own."""
+stream unchanged; or, past the retries, a clear stop and an exact resume), clips read from s3://,
+manifests, annotation files and image tars at s3:// URLs and their local indexes; and the retry
+policy and the local cache on their own."""
 
 from __future__ import annotations
 
 import csv
 import errno
 import io
+import json
+import tarfile
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,9 +22,12 @@ from safetensors.torch import save
 
 from pan.config import ConfigError, load_job_config
 from pan.data import build_data_loader
+import pan.data.index as index_module
+from pan.data.index import index_candidates
 from pan.data.precompute import main as precompute_main
 from pan.data.reader import read_raw_latent, read_text_features
 from pan.data.shards import ShardWriter, read_indexes
+from pan.data.sources import read_image_tars, read_video_csv
 import pan.data.storage as storage_module
 from pan.data.storage import (
     DiskCache,
@@ -121,7 +127,7 @@ def test_the_cache_keeps_the_most_recently_used_within_its_bytes(tmp_path):
     assert sum(p.stat().st_size for p in tmp_path.iterdir()) <= 250
 
 
-def test_bad_storage_settings_and_url_manifests_are_refused_when_the_config_loads(tmp_path, monkeypatch):
+def test_bad_storage_settings_and_stores_that_cannot_open_are_refused_when_the_config_loads(tmp_path, monkeypatch):
     clips = write_csv(tmp_path / "clips.csv", ["path", "caption"], [["a.mp4", "a clip"]])
     monkeypatch.setenv("PAN_DATA_CACHE_GB", "lots")
     with pytest.raises(ConfigError, match=r"PAN_DATA_CACHE_GB='lots' is not a number: unset it or give"):
@@ -131,8 +137,9 @@ def test_bad_storage_settings_and_url_manifests_are_refused_when_the_config_load
     with pytest.raises(ConfigError, match=r"PAN_DATA_RETRIES='0' is below 1"):
         small_config(video_csv_paths=[str(clips)]).check(SimpleNamespace())
     monkeypatch.delenv("PAN_DATA_RETRIES")
-    with pytest.raises(ConfigError, match=r"s3://bucket/clips.csv: .* copy it to local disk"):
-        small_config(video_csv_paths=["s3://bucket/clips.csv"]).check(SimpleNamespace())
+    small_config(video_csv_paths=["s3://bucket/clips.csv"]).check(SimpleNamespace())   # opened by the run
+    with pytest.raises(ConfigError, match=r"annotation_paths`: lists gs://b/a.jsonl: no gs:// store .* install gcsfs"):
+        small_config(annotation_paths=["gs://b/a.jsonl"]).check(SimpleNamespace())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -280,3 +287,120 @@ def test_clips_latent_files_and_text_features_are_read_from_s3(s3_server, tmp_pa
     assert read_text_features(f"{bucket}/pyramid/text.pt")["prompt_embed"].shape == (5, 8)
     with pytest.raises(FileNotFoundError):                      # a missing object: at once, no retries
         read_raw_latent(f"{bucket}/pyramid/missing.pt")
+
+
+# ----------------------------------------------------------------------------------------------
+# Manifests, annotation files and image tars at URLs
+# ----------------------------------------------------------------------------------------------
+
+def remote_and_local_manifests(bucket: str, tmp_path: Path) -> tuple[list[str], list[str]]:
+    """A video CSV and a JSONL annotation file, each at s3://bucket/set/ and in the local folder of the
+    same clips; half their cells relative (to the manifest's folder), half absolute s3:// URLs."""
+    synth = synth_dataset(tmp_path / "synth", num_train=4, num_heldout=1, size=32, num_frames=5)["train_csv"]
+    header, *rows = list(csv.reader(open(synth)))
+    for row in rows:
+        storage().write_bytes(f"{bucket}/set/{row[0]}", (synth.parent / row[0]).read_bytes())
+    cells = [row[0] if i % 2 else f"{bucket}/set/{row[0]}" for i, row in enumerate(rows)]
+    table = io.StringIO()
+    csv.writer(table).writerows([header, *([c, *row[1:]] for c, row in zip(cells, rows))])
+    lines = "".join(json.dumps({"video": c, "text": f"note {i}"}) + "\n" for i, c in enumerate(reversed(cells)))
+    paths = ([], [])
+    for name, text in (("clips.csv", table.getvalue()), ("notes.jsonl", lines)):
+        storage().write_text(f"{bucket}/set/{name}", text)
+        (synth.parent / name).write_text(text)
+        paths[0].append(f"{bucket}/set/{name}")
+        paths[1].append(str(synth.parent / name))
+    return paths
+
+
+def trained_ids(tmp_path: Path, manifests: list[str], run: str) -> list[list[str]]:
+    """The sample ids of 2 training steps of tiny_cpu.yaml on a video CSV and an annotation file."""
+    job = load_job_config(["--config", str(REPO / "config/tiny_cpu.yaml"), "--output_dir", str(tmp_path / run),
+                           "--video_csv_paths", manifests[0], "--annotation_paths", manifests[1],
+                           "--max_steps", "2", "--save_interval", "100000", "--log_interval", "1000"],
+                          warn=lambda m: None)
+    trainer, ids = build_trainer(job), []
+    for _ in range(2):
+        batches, _ = trainer.next_micro_batches()
+        assert trainer.train_step(batches)["finite"]
+        ids.append([i for b in batches for i in b.sample_ids])
+    return ids
+
+
+def test_manifests_at_s3_train_on_the_samples_of_their_local_copies(s3_server, tmp_path, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("PAN_INDEX_DIR", str(tmp_path / "indexes"))
+    remote, local = remote_and_local_manifests(make_bucket(), tmp_path)
+    got = trained_ids(tmp_path, remote, "remote")
+    indexes = sorted(p.name for p in (tmp_path / "indexes").iterdir())   # local files, built from the objects
+    assert indexes == sorted(index_candidates(url)[0].name for url in remote), indexes
+    assert got == trained_ids(tmp_path, local, "local") and all(got), got
+
+
+def test_an_image_tar_at_s3_reads_its_images_one_ranged_get_each(s3_server, tmp_path, monkeypatch):  # noqa: F811
+    from test_data_sources import image_bytes
+
+    monkeypatch.setenv("PAN_INDEX_DIR", str(tmp_path / "indexes"))
+    tar = tmp_path / "images.tar"
+    with tarfile.open(tar, "w") as f:
+        members = (("a.jpg", image_bytes(48, 32, 1)), ("a.txt", b"an image"), ("b.png", image_bytes(32, 48, 2, "PNG")))
+        for key, data in members:
+            info = tarfile.TarInfo(key)
+            info.size = len(data)
+            f.addfile(info, io.BytesIO(data))
+    url = f"{make_bucket()}/images.tar"
+    storage().write_bytes(url, tar.read_bytes())
+    remote, here = read_image_tars([url]), read_image_tars([tar])
+    assert remote.paths == [url] and remote.names == ["images"] and len(remote) == 2
+    reads = []
+    real = Storage.read_range
+    monkeypatch.setattr(Storage, "read_range", lambda self, path, *span: reads.append(path) or real(self, path, *span))
+    assert [remote.read(remote.images[i]) for i in range(2)] == [here.read(here.images[i]) for i in range(2)]
+    assert reads.count(url) == 3                                # the two images and the one caption
+
+
+def test_the_index_of_a_remote_manifest_is_kept_locally_and_rebuilt_when_the_object_changes(  # noqa: F811
+        s3_server, tmp_path, monkeypatch):
+    monkeypatch.setenv("PAN_INDEX_DIR", str(tmp_path / "indexes"))
+    url = f"{make_bucket()}/set/clips.csv"
+    storage().write_text(url, "path,caption\na.mp4,one\n")
+    builds = []
+    real = index_module.write_index
+    monkeypatch.setattr(index_module, "write_index", lambda *a, **k: builds.append(a[0]) or real(*a, **k))
+    first = read_video_csv(url)
+    assert len(first) == 1 and first.resolve("a.mp4") == "s3://data/set/a.mp4"
+    assert len(read_video_csv(url)) == 1 and builds == [url]   # the same object: the index is reused
+    storage().write_text(url, "path,caption\na.mp4,one\nb.mp4,two\n")   # a new version
+    assert read_video_csv(url).rows[1] == ["b.mp4", "two"] and builds == [url, url]
+    assert [p.name for p in (tmp_path / "indexes").iterdir()] == [index_candidates(url)[0].name]
+
+
+def test_pan_check_counts_the_rows_of_a_remote_manifest(s3_server, tmp_path, monkeypatch):  # noqa: F811
+    from pan.preflight import Preflight, run_preflight
+
+    monkeypatch.setenv("PAN_INDEX_DIR", str(tmp_path / "indexes"))
+    remote, _ = remote_and_local_manifests(make_bucket(), tmp_path)
+    job = load_job_config(["--config", str(REPO / "config/tiny_cpu.yaml"), "--video_csv_paths", remote[0],
+                           "--annotation_paths", remote[1], "--output_dir", str(tmp_path / "run")],
+                          warn=lambda msg: None)
+    rows = [row for row in run_preflight(Preflight(job, 1, 1)) if row.check == "data"]
+    assert rows and all(row.status == "pass" for row in rows), rows
+    assert "4 samples" in rows[0].detail, rows[0].detail
+
+
+def test_a_store_unreachable_while_training_stops_with_one_line_naming_the_url(s3_server, tmp_path,  # noqa: F811
+                                                                              monkeypatch, capsys):
+    from pan.trainer import train
+
+    monkeypatch.setenv("PAN_DATA_CACHE_GB", "0")
+    monkeypatch.setenv("PAN_DATA_RETRIES", "1")
+    remote, local = remote_and_local_manifests(make_bucket(), tmp_path)   # local manifests, s3:// clips
+    job = load_job_config(["--config", str(REPO / "config/tiny_cpu.yaml"), "--output_dir", str(tmp_path / "run"),
+                           "--video_csv_paths", local[0], "--max_steps", "2", "--save_interval", "100000"],
+                          warn=lambda m: None)
+    s3_server.endpoint.stop()
+    assert train(job) == 1
+    text = capsys.readouterr().err
+    err = [line for line in text.splitlines() if line.startswith("pan:")]
+    assert len(err) == 1 and "Traceback" not in text, text
+    assert err[0].startswith("pan: stopped: s3://data/set/") and "gave up after 1 tries" in err[0], err
+    assert "continues exactly" in err[0]

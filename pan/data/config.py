@@ -158,10 +158,9 @@ class DataConfig:
         for key, paths in (("video_csv_paths", videos), ("annotation_paths", annotations),
                            ("image_tar_paths", images)):
             for p in paths:
-                require(not _is_url(p), key, f"lists {p}: the files it lists (clips, latents, shards, text "
-                        "features) may be URLs, but the manifests and image tars themselves are read from "
-                        "local files: copy it to local disk and list that.")
-                if not Path(p).is_file():
+                if _is_url(p):   # looked up when the run opens it (loading a config makes no request)
+                    _check_store(key, p)
+                elif not Path(p).is_file():
                     raise ConfigError(key, f"{p} does not exist (or is not a file).",
                                       fix=f"point {key} at existing files (a relative path is read from the "
                                           f"folder the command runs in: {Path.cwd()}), or remove {p} from it.")
@@ -169,7 +168,7 @@ class DataConfig:
             require(Path(p).suffix.lower() != ".jsonl", "video_csv_paths",
                     f"lists {p}, a JSONL annotation file: list it in annotation_paths.")
         for p in annotations:
-            header = _csv_header_of(Path(p))
+            header = None if _is_url(p) else _csv_header_of(Path(p))   # a URL's: when it opens
             require(Path(p).suffix.lower() != ".csv" and header is None, "annotation_paths",
                     f"lists {p}, a video CSV{f' (header {header})' if header else ''}, not a JSONL "
                     "annotation file (one JSON object per line): list it in video_csv_paths.")
@@ -199,6 +198,17 @@ def _is_url(path: str) -> bool:
     from pan.data.storage import is_url  # lazy: loading a config imports no data engine
 
     return is_url(str(path))
+
+
+def _check_store(key: str, url: str) -> None:
+    """A URL whose store cannot be opened here (its fsspec package missing) is refused by name."""
+    from pan.data.storage import known_store  # lazy: loading a config imports no data engine
+
+    try:
+        known_store(url)
+    except ValueError as e:
+        raise ConfigError(key, f"lists {e}: install the fsspec package it names or list a local "
+                               "copy.") from None
 
 
 def _csv_header_of(path: Path) -> list[str] | None:

@@ -13,8 +13,9 @@ usually decompressed) into each reader's memory; an IPC file's buffers are the i
 
 Cells stay text, as in the manifest, and are parsed when their sample is loaded: a malformed value
 or line spoils one sample (skipped as bad data), not the run. An index is keyed by its manifest's
-size, modification time and first and last bytes (`manifest_stamp`), rebuilt when they change, and
-written to a temporary file renamed into place, so that a process never reads half an index.
+size, modification time and first and last bytes (`manifest_stamp`; a manifest at a URL: its size and
+ETag, its index a local file built from ranged reads), rebuilt when they change, and written to a
+temporary file renamed into place, so that a process never reads half an index.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import hashlib
 import io
 import logging
 import os
+import posixpath
 import socket
 import sys
 import tarfile
@@ -43,6 +45,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from pan.config.arguments import input_file, output_folder
+from pan.data.storage import PathLike, is_url, storage, suffix
 
 logger = logging.getLogger(__name__)
 
@@ -60,14 +63,19 @@ class SourceError(ValueError):
     """A data file that cannot be used at all (as opposed to one bad sample inside it)."""
 
 
-def open_manifest(path: Path) -> BinaryIO:
-    """The one place a manifest's (or tar's) bytes are opened for indexing."""
-    return open(path, "rb")
+def open_manifest(path: PathLike) -> BinaryIO:
+    """The one place a manifest's (or tar's) bytes are opened for indexing: a local file, or a URL
+    read in ranged GETs with retries (streamed in bounded memory, never kept whole)."""
+    return storage().open_read(path, READ_BYTES)
 
 
-def manifest_stamp(path: Path, kind: str) -> str:
-    """What an index is keyed by: the manifest's size, modification time and a hash of its first and
-    last STAMP_BYTES (a rewrite of the same size within one tick of the file clock still shows)."""
+def manifest_stamp(path: PathLike, kind: str) -> str:
+    """What an index is keyed by: a local manifest's size, modification time and a hash of its first
+    and last STAMP_BYTES (a rewrite of the same size within one tick of the file clock still shows);
+    a remote one's URL, size and version (its ETag, else its modification time), as its store says."""
+    if is_url(path):
+        st = storage().stat(path)
+        return f"v{INDEX_VERSION}:{kind}:{path}:{st.size}:{st.etag or st.mtime}"
     st = os.stat(path)
     digest = hashlib.blake2b(digest_size=8)
     with open_manifest(path) as f:
@@ -151,15 +159,20 @@ class RowIndex:
         return RowIndex, (self.path,)
 
 
-def index_candidates(manifest: Path, folder: Path | None = None) -> list[Path]:
+def index_candidates(manifest: PathLike, folder: Path | None = None) -> list[Path]:
     """Where the index of `manifest` may live, in order: `folder` (or $PAN_INDEX_DIR) if given, else
-    beside the manifest, then the user's cache folder (for read-only data folders)."""
+    beside a local manifest, then the user's cache folder (for read-only data folders, and for every
+    manifest at a URL: its index is a local file)."""
     folder = folder or (Path(os.environ[INDEX_DIR_ENV]) if os.environ.get(INDEX_DIR_ENV) else None)
-    tag = hashlib.blake2b(str(manifest.resolve()).encode(), digest_size=6).hexdigest()
+    where = str(manifest) if is_url(manifest) else str(Path(manifest).resolve())
+    tag = hashlib.blake2b(where.encode(), digest_size=6).hexdigest()
+    name = f"{posixpath.basename(str(manifest))}.{tag}.index.arrow"
     if folder is not None:
-        return [folder / f"{manifest.name}.{tag}.index.arrow"]
+        return [folder / name]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pan/index"
-    return [manifest.with_name(manifest.name + ".index.arrow"), cache / f"{manifest.name}.{tag}.index.arrow"]
+    if is_url(manifest):
+        return [cache / name]
+    return [manifest.with_name(manifest.name + ".index.arrow"), cache / name]
 
 
 def stamp_of(index_path: Path) -> str | None:
@@ -172,12 +185,12 @@ def stamp_of(index_path: Path) -> str | None:
     return metadata.get(b"stamp", b"").decode() or None
 
 
-def open_index(manifest: str | Path, kind: str, folder: Path | None = None) -> RowIndex:
+def open_index(manifest: PathLike, kind: str, folder: Path | None = None) -> RowIndex:
     """The index of `manifest`: reused where a fresh one exists, else built (see `ensure_index`)."""
-    return RowIndex(ensure_index(Path(manifest), kind, folder))
+    return RowIndex(ensure_index(manifest if is_url(manifest) else Path(manifest), kind, folder))
 
 
-def ensure_index(manifest: Path, kind: str, folder: Path | None = None) -> Path:
+def ensure_index(manifest: PathLike, kind: str, folder: Path | None = None) -> Path:
     """The path of a fresh index of `manifest`, building it if none is fresh.
 
     Safe when many processes start at once (all the ranks of a node, or of a job on one shared file
@@ -197,6 +210,8 @@ def ensure_index(manifest: Path, kind: str, folder: Path | None = None) -> Path:
         with _build_lock(candidate):
             if stamp_of(candidate) != stamp:  # another process may have built it meanwhile
                 write_index(manifest, kind, candidate, stamp)
+        if is_url(manifest) and manifest_stamp(manifest, kind) != stamp:  # its reads may mix two versions
+            raise SourceError(f"{manifest} changed while it was being indexed: start again once it stays put.")
         return candidate
     raise SourceError(f"cannot write an index of {manifest} in {', '.join(str(c.parent) for c in candidates)}: "
                       f"set {INDEX_DIR_ENV} to a writable folder.")
@@ -230,7 +245,7 @@ def _build_lock(index_path: Path):
         os.close(fd)
 
 
-def write_index(manifest: Path, kind: str, dest: Path, stamp: str | None = None) -> int:
+def write_index(manifest: PathLike, kind: str, dest: Path, stamp: str | None = None) -> int:
     """Build the index of `manifest` into `dest` (a temporary file renamed into place); its rows."""
     stamp = stamp or manifest_stamp(manifest, kind)
     schema, batches = BUILDERS[kind](manifest)
@@ -294,7 +309,7 @@ def _row_major(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
                                       schema=schema)
 
 
-def _csv_header(path: Path) -> list[str]:
+def _csv_header(path: PathLike) -> list[str]:
     """The header row, read as Python's csv module reads it (utf-8, with or without a byte-order
     mark: Excel's "CSV UTF-8" starts with one)."""
     with io.TextIOWrapper(open_manifest(path), encoding="utf-8-sig", newline="") as f:
@@ -306,7 +321,7 @@ def _csv_header(path: Path) -> list[str]:
             raise SourceError(f"{path} is not UTF-8 text ({e}).") from None
 
 
-def build_csv(path: Path) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
+def build_csv(path: PathLike) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
     """A CSV's rows as text, read by pyarrow's streaming reader. A line pyarrow cannot take (more or
     fewer cells than the header) is parsed by Python's csv module, padded or cut to the header, and
     kept in its place: it is a bad sample when read, not a fatal error. Rows whose cells are all
@@ -318,7 +333,7 @@ def build_csv(path: Path) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
     return schema, (_row_major(batch, schema) for batch in _csv_batches(path, columns_schema(len(header))))
 
 
-def _csv_batches(path: Path, schema: pa.Schema) -> Iterator[pa.RecordBatch]:
+def _csv_batches(path: PathLike, schema: pa.Schema) -> Iterator[pa.RecordBatch]:
     names = schema.names
     odd: collections.deque[tuple[int, str]] = collections.deque()  # (record number, text)
 
@@ -383,7 +398,7 @@ def _without_blank_rows(batch: pa.RecordBatch) -> pa.RecordBatch:
     return batch if pc.all(filled).as_py() else batch.filter(filled)
 
 
-def build_parquet(path: Path) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
+def build_parquet(path: PathLike) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
     """A Parquet table's rows as text (a number is kept as its text and parsed when read, as a CSV
     cell is; a null is an empty cell)."""
     try:
@@ -413,7 +428,7 @@ def build_parquet(path: Path) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
 LINE_FLAGS = ("latent", "text_fea")  # keys whose presence in a row's text is kept per row
 
 
-def build_lines(path: Path) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
+def build_lines(path: PathLike) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
     """A JSONL file's non-blank lines as bytes (each parsed when its sample is loaded), with a flag
     per row for the keys of LINE_FLAGS its text names (a text search, as the recipes ask it)."""
     schema = pa.schema([("line", pa.binary())] + [(flag, pa.bool_()) for flag in LINE_FLAGS])
@@ -429,7 +444,7 @@ def build_lines(path: Path) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
     return schema, batches()
 
 
-def _line_chunks(path: Path) -> Iterator[list[bytes]]:
+def _line_chunks(path: PathLike) -> Iterator[list[bytes]]:
     """The file's stripped non-blank lines (split as bytes.splitlines does), a chunk at a time."""
     carry = b""
     with open_manifest(path) as f:
@@ -457,7 +472,7 @@ def split_key(member_name: str) -> tuple[str, str]:
     return (f"{folder}/{stem}" if folder else stem), ext.lower()
 
 
-def build_tar(path: Path) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
+def build_tar(path: PathLike) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
     """A webdataset tar's images, each with its caption member (headers only: no image is read).
     A tar that breaks off part-way keeps the images before the break (noted in the index)."""
     images: dict[str, tuple[int, int, str]] = {}
@@ -487,7 +502,7 @@ def build_tar(path: Path) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
 
 
 BUILDERS = {"lines": build_lines, "tar": build_tar,
-            "table": lambda path: (build_parquet if path.suffix.lower() == ".parquet" else build_csv)(path)}
+            "table": lambda path: (build_parquet if suffix(path) == ".parquet" else build_csv)(path)}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -294,9 +294,11 @@ def write_precomputed_csv(source: VideoCsvSource, rows: range, out_dir: PathLike
             continue
         row = list(source.rows[i]) + [""] * (len(source.columns) - len(source.rows[i]))
         clip = source.field(row, "path")
-        if clip is not None and not is_url(clip):
-            where = source.resolve(clip).resolve()
-            row[path_at] = str(where) if remote else os.path.relpath(where, Path(out_dir).resolve())
+        where = source.resolve(clip) if clip is not None else None
+        if is_url(where):   # a relative cell of a manifest at a URL: its full URL
+            row[path_at] = where
+        elif where is not None:
+            row[path_at] = str(where.resolve()) if remote else os.path.relpath(where.resolve(), Path(out_dir).resolve())
         located = str(join(out_dir, name)) if remote else name
         lines.append(row[:len(source.columns)] + [located]
                      + ([str(member.offset), str(member.size)] if member else ["", ""]))
@@ -337,7 +339,7 @@ def write_annotation_jsonl(source: RowSource, rows: range, out_dir: Path,
         except SkipSample:  # cannot happen for a row that was encoded; a source edited since, maybe
             continue
         for key in ("video", "image"):  # abspath, not resolve: links in the media's path are kept
-            if entry.get(key) is not None:
+            if entry.get(key) is not None and not is_url(entry[key]):
                 entry[key] = os.path.relpath(os.path.abspath(entry[key]), os.path.abspath(out_dir))
         entry = {k: v for k, v in entry.items() if v is not None}
         entry["latent"], entry["text_fea"] = files

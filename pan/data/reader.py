@@ -194,11 +194,11 @@ class SampleReader(Dataset):
         media = existing(row.media)
         fps = None
         if row.kind == "image":
-            frames = decode_image(media.read_bytes(), self.rules)
+            frames = decode_image(storage().read_bytes(media), self.rules)
         elif row.frames is not None:
-            frames, fps = decode_frames_at(str(media), row.frames, self.rules)
+            frames, fps = decode_frames_at(readable(media), row.frames, self.rules)
         else:
-            frames, fps = decode_video(str(media), self.rules)
+            frames, fps = decode_video(readable(media), self.rules)
         return Sample(sample_id, row.kind, row.caption, tuple(frames.shape[i] for i in (0, 2, 3)), 0,
                       frames=frames, fps=fps, text_features=features)
 

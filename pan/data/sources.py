@@ -29,6 +29,7 @@ from pan.data.index import (  # noqa: F401  (SourceError, split_key and the exte
     open_index,
     split_key,
 )
+from pan.data.storage import PathLike, is_url, join, parent, stem, storage
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class LineRows(Sequence):
 class VideoCsvSource:
     """The rows of one video CSV. `precomputed` CSVs point at latents (`latent_path`) instead."""
     name: str                # file stem: the prefix of sample ids and the stream's cursor name
-    path: Path
+    path: PathLike           # a local Path or a URL
     columns: dict[str, int]  # column name -> position
     rows: Sequence[list[str]]  # TableRows: each row read from the index when asked
 
@@ -94,16 +95,16 @@ class VideoCsvSource:
         value = row[at].strip()
         return value or None
 
-    def resolve(self, value: str) -> Path:
-        """Paths in a CSV are relative to the CSV's folder unless absolute."""
-        p = Path(value)
-        return p if p.is_absolute() else self.path.parent / p
+    def resolve(self, value: str) -> PathLike:
+        """Paths in a CSV are relative to the CSV's folder (a URL's "folder" for a CSV at a URL)
+        unless absolute or URLs; a URL stays a string."""
+        return join(parent(self.path), value)
 
 
-def read_video_csv(path: str | Path) -> VideoCsvSource:
+def read_video_csv(path: PathLike) -> VideoCsvSource:
     """The rows of a video CSV (utf-8, with or without a byte-order mark) or of a Parquet table of
-    the same columns, through its row index."""
-    path = Path(path)
+    the same columns, through its row index (a local file or a URL)."""
+    path = as_path(path)
     index = open_index(path, "table")
     header = header_of(index)
     columns = {name: i for i, name in enumerate(header)}
@@ -114,7 +115,12 @@ def read_video_csv(path: str | Path) -> VideoCsvSource:
                           "needs path and caption (or latent_path and caption for precomputed rows).")
     if not len(index):
         raise SourceError(f"{path} has a header but no rows.")
-    return VideoCsvSource(name=path.stem, path=path, columns=columns, rows=TableRows(index))
+    return VideoCsvSource(name=stem(path), path=path, columns=columns, rows=TableRows(index))
+
+
+def as_path(path: PathLike) -> PathLike:
+    """A URL as it is (a Path would make `s3://b/k` into `s3:/b/k`), a local path as a Path."""
+    return path if is_url(path) else Path(path)
 
 
 @dataclass(frozen=True)
@@ -164,7 +170,7 @@ class TarImages(Sequence):
 @dataclass
 class ImageTarSet:
     """Every image of every tar, as one indexable sequence (one image stream for all tars)."""
-    paths: list[Path]
+    paths: list[PathLike]
     names: list[str]
     images: Sequence[TarImage]
 
@@ -175,18 +181,17 @@ class ImageTarSet:
         return f"{self.names[image.tar]}:{image.key}"
 
     def read(self, image: TarImage) -> tuple[bytes, bytes | None]:
-        """The image's bytes and its caption file's bytes (None if it has none)."""
-        with open(self.paths[image.tar], "rb") as f:
-            f.seek(image.image.offset)
-            data = f.read(image.image.size)
-            caption = None
-            if image.caption is not None:
-                f.seek(image.caption.offset)
-                caption = f.read(image.caption.size)
+        """The image's bytes and its caption file's bytes (None if it has none): one read of each
+        member where it lies (a pread, or one ranged GET of a tar at a URL)."""
+        path = self.paths[image.tar]
+        data = storage().read_range(path, image.image.offset, image.image.size)
+        caption = None
+        if image.caption is not None:
+            caption = storage().read_range(path, image.caption.offset, image.caption.size)
         return data, caption
 
 
-def index_tar(path: Path) -> RowIndex:
+def index_tar(path: PathLike) -> RowIndex:
     """A tar's index (its headers scanned once, no image bytes read; see pan.data.index.build_tar).
     A tar that breaks off part-way keeps the samples indexed before the break (logged)."""
     index = open_index(path, "tar")
@@ -195,12 +200,12 @@ def index_tar(path: Path) -> RowIndex:
     return index
 
 
-def read_image_tars(paths: list[str | Path]) -> ImageTarSet:
-    paths = [Path(p) for p in paths]
+def read_image_tars(paths: list[PathLike]) -> ImageTarSet:
+    paths = [as_path(p) for p in paths]
     images = TarImages([index_tar(p) for p in paths])
     if not len(images):
         raise SourceError(f"no images (.{'/.'.join(IMAGE_EXTENSIONS)}) in {[str(p) for p in paths]}.")
-    return ImageTarSet(paths=paths, names=[p.stem for p in paths], images=images)
+    return ImageTarSet(paths=paths, names=[stem(p) for p in paths], images=images)
 
 
 def caption_from_bytes(data: bytes | None, ext: str | None) -> str:
@@ -223,9 +228,9 @@ class AnnotationRow:
     """One parsed annotation line. Paths are resolved against the annotation file's folder."""
     kind: Literal["video", "image"]
     caption: str
-    media: Path | None              # the video or image file (a latent row may name none)
-    latent: Path | None             # precomputed latent `.pt`, unnormalised
-    text_fea: Path | None           # precomputed text features `.pt`
+    media: PathLike | None          # the video or image file (a latent row may name none)
+    latent: PathLike | None         # precomputed latent `.pt`, unnormalised
+    text_fea: PathLike | None       # precomputed text features `.pt`
     frames: tuple[int, ...] | None  # source frame indices to decode (video rows)
 
 
@@ -233,7 +238,7 @@ class AnnotationRow:
 class AnnotationSource:
     """The lines of one JSONL annotation file, as bytes: each is parsed when its sample is loaded."""
     name: str          # file stem: the prefix of sample ids and the stream's cursor name
-    path: Path
+    path: PathLike     # a local Path or a URL
     rows: Sequence[bytes]  # non-blank lines (LineRows: read from the index when asked)
 
     def __len__(self) -> int:
@@ -248,10 +253,10 @@ class AnnotationSource:
         """Does some row name a precomputed latent? (A text search: rows are parsed only when read.)"""
         return self.rows_naming("latent") > 0
 
-    def resolve(self, value: str) -> Path:
-        """Paths in an annotation file are relative to its folder unless absolute."""
-        p = Path(value)
-        return p if p.is_absolute() else self.path.parent / p
+    def resolve(self, value: str) -> PathLike:
+        """Paths in an annotation file are relative to its folder (a URL's "folder" for a file at a
+        URL) unless absolute or URLs; a URL stays a string."""
+        return join(parent(self.path), value)
 
     def parse(self, i: int) -> AnnotationRow:
         """Row i as an AnnotationRow; SkipSample (bad_row, empty_caption) if it cannot be one."""
@@ -275,7 +280,7 @@ class AnnotationSource:
                              latent=self._path(row, "latent"), text_fea=self._path(row, "text_fea"),
                              frames=frame_indices(row.get("frames")))
 
-    def _path(self, row: dict, key: str) -> Path | None:
+    def _path(self, row: dict, key: str) -> PathLike | None:
         value = row.get(key)
         if value is None:
             return None
@@ -297,10 +302,11 @@ def frame_indices(value) -> tuple[int, ...] | None:
     return tuple(value)
 
 
-def read_annotations(path: str | Path) -> AnnotationSource:
-    """A JSONL annotation file: one JSON object per line; blank lines are not rows. A video CSV given
-    as one (its header row is no JSON object) is refused whole, not skipped row by row."""
-    path = Path(path)
+def read_annotations(path: PathLike) -> AnnotationSource:
+    """A JSONL annotation file (a local file or a URL): one JSON object per line; blank lines are
+    not rows. A video CSV given as one (its header row is no JSON object) is refused whole, not
+    skipped row by row."""
+    path = as_path(path)
     rows = LineRows(open_index(path, "lines"))
     if not len(rows):
         raise SourceError(f"{path} has no rows (an annotation file holds one JSON object per line).")
@@ -308,7 +314,7 @@ def read_annotations(path: str | Path) -> AnnotationSource:
     if header is not None:
         raise SourceError(f"{path} is a CSV (its first line is the header {header}), not a JSONL "
                           "annotation file: list it in video_csv_paths, not annotation_paths.")
-    return AnnotationSource(name=path.stem, path=path, rows=rows)
+    return AnnotationSource(name=stem(path), path=path, rows=rows)
 
 
 def looks_like_csv_header(line: bytes) -> list[str] | None:
@@ -327,6 +333,7 @@ def looks_like_csv_header(line: bytes) -> list[str] | None:
 
 
 SCAN_ROWS = 20000   # rows `scan_annotations` looks at: every row of a file this long, else this many spread
+REMOTE_LOOKUPS = 200   # of those, rows whose URLs it looks up (one request each)
 
 
 @dataclass
@@ -353,9 +360,11 @@ class AnnotationScan:
 def scan_annotations(source: AnnotationSource, use_precomputed: bool = True, limit: int = SCAN_ROWS) -> AnnotationScan:
     """Parse the rows of `source` (every row, or `limit` spread over a longer file) and check that the
     files they name exist: what training would skip (`bad_row`, `empty_caption`, `missing_file`),
-    found without decoding anything. With `use_precomputed`, a row naming a `latent` needs that file
+    found without decoding anything (URLs looked up for the first REMOTE_LOOKUPS rows naming
+    them). With `use_precomputed`, a row naming a `latent` needs that file
     (and its `text_fea`), not its media."""
     problems: dict[str, list[tuple[int, str]]] = {}
+    remote = 0   # rows whose URLs were looked up
     size = len(source)
     indices = range(size) if size <= limit else sorted({i * (size - 1) // (limit - 1) for i in range(limit)})
     for i in indices:
@@ -374,7 +383,11 @@ def scan_annotations(source: AnnotationSource, use_precomputed: bool = True, lim
             continue
         if use_precomputed and row.text_fea is not None:
             needed.append(row.text_fea)
-        missing = [str(p) for p in needed if not p.is_file()]
+        if any(is_url(p) for p in needed):
+            remote += 1
+            if remote > REMOTE_LOOKUPS:   # a request each: the rest are found missing by training
+                needed = [p for p in needed if not is_url(p)]
+        missing = [str(p) for p in needed if not (storage().exists(p) if is_url(p) else Path(p).is_file())]
         if missing:
             problems.setdefault("missing_file", []).append((i, ", ".join(missing)))
     return AnnotationScan(len(indices), problems, size)

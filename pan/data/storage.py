@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import io
 import os
 import posixpath
 import random
@@ -29,7 +30,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -71,6 +72,24 @@ def join(folder: PathLike, *names: str) -> PathLike:
         else:
             folder = local(folder) / name
     return folder if is_url(folder) else local(folder)
+
+
+def parent(path: PathLike) -> PathLike:
+    """The folder of `path`: a URL's "folder" (its text up to the last slash) stays a URL."""
+    if is_url(path):
+        scheme, rest = str(path).split("://", 1)
+        return f"{scheme}://{posixpath.dirname(rest)}"
+    return local(path).parent
+
+
+def stem(path: PathLike) -> str:
+    """The file name without its last suffix, of a local path or a URL."""
+    return PurePosixPath(str(path)).stem
+
+
+def suffix(path: PathLike) -> str:
+    """The last suffix of the file name, lower case ("" for none)."""
+    return PurePosixPath(str(path)).suffix.lower()
 
 
 def known_store(url: str) -> str:
@@ -381,6 +400,14 @@ class Storage:
                 self.cache.put(key, data)
         return data
 
+    def open_read(self, path: PathLike, buffer: int = 1 << 22) -> io.BufferedReader:
+        """A seekable binary reader of the file: a remote one read `buffer` bytes at a time, each a
+        ranged GET with the retries (so a long read survives an outage that a retry outlasts),
+        in bounded memory. The object's size is taken when it opens."""
+        if not is_url(path):
+            return open(local(path), "rb")
+        return io.BufferedReader(RemoteFile(self, str(path), self.stat(path).size), buffer_size=buffer)
+
     def read_text(self, path: PathLike) -> str:
         return self.read_bytes(path).decode("utf-8-sig")
 
@@ -388,7 +415,11 @@ class Storage:
         if not is_url(path):
             st = local(path).stat()
             return Stat(st.st_size, st.st_mtime, None)
-        info = self._remote(str(path), lambda fs, p: fs.info(p))
+
+        def fresh_info(fs, p):
+            fs.invalidate_cache(p)   # a listing cached earlier would hide a newer version of the object
+            return fs.info(p)
+        info = self._remote(str(path), fresh_info)
         if info.get("type") == "directory":
             raise IsADirectoryError(f"{path} is a folder, not a file")
         modified = info.get("LastModified") or info.get("mtime") or info.get("updated")
@@ -446,6 +477,37 @@ class Storage:
         path = local(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         os.replace(source, path)
+
+
+class RemoteFile(io.RawIOBase):
+    """A remote object as a raw seekable file: each read is `Storage.read_range` (one ranged GET)."""
+
+    def __init__(self, store: Storage, url: str, size: int):
+        super().__init__()
+        self.store, self.url, self.size, self.pos = store, url, size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def readinto(self, buffer) -> int:
+        want = min(len(buffer), self.size - self.pos)
+        if want <= 0:
+            return 0
+        data = self.store.read_range(self.url, self.pos, want)
+        buffer[:len(data)] = data
+        self.pos += len(data)
+        return len(data)
 
 
 _default: tuple[tuple, Storage] | None = None

@@ -7,7 +7,6 @@ import json
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -15,7 +14,8 @@ from torch import Tensor
 from pan.data.batch import Sample
 from pan.data.decode import FrameRules, SkipSample, decode_image, frame_converter, frame_step, video_stream
 from pan.data.plan import Ref, stable_int
-from pan.data.reader import KnownBad, SampleReader, number
+from pan.data.reader import KnownBad, SampleReader, existing, number, readable
+from pan.data.storage import PathLike, storage
 from pan.parallel.vae_context import frame_range
 
 
@@ -125,12 +125,11 @@ class ClipReader(SampleReader):
         start, stop = frame_range(total, self.temporal_factor, self.context_size, self.context_rank)
         return FrameShare(total, start, stop - start)
 
-    def video(self, sample_id: str, path: Path, start: float = 0.0, end: float | None = None) -> Sample:
-        """The sample of a video file: this rank's frames of a (random) window of max_frames frames."""
-        if not path.is_file():
-            raise SkipSample("missing_file", str(path))
+    def video(self, sample_id: str, path: PathLike, start: float = 0.0, end: float | None = None) -> Sample:
+        """The sample of a video file (or URL): this rank's frames of a (random) window of max_frames frames."""
+        media = readable(existing(path))
         pick = (lambda latest: self._window_rng.randint(0, latest)) if self.random_window else (lambda _: 0)
-        frames, fps = decode_window(str(path), self.rules, self.share(), pick, start, end)
+        frames, fps = decode_window(media, self.rules, self.share(), pick, start, end)
         grid = (self.rules.max_frames, frames.shape[2], frames.shape[3])
         return Sample(sample_id, "video", "", grid, 0, frames=frames, fps=fps)
 
@@ -159,9 +158,7 @@ class ClipReader(SampleReader):
             raise SkipSample("bad_row", "a row for the VAE names a `video` or an `image` path (one of them)")
         path = src.resolve(row[media[0]].strip())
         if media[0] == "image":
-            if not path.is_file():
-                raise SkipSample("missing_file", str(path))
-            return self.image(f"{src.name}:{i}", path.read_bytes())
+            return self.image(f"{src.name}:{i}", storage().read_bytes(existing(path)))
         return self.video(f"{src.name}:{i}", path)
 
     def _image(self, i: int) -> Sample:
