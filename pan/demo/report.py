@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
-from pan.demo.analyser import load_video
+from pan.demo.analyser import format_table, load_video, score_videos
 from pan.data.media import write_gif
+from pan.runtime.plot import plot_run
 
 
 @contextlib.contextmanager
@@ -49,3 +51,30 @@ def accuracy_line(scores: dict) -> str:
 
 def files_section(out: Path, files: list[Path]) -> list[str]:
     return ["## Files", "", *(f"- `{f.relative_to(out)}`" for f in files), ""]
+
+
+def report_scored_samples(recipe: str, out: Path, config: Path, run_dir: Path, steps: int, seconds: dict[str, float],
+                          videos: list[Path], prompts: list[dict]) -> dict:
+    """Score a text-to-video demo's samples (read back from the MP4s, as every demo scores its own)
+    and write what it leaves beside them: samples/contact_sheet.gif, samples/scores.json, loss.png
+    (the panels of `pan plot`) and report.md. Returns the scores."""
+    samples_dir = out / "samples"
+    write_contact_sheet(videos, samples_dir / "contact_sheet.gif")
+    scores = score_videos(videos, prompts)
+    table = format_table(scores)
+    print(table)
+    (samples_dir / "scores.json").write_text(json.dumps(scores, indent=1) + "\n")
+    metrics_path = run_dir / "metrics.jsonl"
+    plot_run(metrics_path, out / "loss.png")
+    final_loss = json.loads(metrics_path.read_text().splitlines()[-1])["loss"]
+    files = [config, out / "loss.png", samples_dir / "contact_sheet.gif", samples_dir / "scores.json",
+             *videos, *(v.with_suffix(".gif") for v in videos)]
+    lines = [
+        f"# pan demo report: {recipe}", "",
+        f"- training steps: {steps}",
+        *(f"- {name} time: {s:.0f} s" for name, s in seconds.items()),
+        f"- final training loss (last log interval): {final_loss:.4f}",
+        f"- held-out prompts: {accuracy_line(scores)}", "",
+        "## Scores", "", "```", table, "```", "", *files_section(out, files)]
+    (out / "report.md").write_text("\n".join(lines))
+    return scores

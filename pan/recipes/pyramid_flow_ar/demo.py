@@ -24,14 +24,12 @@ from pan.config import load_config_or_exit
 from pan.data.precompute import precompute
 from pan.data.synth import DIRECTIONS, PALETTE, SHAPES, caption_for, heldout_combinations
 from pan.demo import kit
-from pan.demo.analyser import format_table, score_videos
 from pan.demo.kit import PIX_FMT, QUICK, SHAPE_SIZE, fit, fresh_run_dir, make_data, trained_weights
-from pan.demo.report import accuracy_line, announced, files_section, write_contact_sheet
+from pan.demo.report import announced, report_scored_samples
 from pan.logging import quiet_library_progress_bars
 from pan.models.pyramid_flux import PyramidFluxConfig, PyramidFluxTransformer
 from pan.models.pyramid_io import save_pretrained
 from pan.parallel.threads import set_cpu_threads
-from pan.runtime.plot import plot_run
 from pan.trainer import build_trainer
 
 # The Pan demo's clips (16 x 16, shapes 44-52% of the frame, colour at full resolution): a quarter
@@ -231,25 +229,7 @@ def run(args: argparse.Namespace) -> dict:
         videos = trainer.task.write_samples(trainer.model, [p["prompt"] for p in prompts], samples_dir,
                                             seed=trainer.job.trainer.seed)
     seconds["sampling"] = time.perf_counter() - t0
-    write_contact_sheet(videos, samples_dir / "contact_sheet.gif")
-    scores = score_videos(videos, prompts)  # read back from the MP4s, as the Pan demo scores its own
-    table = format_table(scores)
-    print(table)
-    (samples_dir / "scores.json").write_text(json.dumps(scores, indent=1) + "\n")
-    metrics_path = run_dir / "metrics.jsonl"
-    plot_run(metrics_path, out / "loss.png")  # the panels of `pan plot`
-    final_loss = json.loads(metrics_path.read_text().splitlines()[-1])["loss"]
-    files = [config, out / "loss.png", samples_dir / "contact_sheet.gif", samples_dir / "scores.json",
-             *videos, *(v.with_suffix(".gif") for v in videos)]
-    lines = [
-        "# pan demo report: pyramid_flow_ar", "",
-        f"- training steps: {trainer.state.step}",
-        *(f"- {name} time: {s:.0f} s" for name, s in seconds.items()),
-        f"- final training loss (last log interval): {final_loss:.4f}",
-        f"- held-out prompts: {accuracy_line(scores)}", "",
-        "## Scores", "", "```", table, "```", "", *files_section(out, files)]
-    (out / "report.md").write_text("\n".join(lines))
-    return scores
+    return report_scored_samples("pyramid_flow_ar", out, config, run_dir, trainer.state.step, seconds, videos, prompts)
 
 
 def demo(argv: list[str] | None = None) -> int:

@@ -31,14 +31,13 @@ from pan.data.precompute import precompute
 from pan.data.sources import read_video_csv
 from pan.data.synth import DIRECTIONS, PALETTE, SHAPES, caption_for
 from pan.demo import kit
-from pan.demo.analyser import format_table, load_video, score_videos
+from pan.demo.analyser import load_video
 from pan.demo.kit import PIX_FMT, QUICK, SHAPE_SIZE, fit, fresh_run_dir, make_data
-from pan.demo.report import accuracy_line, announced, files_section, write_contact_sheet
+from pan.demo.report import announced, report_scored_samples
 from pan.logging import quiet_library_progress_bars
 from pan.parallel.threads import set_cpu_threads
 from pan.recipes.wan import tiny
 from pan.recipes.wan.sample import generate, wan_pipeline
-from pan.runtime.plot import plot_run
 from pan.sampling import resolve_weights, write_video
 from pan.trainer import build_trainer
 
@@ -172,25 +171,7 @@ def run(args: argparse.Namespace) -> dict:
     videos = sample_prompts(job, run_dir / f"checkpoint-{trainer.state.step}", prompts, samples_dir,
                             ema=job.optim.ema_decay > 0, steps=QUICK["steps"] if args.quick else SAMPLE_STEPS)
     seconds["sampling"] = time.perf_counter() - t0
-    write_contact_sheet(videos, samples_dir / "contact_sheet.gif")
-    scores = score_videos(videos, prompts)   # read back from the MP4s, as the other demos score theirs
-    table = format_table(scores)
-    print(table)
-    (samples_dir / "scores.json").write_text(json.dumps(scores, indent=1) + "\n")
-    metrics_path = run_dir / "metrics.jsonl"
-    plot_run(metrics_path, out / "loss.png")   # the panels of `pan plot`
-    final_loss = json.loads(metrics_path.read_text().splitlines()[-1])["loss"]
-    files = [config, out / "loss.png", samples_dir / "contact_sheet.gif", samples_dir / "scores.json",
-             *videos, *(v.with_suffix(".gif") for v in videos)]
-    lines = [
-        "# pan demo report: wan", "",
-        f"- training steps: {trainer.state.step}",
-        *(f"- {name} time: {s:.0f} s" for name, s in seconds.items()),
-        f"- final training loss (last log interval): {final_loss:.4f}",
-        f"- held-out prompts: {accuracy_line(scores)}", "",
-        "## Scores", "", "```", table, "```", "", *files_section(out, files)]
-    (out / "report.md").write_text("\n".join(lines))
-    return scores
+    return report_scored_samples("wan", out, config, run_dir, trainer.state.step, seconds, videos, prompts)
 
 
 def demo(argv: list[str] | None = None) -> int:
