@@ -25,15 +25,15 @@ import pan.preflight.command as check_command
 from pan.config import load_job_config
 from pan.recipe import get_recipe, recipe_names, resolve
 from test_data_sources import image_bytes
-from test_refusal_parity import (
+from test_refusal_parity import (  # the fixtures too: the same tiny clips and release
     BASES,
     IN_PROCESS,
-    PyramidRelease,
-    WanRelease,
     Work,
+    clips_csv,
     nothing_built,
     pan_cli,
-    write_wan_release,
+    pyramid_release,
+    wan_release,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,31 +137,6 @@ def test_every_recipe_has_an_unfit_case_or_a_reason():
     assert not missing, f"recipes with no unfit-row case and no reason their check reads no rows: {missing}"
     stale = [n for n, (why, still_true) in NO_ROWS.items() if n in names and not still_true()]
     assert not stale, f"recipes whose reason for reading no rows no longer holds (add a case): {stale}"
-
-
-@pytest.fixture(scope="module")
-def clips_csv(tmp_path_factory) -> Path:
-    from pan.data.synth import main as synth
-    out = tmp_path_factory.mktemp("clips")
-    assert synth(["--out", str(out), "--num-train", "4", "--num-heldout", "1", "--size", "32",
-                  "--num-frames", "9"]) in (0, None)
-    return out / "train.csv"
-
-
-@pytest.fixture(scope="module")
-def pyramid_release(tmp_path_factory) -> PyramidRelease:
-    from pyramid_tiny import VARIANT, write_released
-
-    from pan.data.synth import synth_dataset
-
-    root = tmp_path_factory.mktemp("pyramid")
-    clips = synth_dataset(root / "clips", num_train=4, num_heldout=1, size=16, num_frames=5)["train_csv"]
-    return PyramidRelease(write_released(root / "model", (VARIANT,)), clips)
-
-
-@pytest.fixture(scope="module")
-def wan_release(tmp_path_factory) -> WanRelease:
-    return write_wan_release(tmp_path_factory.mktemp("wan"))
 
 
 @pytest.mark.parametrize("recipe", sorted(CASES))
