@@ -25,8 +25,8 @@ def test_data_shards_benchmark_quick_mode_prints_its_table_and_writes_json(tmp_p
 
 
 def test_the_docs_table_is_the_benchmarks_last_run():
-    """docs/data.md's table of the shard layouts is benchmarks/results/data_shards.json's rows."""
-    rows = json.loads((ROOT / "benchmarks/results/data_shards.json").read_text())["rows"]
+    """docs/data.md's table of the shard layouts is benchmarks/recorded/data_shards.json's rows."""
+    rows = json.loads((ROOT / "benchmarks/recorded/data_shards.json").read_text())["rows"]
     doc = (ROOT / "docs/data.md").read_text().split("### Sharded latents and object storage")[1]
     table = [line.split("|")[1:-1] for line in doc.splitlines() if line.startswith("| ") and "KiB)" in line]
     assert [[c.strip() for c in cells] for cells in table] == [

@@ -35,7 +35,7 @@ from pyramid_tiny import (  # noqa: F401
     vae_videos_fixture,
 )
 from safetensors.torch import load_file
-from test_pyramid_dit import CASES, TOL, Batch
+from test_pyramid_dit import CASES, Batch
 
 from pan.checkpoint.consolidate import consolidated_weights
 from pan.data.synth import synth_dataset
@@ -43,6 +43,10 @@ from pan.export import main_export
 from pan.models.packing import PackInfo
 from pan.sampling import resolve_weights
 from pan.trainer import build_trainer
+
+# pan's exported DiT against the original's code on the same weights, both fp32 (the tolerance the
+# fixture DiT tests used before they measured their noise; not yet derived here).
+TOL = dict(atol=1e-5, rtol=1e-4)
 
 REPO = Path(__file__).resolve().parents[1]
 LORA_KEYS = ("--lora_rank", "4", "--use_muon", "false")
