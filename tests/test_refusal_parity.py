@@ -266,8 +266,8 @@ HUGE_VAE = ["--resolution_buckets", '["512x512"]', "--max_samples_per_batch", "4
 def wan_folder(w: Work, transformer: dict | None = None, without: tuple[str, ...] = (),
                weights: bool = True) -> list[str]:
     """A Wan folder of its own: the shared tiny folder's parts (linked), its transformer's config.json
-    keys changed to `transformer` (the weights kept, or none with `weights` false), the parts in
-    `without` left out."""
+    keys changed to `transformer` (the weights kept, or with `weights` false weights that are headers
+    only, of the changed model), the parts in `without` left out."""
     root = w.dir / "wan"
     root.mkdir(parents=True)
     for part in w.wan.model.iterdir():
@@ -280,12 +280,16 @@ def wan_folder(w: Work, transformer: dict | None = None, without: tuple[str, ...
                 (root / "transformer" / f.name).symlink_to(f)
         config = json.loads((w.wan.model / "transformer/config.json").read_text())
         (root / "transformer/config.json").write_text(json.dumps({**config, **transformer}))
+        if not weights:   # their headers only (a sparse file): the config check asks for the file
+            from wan_tiny import write_weight_headers
+            write_weight_headers(root)
     return ["--model_path", str(root)]
 
 
 # A transformer no test machine holds, fully fine-tuned: 2 blocks of width 16384 (128 heads x 128), MLP
 # 65536 (~10.7B parameters, ~173 GiB with their gradients and AdamW states) on the tiny folder's VAE and
-# umT5, as config.json only (no weights: the check reads only their headers), traced on fake tensors.
+# umT5, as config.json and weights that are headers only (the check reads only the headers), traced on
+# fake tensors.
 HUGE_WAN = dict(num_layers=2, num_attention_heads=128, attention_head_dim=128, ffn_dim=65536)
 
 

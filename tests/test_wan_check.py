@@ -1,10 +1,11 @@
 """`pan check` for the Wan recipe at the releases' real sizes, and its memory figures against what a run
 allocates.
 
-The three shipped configs run against config-only folders with the released config.json values
-(tests/wan_release_configs.py: no weights, the models built on the meta device), each on the layout its
-header names: the verdict, the Wan rows, the estimate against --device-memory, and the figures
-docs/wan.md prints (its table is read here and compared with `--json`). A layout that does not fit is
+The three shipped configs run against folders with the released config.json values
+(tests/wan_release_configs.py) and weights that are headers only (tests/wan_tiny.py's
+`write_weight_headers`: each file names the tensors of the model its config.json builds, its data a hole
+of the right length; the models are built on the meta device), each on the layout its header names: the
+verdict, the Wan rows, the estimate against --device-memory, and the figures docs/wan.md prints (its table is read here and compared with `--json`). A layout that does not fit is
 refused with the change that makes it fit.
 
 Measured against a run, on a small transformer with the release's encoders and VAE: the estimate's
@@ -28,6 +29,7 @@ import torch
 
 from pan.config import load_job_config
 from pan.lora.adapters import LoraConfig, add_adapters
+from pan.models.pyramid_io import WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 from pan.models.packing import PackInfo
 from pan.optim.builder import build_optimizer
 from pan.parallel.fsdp import materialize_and_init, parallelize_model
@@ -37,7 +39,9 @@ from pan.preflight.core import Preflight
 from pan.recipes.wan.model import WanConfig, WanTransformer
 from pan.recipes.wan.probe import lora_parameters, transformer_parameters
 from pan.recipes.wan.task import ModelInputs, loss_sum
+from pan.recipes.wan.weights import load_config
 from wan_release_configs import write_precomputed_rows, write_release_folder
+from wan_tiny import write_weight_headers
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 2 ** 30
@@ -57,13 +61,18 @@ SECTION = "Fitting on GPUs: `pan check`, the three configs, context parallel"   
 WAN_ROWS = ("layout", "wan folder", "text encoder", "vae", "data", "memory", "memory by hand")
 
 
+def release_folder(folder: Path, release: str, **transformer) -> Path:
+    """write_release_folder's folder with write_weight_headers' weights."""
+    return write_weight_headers(write_release_folder(folder, release, **transformer))
+
+
 @pytest.fixture(scope="module")
 def releases(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     """config -> (its release's config-only folder, a precomputed CSV of one clip of its size)."""
     root = tmp_path_factory.mktemp("wan_releases")
     out = {}
     for config, (release, latent, _) in RUNS.items():
-        out[config] = (write_release_folder(root / release, release),
+        out[config] = (release_folder(root / release, release),
                        write_precomputed_rows(root / f"pre_{release}", latent))
     return out
 
@@ -174,6 +183,75 @@ def test_a_layout_that_does_not_fit_is_refused_with_the_change_that_fits(release
 
 
 # ------------------------------------------------------------------------------------------------
+# Weights that are not there: refused when the config loads (exit 2), before any model is built
+# ------------------------------------------------------------------------------------------------
+
+def refusal(folder: Path, config: str, tmp_path: Path, capsys) -> tuple[int, list[dict]]:
+    """`pan check --json` of `config` on `folder` (one small precomputed clip): the exit code and the
+    failed rows."""
+    clips = write_precomputed_rows(tmp_path / "pre", (16, 2, 8, 8))
+    code, report = check(config, folder, clips, tmp_path / "out", capsys)
+    return code, [r for r in report["rows"] if r["status"] == "fail"]
+
+
+@pytest.mark.parametrize("release, config, without", [
+    ("wan2.1_t2v_1.3b", "config/wan2.1_t2v_1.3b_lora.yaml", ["transformer"]),
+    ("wan2.2_t2v_a14b", "config/wan2.2_a14b_lora.yaml", ["transformer_2"]),
+    ("wan2.2_t2v_a14b", "config/wan2.2_a14b_lora.yaml", ["transformer", "transformer_2"])],
+    ids=["t2v", "a14b-low-noise", "a14b-both"])
+def test_a_folder_without_weights_is_refused(release, config, without, tmp_path, capsys):
+    """config.json files without the safetensors beside them: `pan check` (and train.py, which loads the
+    config the same way) refuses before building a model: exit 2, one row per missing part naming
+    `model_path`, the part's folder, which expert it is and the fix."""
+    folder = release_folder(tmp_path / "wan", release, **SMALL)
+    for part in without:
+        (folder / part / WEIGHTS_NAME).unlink()
+    code, failed = refusal(folder, config, tmp_path, capsys)
+    assert code == 2 and len(failed) == len(without), failed
+    for part, row in zip(without, failed):
+        assert row["check"] == "config" and row["detail"].startswith("`model_path`"), row
+        assert f"{folder / part}/ holds no weights" in row["detail"] and f"trains {part}/" in row["detail"], row
+        if release.endswith("a14b"):
+            assert ("high" if part == "transformer" else "low") + "-noise expert" in row["detail"], row
+        assert row["fix"].startswith(f"put the release's {part}/ folder there whole"), row
+
+
+def test_an_expert_the_run_does_not_train_may_lack_its_weights(tmp_path):
+    """A14B training only the high-noise expert loads only transformer/'s weights."""
+    folder = release_folder(tmp_path / "wan", "wan2.2_t2v_a14b", **SMALL)
+    (folder / "transformer_2" / WEIGHTS_NAME).unlink()
+    clips = write_precomputed_rows(tmp_path / "pre", (16, 2, 8, 8))
+    job = load_job_config(["--config", str(REPO / "config/wan2.2_a14b_lora.yaml"), "--model_path", str(folder),
+                           "--video_csv_paths", f"[{clips}]", "--output_dir", str(tmp_path / "out"),
+                           "--wan_experts", "high_noise"], warn=lambda m: None)
+    assert job.model.trained_experts() == ("transformer",)
+
+
+def test_a_shard_index_naming_an_absent_shard_is_refused(tmp_path, capsys):
+    """Sharded weights (diffusion_pytorch_model.safetensors.index.json): every shard the index names must
+    be there; an index whose shards are all there loads."""
+    folder = release_folder(tmp_path / "wan", "wan2.1_t2v_1.3b", **SMALL)
+    part = folder / "transformer"
+    first, second = (f"diffusion_pytorch_model-0000{i}-of-00002.safetensors" for i in (1, 2))
+    (part / WEIGHTS_NAME).rename(part / first)
+    with torch.device("meta"):
+        names = list(WanTransformer(load_config(part)).state_dict())
+    index = {"metadata": {}, "weight_map": {n: first if i % 2 else second for i, n in enumerate(names)}}
+    (part / WEIGHTS_INDEX_NAME).write_text(json.dumps(index))
+    code, failed = refusal(folder, "config/wan2.1_t2v_1.3b_lora.yaml", tmp_path, capsys)
+    assert code == 2 and len(failed) == 1, failed
+    detail = failed[0]["detail"]
+    assert detail.startswith("`model_path`") and f"{part}/ lacks 1 of the 2 shard files" in detail, detail
+    assert f"names ({second}):" in detail, detail
+    assert failed[0]["fix"].startswith("put the release's transformer/ folder there whole")
+    index["weight_map"] = dict.fromkeys(names, first)    # the one shard, there
+    (part / WEIGHTS_INDEX_NAME).write_text(json.dumps(index))
+    load_job_config(["--config", str(REPO / "config/wan2.1_t2v_1.3b_lora.yaml"), "--model_path", str(folder),
+                     "--video_csv_paths", f"[{write_precomputed_rows(tmp_path / 'pre2', (16, 2, 8, 8))}]",
+                     "--output_dir", str(tmp_path / "out")], warn=lambda m: None)
+
+
+# ------------------------------------------------------------------------------------------------
 # The hand count and the model
 # ------------------------------------------------------------------------------------------------
 
@@ -206,7 +284,7 @@ SMALL = dict(num_layers=2, num_attention_heads=2, attention_head_dim=16, ffn_dim
 
 
 def small_job(tmp_path: Path, config: str, *extra: str):
-    folder = write_release_folder(tmp_path / "small", "wan2.1_t2v_1.3b", **SMALL)
+    folder = release_folder(tmp_path / "small", "wan2.1_t2v_1.3b", **SMALL)
     clips = write_precomputed_rows(tmp_path / "pre", (16, 2, 8, 8))
     return load_job_config(["--config", str(REPO / config), "--model_path", str(folder),
                             "--video_csv_paths", f"[{clips}]", "--output_dir", str(tmp_path / "out"),
@@ -266,7 +344,7 @@ def test_activations_bound_a_measured_step(checkpointing, tmp_path):
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import Action, MemoryProfileTimeline
 
-    folder = write_release_folder(tmp_path / "small", "wan2.1_t2v_1.3b", **{**SMALL, "num_layers": 3})
+    folder = release_folder(tmp_path / "small", "wan2.1_t2v_1.3b", **{**SMALL, "num_layers": 3})
     clips = write_precomputed_rows(tmp_path / "pre", (16, 5, 32, 32))
     job = load_job_config(["--config", str(REPO / "config/wan2.1_t2v_14b.yaml"), "--model_path", str(folder),
                            "--video_csv_paths", f"[{clips}]", "--output_dir", str(tmp_path / "out"),
@@ -321,3 +399,22 @@ def test_every_variant_is_estimated(variant, tmp_path, capsys):
     assert all(r["status"] == "pass" for name in ("memory", "memory by hand", "wan folder") for r in rows[name])
     frozen = {k for k in report["estimate"]["device"] if k.startswith("frozen ")}
     assert frozen == {"frozen vae", "frozen text encoder"} | ({"frozen image encoder"} if variant == "i2v" else set())
+
+
+def test_a_weights_file_cut_short_is_refused(tmp_path):
+    """`pan check` reads the weights' headers only (no mapping of a 57 GB file); a file whose length is
+    not its header's (a download cut short) fails the `wan folder` row, named, with the fix."""
+    from pan.recipes.wan.checks import check_wan_folder, header_shapes
+
+    folder = release_folder(tmp_path / "wan", "wan2.1_t2v_1.3b", **SMALL)
+    path = folder / "transformer" / WEIGHTS_NAME
+    assert header_shapes(path)["blocks.0.ffn.net.0.proj.weight"] == (64, 32)
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - 4)
+    clips = write_precomputed_rows(tmp_path / "pre", (16, 2, 8, 8))
+    job = load_job_config(["--config", str(REPO / "config/wan2.1_t2v_1.3b_lora.yaml"), "--model_path", str(folder),
+                           "--video_csv_paths", f"[{clips}]", "--output_dir", str(tmp_path / "out")],
+                          warn=lambda m: None)
+    (row,) = check_wan_folder(Preflight(job, 1, 1))
+    assert row.status == "fail" and str(path) in row.detail and "incomplete or damaged" in row.detail, row
+    assert row.fix == "download the release's transformer/ folder again, whole."

@@ -1,12 +1,14 @@
 """The Wan recipe across process layouts, through real launches of train.py (gloo, 2 ranks), on tiny
-diffusers Wan folders (tests/wan_tiny.py): T2V, and A14B with both experts (each sample's timestep
-picks its expert; a rank without a sample of an expert runs a zero-weight stand-in).
+diffusers Wan folders (tests/wan_tiny.py): T2V, A14B with both experts (each sample's timestep picks
+its expert; a rank without a sample of an expert runs a zero-weight stand-in), and Wan 2.1 I2V (each
+clip's precomputed condition latent on the channels and its CLIP image rows through image_dim).
 
 - 2 data-parallel ranks train what one process trains with 2 micro-batches a step: the same samples
   at every step, the same noise, the loss within floating-point noise (the same sums reduced in
   another order; launch_utils.assert_continues_the_run's default, as the other recipes' tests);
 - SIGKILL of the running 2-rank job, then a relaunch, ends bit-identical to the uninterrupted run:
-  weights, per-step losses, and the samples each rank trained (T2V);
+  weights of both experts, per-step losses, and the samples each rank trained (A14B: its resume is
+  T2V's plus the second expert's checkpoint, optimizer and samples, so T2V's kill is not run apart);
 - elastic: the 2-rank run's checkpoint continues on one process (2 micro-batches a step, the same 2
   data shards), each step training the samples the 2-rank run trained with its loss.
 
@@ -15,6 +17,7 @@ Runs are compared with each other only (never with recorded sample ids or losses
 
 from __future__ import annotations
 
+import csv
 import shutil
 import warnings
 from pathlib import Path
@@ -22,16 +25,18 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from safetensors import safe_open
 from wan_tiny import clip_geometry, write_wan_folder
 
 from launch_utils import (assert_continues_the_run, consumed, consumed_per_step, kill_after_step, launch,
-                          loss_per_step, run_to_end)
+                          logged_rows, loss_per_step, run_to_end)
 from pan.checkpoint import layout
 from pan.checkpoint.consolidate import consolidated_weights
 from pan.config import load_job_config
 from pan.data.precompute import main as precompute_main
 from pan.data.synth import synth_dataset
 from pan.recipes.wan.folder import read_folder
+from pan.recipes.wan.precompute import CONDITION, IMAGE_EMBEDS
 from pan.trainer import build_trainer
 
 pytest.importorskip("diffusers")
@@ -93,16 +98,16 @@ def straight_run(variant: str, tmp_path_factory) -> dict:
     return _straight[variant]
 
 
-@pytest.fixture(scope="module", params=["t2v", "a14b"])
+@pytest.fixture(scope="module", params=["t2v", "a14b", "i2v"])
 def runs(request, tmp_path_factory) -> dict:
     return straight_run(request.param, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory) -> dict:
-    """The T2V run again, SIGKILLed once step 3 is logged (after checkpoint-2) and relaunched to the end.
-    (A14B's kill and relaunch would run the same resume code at the cost of two more launches.)"""
-    runs = straight_run("t2v", tmp_path_factory)
+    """The A14B run again, SIGKILLed once step 3 is logged (after checkpoint-2) and relaunched to the
+    end: both experts' checkpoints, optimizers and the expert each sample's timestep picked."""
+    runs = straight_run("a14b", tmp_path_factory)
     root, log = runs["root"], runs["root"] / "killed.log"
     out = root / "killed"
     config = write_config(root / "killed.yaml", runs["folder"], runs["data"], out)
@@ -121,16 +126,26 @@ def test_two_ranks_train_what_one_process_trains(runs):
     if runs["variant"] == "a14b":   # both experts trained in the run (else the stand-ins were never tested)
         rows = (runs["straight"] / "metrics.jsonl").read_text()
         assert all(f'"samples/{part}"' in rows for part in runs["parts"])
+    if runs["variant"] == "i2v":    # the rows carry the condition latent and the CLIP rows the model takes
+        row = next(csv.DictReader(open(runs["data"])))
+        with safe_open(str(runs["data"].parent / row["latent_path"]), "pt") as f:
+            assert {CONDITION, IMAGE_EMBEDS} <= set(f.keys())
+            assert f.get_slice(IMAGE_EMBEDS).get_shape()[-1] == read_folder(runs["folder"]).transformer.image_dim
 
 
 def test_sigkill_and_resume_equal_the_uninterrupted_run_to_the_bit(killed):
     straight, resumed, parts = killed["straight"], killed["killed"], killed["parts"]
+    assert len(parts) == 2
     a, b = final_weights(straight, parts), final_weights(resumed, parts)
     for part in parts:
         assert a[part].keys() == b[part].keys()
         assert all(torch.equal(a[part][k], b[part][k]) for k in a[part]), part
     assert loss_per_step(straight) == loss_per_step(resumed)
     assert sorted(loss_per_step(resumed)) == list(range(1, MAX_STEPS + 1))
+    a_rows, b_rows = logged_rows(straight), logged_rows(resumed)   # each expert's loss and samples, by step
+    keys = [f"{what}/{part}" for part in parts for what in ("loss", "samples")]
+    assert any(key in a_rows[step] for step in a_rows for key in keys)
+    assert all(a_rows[step].get(key) == b_rows[step].get(key) for step in a_rows for key in keys)
     assert consumed_per_step(straight) == consumed_per_step(resumed)
     # per rank, step by step (a step trained again after the kill: its last line)
     assert consumed(straight) == consumed(resumed)

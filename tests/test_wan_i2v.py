@@ -7,7 +7,8 @@ encoding of the first frame followed by zero frames; the first frame's CLIP rows
 carries them to the task (a precomputed row's extra tensors, SampleFit.extras), the recipe's loss equals
 the velocity loss of diffusers' transformer on the pipeline's own inputs in float64, training runs
 through the trainer, and `pan sample --image` is WanImageToVideoPipeline with the trained weights: the
-same latents as that pipeline given the exported transformer.
+same latents as that pipeline given the exported transformer (2.1 I2V), or both exported experts (2.2 I2V
+A14B, switched at its boundary_ratio, each with its own guidance scale).
 
 Sizes come from the folders' config.json files. Tolerances: FP64_TOL as in tests/test_wan_recipe.py;
 LATENT_RTOL (a few fp32 ULPs) for the precomputed condition against the pipeline's.
@@ -248,20 +249,79 @@ def test_i2v_loss_is_finite_and_falls_on_one_repeated_clip(root, tmp_path):
     assert math.isfinite(after) and after < 0.9 * before
 
 
-def test_i2v_a14b_trains_both_experts(root, tmp_path):
-    """Wan 2.2 I2V A14B: both experts train on the condition channels (no CLIP rows), each moving."""
-    from pan.recipes.wan.folder import read_folder
-
+@pytest.fixture(scope="module")
+def a14b_run(root) -> dict:
+    """Wan 2.2 I2V A14B trained 6 steps with both experts (checkpoint-6), and its weights before."""
     setup = made(root, "i2v_a14b")
-    trainer = build_trainer(job(setup, tmp_path / "run", "--max_steps", "6", "--save_interval", "6"))
+    run = root / "i2v_a14b_run"
+    trainer = build_trainer(job(setup, run, "--max_steps", "6", "--save_interval", "6"))
     start = {name: {k: v.clone() for k, v in part.model.state_dict().items()} for name, part in trainer.parts.items()}
     trainer.fit()
     trainer.close()
-    assert list(trainer.parts) == list(read_folder(setup["folder"]).experts)
+    return dict(setup=setup, run=run, trainer=trainer, start=start)
+
+
+def test_i2v_a14b_trains_both_experts(a14b_run):
+    """Wan 2.2 I2V A14B: both experts train on the condition channels (no CLIP rows), each moving."""
+    from pan.recipes.wan.folder import read_folder
+
+    trainer, start = a14b_run["trainer"], a14b_run["start"]
+    assert list(trainer.parts) == list(read_folder(a14b_run["setup"]["folder"]).experts)
     for name, part in trainer.parts.items():
         now = part.model.state_dict()
         assert all(torch.isfinite(v).all() for v in now.values())
         assert any(not torch.equal(now[k], start[name][k]) for k in now), name
+
+
+def test_pan_sample_is_the_i2v_a14b_pipeline_with_both_trained_experts(a14b_run, tmp_path):
+    """`pan sample --image` on a Wan 2.2 I2V A14B run (two experts switched at boundary_ratio 0.9, no
+    image encoder): WanImageToVideoPipeline with both experts' checkpoint weights, the same latents and
+    video as that pipeline loaded from the folder with `pan export --format wan_diffusers`'s transformer
+    and transformer_2, given the same image, prompt, seed, steps and both guidance scales; each expert's
+    trained weights change the result (both denoise some of the steps)."""
+    from pan.recipes.wan.sample import generate, prompt_embeds, wan_pipeline
+    from pan.recipes.wan.text import UMT5Encoder
+    from pan.sampling import main as sample_main
+    from pan.sampling import resolve_weights
+
+    setup, run = a14b_run["setup"], a14b_run["run"]
+    geometry, checkpoint = setup["geometry"], a14b_run["run"] / "checkpoint-6"
+    raw = planned_task(job(setup, tmp_path / "raw", data=setup["clips"]))
+    image = first_frame_image(samples_of(raw, 1)["train:0"].frames)
+    image.save(tmp_path / "first.png")
+    size = ["--num-frames", str(geometry["frames"]), "--height", str(geometry["size"]),
+            "--width", str(geometry["size"]), "--steps", "3"]
+    rc = sample_main(["--checkpoint", str(checkpoint), "--prompt", "a red square moving left", "--image",
+                      str(tmp_path / "first.png"), "--guidance-scale-2", "3", "--out", str(tmp_path / "clip.mp4"),
+                      *size])
+    assert rc == 0 and (tmp_path / "clip.mp4").is_file()
+
+    loaded = job(setup, run)
+    experts = loaded.model.trained_experts()
+    assert experts == ("transformer", "transformer_2")
+    ours = wan_pipeline(loaded, {name: resolve_weights(checkpoint, False, part=name)[0] for name in experts})
+    export_diffusers(checkpoint, tmp_path / "export")
+    exported = {name: diffusers.WanTransformer3DModel.from_pretrained(tmp_path / "export" / name) for name in experts}
+    theirs = diffusers.WanImageToVideoPipeline.from_pretrained(setup["folder"], **exported)
+    assert isinstance(ours, diffusers.WanImageToVideoPipeline) and ours.image_encoder is None
+    assert ours.transformer_2 is not None and ours.config.boundary_ratio == theirs.config.boundary_ratio == 0.9
+    only = {name: diffusers.WanImageToVideoPipeline.from_pretrained(setup["folder"], **{name: exported[name]})
+            for name in experts}   # one expert trained, the other the folder's
+    rows = loaded.model.max_text_tokens
+    texts = UMT5Encoder(setup["folder"], rows)
+    prompt = "a cat plays the piano"
+    call = dict(image=image, prompt_embeds=prompt_embeds(texts, [prompt], rows),
+                negative_prompt_embeds=prompt_embeds(texts, [""], rows), height=geometry["size"],
+                width=geometry["size"], num_frames=geometry["frames"], num_inference_steps=3, guidance_scale=5.0,
+                guidance_scale_2=3.0, output_type="latent")
+    a, b, *partial = (p(**call, generator=torch.Generator().manual_seed(0)).frames
+                      for p in (ours, theirs, *only.values()))
+    assert torch.equal(a, b) and not any(torch.equal(a, c) for c in partial)
+    video = generate(ours, [prompt], [0], height=geometry["size"], width=geometry["size"],
+                     num_frames=geometry["frames"], steps=3, guidance_scale=5.0, max_sequence_length=rows,
+                     texts=texts, image=image, guidance_scale_2=3.0)
+    expected = theirs(**{**call, "output_type": "pt"}, generator=torch.Generator().manual_seed(0)).frames.float()
+    assert torch.equal(video, expected)
 
 
 def test_pan_sample_is_the_i2v_pipeline_with_the_trained_weights(root, tmp_path):

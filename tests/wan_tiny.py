@@ -5,6 +5,7 @@
     folder = write_wan_folder(tmp / "wan", "a14b")    # Wan 2.2 A14B layout (transformer + transformer_2)
     folder = write_wan_folder(tmp / "wan", "i2v")     # Wan 2.1 I2V layout (condition channels, CLIP image_encoder/)
     folder = write_wan_folder(tmp / "wan", "i2v_a14b")   # Wan 2.2 I2V A14B layout (condition channels, no CLIP)
+    write_weight_headers(config_only_folder)   # weights that are headers only, for `pan check` at any size
 
 Each is a `WanPipeline` built from tiny parts (pan/recipes/wan/tiny.py, which the demo's folder uses too)
 and written with `save_pretrained`, so the folder is laid
@@ -27,6 +28,7 @@ made up, not 0 and 1, so normalisation is exercised.
 from __future__ import annotations
 
 import json
+import struct
 import tempfile
 from pathlib import Path
 
@@ -109,6 +111,36 @@ def image_to_video(pipe, spec: dict, seed: int):
 def write_wan_folder(folder: str | Path, variant: str = "t2v", seed: int = 0) -> Path:
     """A complete tiny diffusers Wan folder of `variant` in `folder` (created); returns it."""
     return tiny.write_folder(build_pipeline(variant, seed), folder)
+
+
+def write_weight_headers(folder: str | Path) -> Path:
+    """Give each transformer of a config-only folder a diffusion_pytorch_model.safetensors whose header
+    names every tensor of the model its config.json builds (fp32) and whose data is a hole of their
+    length (a sparse file: the 14B's 57 GB take no disk and no time). `pan check` reads the headers
+    only; the run's config check asks that the files be there."""
+    import torch
+
+    from pan.models.pyramid_io import WEIGHTS_NAME
+    from pan.recipes.wan.model import WanTransformer
+    from pan.recipes.wan.weights import load_config
+
+    folder = Path(folder)
+    for expert in ("transformer", "transformer_2"):
+        if not (folder / expert / "config.json").is_file():
+            continue
+        with torch.device("meta"):
+            model = WanTransformer(load_config(folder / expert))
+        header, end = {"__metadata__": {"format": "pt"}}, 0
+        for name, tensor in model.state_dict().items():
+            size = 4 * tensor.numel()
+            header[name] = {"dtype": "F32", "shape": list(tensor.shape), "data_offsets": [end, end + size]}
+            end += size
+        raw = json.dumps(header).encode()
+        raw += b" " * (-len(raw) % 8)
+        with open(folder / expert / WEIGHTS_NAME, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            f.truncate(8 + len(raw) + end)
+    return folder
 
 
 def read_json(path: Path) -> dict:

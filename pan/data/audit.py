@@ -13,7 +13,6 @@ class SampleAudit:
 
     def __init__(self, output_dir: Path, dp_rank: int, reads_data: bool):
         self.output_dir, self.dp_rank, self.reads_data = Path(output_dir), dp_rank, reads_data
-        self._consumed = None  # the file of sample ids seen (record_samples)
         self._bad_listed = 0   # distinct bad samples in output_dir/bad_samples/ (record_bad_samples)
 
     def record_samples(self, step: int, micro_batches: list) -> None:
@@ -24,13 +23,11 @@ class SampleAudit:
         """
         if not self.reads_data:
             return
-        if self._consumed is None:
-            path = self.output_dir / "consumed" / f"{self.dp_rank}.txt"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._consumed = open(path, "a")
+        path = self.output_dir / "consumed" / f"{self.dp_rank}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
         ids = [i for mb in micro_batches for i in mb.sample_ids]
-        self._consumed.write(f"{step} {' '.join(ids)}\n")
-        self._consumed.flush()
+        with open(path, "a") as consumed:  # opened per step: a line a step, and no handle left open
+            consumed.write(f"{step} {' '.join(ids)}\n")
 
     def record_bad_samples(self, loader, cp_rank: int) -> int:
         """Rewrite output_dir/bad_samples/<dp rank>.tsv (sample id, reason, detail) whenever this

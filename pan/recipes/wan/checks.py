@@ -9,6 +9,7 @@ optimizer states counted by hand from config.json (`hand_count`).
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 from pan.lora.adapters import base_names
@@ -30,12 +31,16 @@ from pan.recipes.wan.probe import encodes_online, hand_count, loads_text_encoder
 from pan.recipes.wan.weights import IGNORED_KEYS, load_config
 
 
+# safetensors' own bound on a header (its loader refuses larger ones)
+MAX_HEADER_BYTES = 100_000_000
+
+
 def stored_shapes(folder: Path) -> dict[str, tuple[int, ...]] | None:
     """name -> shape from the safetensors headers of a transformer folder (one file or the shards its
-    index lists; no tensor data is read), less the tensors diffusers' loader drops; None where it holds
-    no weights (a config-only folder: the run's strict load names what is missing)."""
-    from safetensors import safe_open
-
+    index lists), less the tensors diffusers' loader drops; None where it holds no weights (the config
+    check refuses that for a trained expert: `missing_weights`). Only each file's header is read (no
+    mapping of the file: a 14B expert is 57 GB); a file shorter or longer than its header says (a
+    download cut short) raises ValueError naming it."""
     if (folder / WEIGHTS_NAME).is_file():
         files = [folder / WEIGHTS_NAME]
     elif (folder / WEIGHTS_INDEX_NAME).is_file():
@@ -45,9 +50,30 @@ def stored_shapes(folder: Path) -> dict[str, tuple[int, ...]] | None:
         return None
     shapes = {}
     for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})  # noqa: SIM118
+        shapes.update(header_shapes(path))
     return {k: v for k, v in shapes.items() if not IGNORED_KEYS.fullmatch(k)}
+
+
+def header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """name -> shape of a safetensors file's header; ValueError when it is not one, or when the file's
+    length is not the header's (8 bytes, the header, then every tensor's bytes)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        size = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        if not 0 < size <= MAX_HEADER_BYTES:
+            raise ValueError(f"{path} is not a safetensors file (no header)")
+        try:
+            header = json.loads(f.read(size))
+            tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+            end = max((int(v["data_offsets"][1]) for v in tensors.values()), default=0)
+            shapes = {k: tuple(int(n) for n in v["shape"]) for k, v in tensors.items()}
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+            raise ValueError(f"{path}'s safetensors header cannot be read ({type(e).__name__}: {e})") from None
+    length = path.stat().st_size
+    if length != 8 + size + end:
+        raise ValueError(f"{path} is {length:,} bytes, where its header describes {8 + size + end:,}: the file is "
+                         "incomplete or damaged")
+    return shapes
 
 
 def check_wan_folder(ctx: Preflight) -> list[Row]:
@@ -75,7 +101,10 @@ def check_wan_folder(ctx: Preflight) -> list[Row]:
                     "report this: the hand count (pan/recipes/wan/probe.py) and the model disagree.")]
     # the weights each trained expert loads strictly at start, from their headers
     for name, model in ctx.models.items():
-        stored = stored_shapes(folder.expert_dir(name))
+        try:
+            stored = stored_shapes(folder.expert_dir(name))
+        except ValueError as e:
+            return [Row("wan folder", "fail", f"{e}.", f"download the release's {name}/ folder again, whole.")]
         if stored is None:
             continue
         diff = ShapeDiff.of(stored, {k: tuple(v.shape) for k, v in base_names(model.state_dict()).items()})

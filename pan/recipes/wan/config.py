@@ -34,7 +34,7 @@ import torch
 
 from pan.checkpoint.manager import CheckpointConfig
 from pan.config import JobConfig
-from pan.config.core import ConfigError, knob, reject_unused, require
+from pan.config.core import ConfigError, ConfigErrors, knob, reject_unused, require
 from pan.data.config import DataConfig, parse_bucket
 from pan.diffusion.flow import MODE_SCALE_MAX, FlowConfig
 from pan.encoders.vae import VAEConfig
@@ -42,7 +42,7 @@ from pan.lora.adapters import LoraConfig, candidate_names
 from pan.optim.config import prefixed_optim_config
 from pan.parallel.dims import ParallelConfig
 from pan.parallel.world import ProcessConfig
-from pan.recipes.wan.folder import EXPERT_NAMES, VAE_CLASS, WanFolder, read_folder
+from pan.recipes.wan.folder import EXPERT_NAMES, VAE_CLASS, WanFolder, missing_weights, read_folder
 from pan.recipes.wan.model import WanTransformer
 from pan.runtime.metrics import MetricsConfig
 from pan.runtime.watchdog_config import WatchdogConfig
@@ -97,6 +97,19 @@ class WanModelConfig:
         require(self.wan_experts is None or len(folder.experts) == 2, "wan_experts",
                 f"is {self.wan_experts}, but {folder.path} holds one transformer (no transformer_2 and "
                 "boundary_ratio: not an A14B release). Remove wan_experts.")
+        missing = []   # the weights the run loads at start: refused here, before any model is built
+        for name in self.trained_experts():
+            what = missing_weights(folder, name)
+            if what is not None:
+                role = (f" (the {'high' if name == 'transformer' else 'low'}-noise expert)"
+                        if len(folder.experts) == 2 else "")
+                missing.append(ConfigError(
+                    "model_path", f"{what}: the run trains {name}/{role} and loads its weights when it starts. "
+                                  f"Put the release's {name}/ folder there whole (config.json with "
+                                  "diffusion_pytorch_model.safetensors, or the index and every shard it names), or "
+                                  "point model_path at a complete folder."))
+        if missing:
+            raise missing[0] if len(missing) == 1 else ConfigErrors(missing)
         derived = folder.derived_conditioning
         chosen = self.resolved_conditioning()
         require(derived != "i2v" or chosen == "i2v", "conditioning",

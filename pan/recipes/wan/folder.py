@@ -16,7 +16,9 @@ denoises the timesteps t >= boundary_ratio * num_train_timesteps, `transformer_2
 conditioning the release was trained for (`t2v`; `ti2v` where expand_timesteps is set: the first
 latent frame is given clean, at timestep 0, per token; `i2v` where the transformer takes mask and
 condition channels beside the noisy latent), the scheduler's flow_shift, and the widths. Every problem
-is a ConfigError on `model_path` that says what is missing and how to fix it.
+is a ConfigError on `model_path` that says what is missing and how to fix it. `missing_weights` tells
+whether an expert's weight files are all there (the run's config check asks it for each trained expert:
+a folder of config.json files alone is refused before any model is built).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pan.config.core import ConfigError, require
+from pan.models.pyramid_io import WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 from pan.recipes.wan.model import WanConfig
 from pan.recipes.wan.weights import load_config
 
@@ -93,6 +96,29 @@ class WanFolder:
     @property
     def image_processor_dir(self) -> Path:
         return self.path / "image_processor"
+
+
+def missing_weights(folder: WanFolder, name: str) -> str | None:
+    """What is missing of expert `name`'s weight files (None: every file is there; their tensors are
+    checked by `pan check`'s headers and the run's strict load): no `diffusion_pytorch_model.safetensors`
+    and no shard index, an index that cannot be read, or shards the index names that are absent."""
+    where = folder.expert_dir(name)
+    if (where / WEIGHTS_NAME).is_file():
+        return None
+    index = where / WEIGHTS_INDEX_NAME
+    if not index.is_file():
+        return (f"{where}/ holds no weights: neither {WEIGHTS_NAME} nor a shard index {WEIGHTS_INDEX_NAME} "
+                f"(files there: {', '.join(sorted(p.name for p in where.iterdir())) or 'none'})")
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        shards = sorted(set(weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"{index} cannot be read as a safetensors shard index ({type(e).__name__}: {e})"
+    absent = [shard for shard in shards if not (where / shard).is_file()]
+    if absent:
+        return (f"{where}/ lacks {len(absent)} of the {len(shards)} shard files its {WEIGHTS_INDEX_NAME} names "
+                f"({', '.join(absent[:3])}{', ...' if len(absent) > 3 else ''})")
+    return None
 
 
 def _json(path: Path, what: str) -> dict:
