@@ -374,6 +374,29 @@ def test_the_index_of_a_remote_manifest_is_kept_locally_and_rebuilt_when_the_obj
     assert [p.name for p in (tmp_path / "indexes").iterdir()] == [index_candidates(url)[0].name]
 
 
+def test_pan_data_index_builds_the_local_index_of_a_remote_manifest_that_training_then_reuses(  # noqa: F811
+        s3_server, tmp_path, monkeypatch, capsys):
+    from pan.data.index import main as index_main
+
+    monkeypatch.setenv("PAN_INDEX_DIR", str(tmp_path / "indexes"))
+    url = f"{make_bucket()}/set/clips.csv"
+    storage().write_text(url, "path,caption\na.mp4,one\nb.mp4,two\n")
+    assert index_main([url]) == 0
+    assert f"{url}: 2 rows -> {index_candidates(url)[0]} (built in" in capsys.readouterr().out
+    builds = []
+    real = index_module.write_index
+    monkeypatch.setattr(index_module, "write_index", lambda *a, **k: builds.append(a[0]) or real(*a, **k))
+    assert len(read_video_csv(url)) == 2 and builds == []        # training's read reuses it
+    assert index_main([url]) == 0 and "(up to date)" in capsys.readouterr().out
+    # a missing object, or a URL whose name no reader knows: one line, exit 2
+    assert index_main([f"{make_bucket('other')}/set/gone.csv"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pan data index: ") and "gone.csv" in err and "Traceback" not in err
+    with pytest.raises(SystemExit) as exited:
+        index_main([f"{make_bucket('third')}/set/clips.txt"])
+    assert exited.value.code == 2 and "ends in .txt" in capsys.readouterr().err
+
+
 def test_pan_check_counts_the_rows_of_a_remote_manifest(s3_server, tmp_path, monkeypatch):  # noqa: F811
     from pan.preflight import Preflight, run_preflight
 

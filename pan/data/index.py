@@ -44,8 +44,8 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from pan.config.arguments import input_file, output_folder
-from pan.data.storage import PathLike, is_url, storage, suffix
+from pan.config.arguments import ValueType, input_file, output_folder
+from pan.data.storage import PathLike, StorageError, is_url, storage, suffix
 
 logger = logging.getLogger(__name__)
 
@@ -516,20 +516,36 @@ file, webdataset image tar) ahead of a run. Training builds or reuses them by it
 manifest's size, modification time and first and last bytes), so this is for large sets: build once,
 before a job of many ranks starts. Under torchrun the processes split the manifests (RANK,
 WORLD_SIZE). An index lives beside its manifest (MANIFEST.index.arrow), else in the user's cache
-folder; with --out (or {INDEX_DIR_ENV}) in that folder, where training finds it when {INDEX_DIR_ENV}
+folder (always for a manifest at a URL, s3://...: its index is a local file); with --out (or {INDEX_DIR_ENV}) in that folder, where training finds it when {INDEX_DIR_ENV}
 names the same folder."""
 
 
-def _known_suffix(path: Path) -> None:
-    if path.suffix.lower() not in SUFFIX_KINDS:
-        raise ValueError(f"its name ends in {path.suffix or 'no suffix'}, not {', '.join(SUFFIX_KINDS)}")
+def _known_suffix(path: PathLike) -> None:
+    if suffix(path) not in SUFFIX_KINDS:
+        raise ValueError(f"its name ends in {suffix(path) or 'no suffix'}, not {', '.join(SUFFIX_KINDS)}")
+
+
+def manifest_argument() -> ValueType:
+    """A local manifest (it must exist and have a known suffix), or a URL with a known suffix (its
+    store is asked when it is indexed: a missing object is then one line and exit 2)."""
+    what = "a manifest training reads (.csv, .parquet, .jsonl or .tar; a local path or a URL)"
+    local = input_file(what, _known_suffix)
+
+    def convert(text: str) -> PathLike:
+        if not is_url(text):
+            return local.convert(text)
+        try:
+            _known_suffix(text)
+        except ValueError as e:
+            raise ValueError(f"{text} cannot be read as {what}: {e}") from None
+        return text
+    return ValueType("file", convert, "file")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pan data index", description=DESCRIPTION)
-    parser.add_argument("manifests", nargs="+", metavar="MANIFEST",
-                        type=input_file("a manifest training reads (.csv, .parquet, .jsonl or .tar)", _known_suffix),
-                        help="a .csv, .parquet, .jsonl or .tar file")
+    parser.add_argument("manifests", nargs="+", metavar="MANIFEST", type=manifest_argument(),
+                        help="a .csv, .parquet, .jsonl or .tar file, local or at a URL (s3://...)")
     parser.add_argument("--out", type=output_folder("a folder for the indexes"), default=None, metavar="FOLDER",
                         help=f"write the indexes into FOLDER (default: ${INDEX_DIR_ENV}, else beside each manifest)")
     return parser
@@ -539,12 +555,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     for path in args.manifests[rank::world]:
-        kind = SUFFIX_KINDS[path.suffix.lower()]
+        kind = SUFFIX_KINDS[suffix(path)]
         start = time.perf_counter()
         try:
             fresh = manifest_stamp(path, kind) in {stamp_of(c) for c in index_candidates(path, args.out)}
             built = ensure_index(path, kind, args.out)
-        except SourceError as e:
+        except (SourceError, StorageError, FileNotFoundError) as e:   # a remote manifest missing or unreachable
             print(f"pan data index: {e}", file=sys.stderr)
             return 2
         seconds = time.perf_counter() - start
