@@ -68,7 +68,7 @@ demo: setup
 test: setup $(VENV)/.test-plugins $(VENV)/.original-deps $(VENV)/.fixturegen-deps
 	@(command -v slurmctld && command -v shellcheck) >/dev/null || bash .ci/install_slurm.sh || \
 		echo "Slurm or shellcheck could not be installed: the launch-script tests that need them will be skipped"
-	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 docs: setup
 	$(PY) -m pan.config.docs --write docs/config.md
