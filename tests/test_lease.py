@@ -326,9 +326,10 @@ def test_a_warned_slurm_job_saves_requeues_itself_and_resumes(slurm_cluster, tmp
 
 
 def test_a_job_warned_by_its_real_time_limit_saves_requeues_itself_and_finishes(slurm_cluster, tmp_path):
-    """The same through a real time limit: `--time=2 --signal=B:USR1@30`. slurmctld checks time
-    limits every 30 s and sends the warning up to 30 s early, so it comes 60-90 s into the run, which
-    is made slow enough to be still training then (0.5 s a step, in the first run only: at most 180 of
+    """The same through a real time limit: `--time=2 --signal=B:USR1@60`. slurmctld checks time
+    limits every 30 s and sends the warning up to 30 s early, so it comes 30-60 s into the run (after
+    the start-up: the first steps are trained), 60 s or more before the limit is enforced; the run is
+    made slow enough to be still training then (0.5 s a step, in the first run only: at most 120 of
     its 300 steps by then). The job saves, requeues itself before the limit, and its second run
     finishes: the weights of an uninterrupted run, every step trained once."""
     steps = 300
@@ -347,7 +348,7 @@ def test_a_job_warned_by_its_real_time_limit_saves_requeues_itself_and_finishes(
     env = {**slurm_cluster.env, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{TESTS}", **PLUGIN,
            "PAN_ROOT": str(ROOT), "PAN_PYTHON": sys.executable, "PAN_NPROC_PER_NODE": "2",
            "MASTER_PORT": str(free_port())}
-    submitted = subprocess.run(["sbatch", "--parsable", "--time=2", "--signal=B:USR1@30", "--requeue",
+    submitted = subprocess.run(["sbatch", "--parsable", "--time=2", "--signal=B:USR1@60", "--requeue",
                                 "--open-mode=append", f"--output={log}", str(ROOT / "scripts" / "pretrain.sh"),
                                 str(config("warned", warned, 0.5))],
                                env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60, check=True)
