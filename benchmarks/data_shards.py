@@ -3,17 +3,22 @@
 The same N samples (a latent and its text features, safetensors) are laid out three ways: one file
 per sample on local disk (what `pan data precompute` writes without --shards), tar shards on local
 disk (`--shards`), and the same shards in a loopback S3 server (moto, started and stopped here).
-Each layout is read through the training reader (`SampleReader`, manifests as precompute writes
-them), every sample once per round in a seeded random order (what the shuffled sampler asks for),
-by 1 reader and by 4 concurrent readers (decoding workers wait on I/O, not on the interpreter), the
-layouts timed round-robin in one run, for two sample sizes. The table gives samples per second and
-the ratios against the file-per-sample layout (goal >= 2x for local shards) and against local
-shards (goal >= 0.5x for S3), and the process's CPU time per sample, which other jobs on a shared
-machine do not inflate (wall time they do; an S3 read's wait is no CPU time). S3 is timed twice:
-its first epoch (an empty local cache: every member one ranged GET, one HEAD per shard) and its
-later epochs (members from the local cache, pan/data/storage.py). The local layouts are read from
-the page cache (the files were just written): what is measured is the per-file cost (open, stat,
-map, close) against one pread from an open shard; on a parallel file system those calls cost more.
+Each layout is read as a decoding worker reads it (`ChunkReader` over a `SampleReader`, manifests as
+precompute writes them: messages of MAX_SAMPLES_PER_MESSAGE visits, the members of remote shards in
+each read ahead, concurrently, PAN_DATA_READ_AHEAD at a time), every sample once per round in a
+seeded random order (what the shuffled sampler asks for), by 1 reader and by 4 concurrent readers
+(decoding workers wait on I/O, not on the interpreter), the layouts timed round-robin in one run,
+for two sample sizes. The table gives samples per second and the ratios against the file-per-sample
+layout (goal >= 2x for local shards) and against local shards (goal >= 0.5x for S3), and the
+process's CPU time per sample, which other jobs on a shared machine do not inflate (wall time they
+do; an S3 read's wait is no CPU time). S3 is timed three times: its first epoch (an empty local
+cache: every member one ranged GET, one HEAD per shard) with read-ahead and without it
+(PAN_DATA_READ_AHEAD=0: one request at a time per reader), and its later epochs (members from the
+local cache, pan/data/storage.py). For the first epochs the S3 server's own CPU time per sample is
+kept too (`server_cpu_us_per_sample`): moto is a Python server, and on a small machine its CPU and
+the client's, not the wait for an answer, bound the rate. The local layouts are read from the page
+cache (the files were just written): what is measured is the per-file cost (open, stat, map, close)
+against one pread from an open shard; on a parallel file system those calls cost more.
 
     OMP_NUM_THREADS=1 python -m benchmarks.data_shards [--samples 400] [--rounds 3] [--quick]
 """
@@ -33,6 +38,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import psutil
 import torch
 from safetensors.torch import save
 
@@ -41,14 +47,16 @@ try:
 except ModuleNotFoundError:  # run as `python benchmarks/data_shards.py`: its folder is on the path
     from common import interleaved_times, median, print_table, time_call, write_json
 from pan.data.decode import FrameRules
+from pan.data.packed import MAX_SAMPLES_PER_MESSAGE, ChunkReader
 from pan.data.plan import Ref
 from pan.data.reader import SampleReader, stream_name
 from pan.data.shards import ShardWriter, read_indexes
 from pan.data.sources import read_video_csv
-from pan.data.storage import join
+from pan.data.storage import join, storage
 
 
 LABELS = {"files": "local files", "shards": "local shards", "s3": "s3 later epochs"}
+FIRST, FIRST_ONE_AT_A_TIME = "s3 first epoch", "s3 first epoch, no read-ahead"
 # precomputed rows are not decoded: the frame rules are not used
 RULES = FrameRules(buckets=((32, 32),), allow_upscale=True, target_fps=None, min_frames=1, max_frames=5,
                    frames_mod=4, frames_remainder=1)
@@ -96,25 +104,39 @@ def lay_out(folder: Path, count: int, latent, text, shard_bytes: int, bucket: st
 
 
 def reading(manifest: Path, count: int, threads: int, seed: int):
-    """One pass over every sample in a seeded random order, by `threads` readers."""
+    """One pass over every sample in a seeded random order, by `threads` readers, each reading
+    messages of MAX_SAMPLES_PER_MESSAGE visits as a decoding worker does (ChunkReader: the remote
+    members of a message read ahead)."""
     source = read_video_csv(manifest)
-    reader = SampleReader({stream_name(source): source}, None, RULES)
+    reader = ChunkReader(SampleReader({stream_name(source): source}, None, RULES))
     stream = stream_name(source)
     order = list(range(count))
     random.Random(seed).shuffle(order)
+    messages = [[Ref(i, stream, 0, i, i) for i in order[at:at + MAX_SAMPLES_PER_MESSAGE]]
+                for at in range(0, count, MAX_SAMPLES_PER_MESSAGE)]
 
-    def read(i: int) -> None:
-        got = reader[Ref(i, stream, 0, i, i)]
-        assert got.sample is not None, (got.reason, got.detail)
+    def read(visits: list[Ref]) -> None:
+        for got in reader[visits]:
+            assert got.sample is not None, (got.reason, got.detail)
 
     def one_pass() -> None:
         if threads == 1:
-            for i in order:
-                read(i)
+            for visits in messages:
+                read(visits)
         else:
             with ThreadPoolExecutor(threads) as pool:
-                list(pool.map(read, order))
+                list(pool.map(read, messages))
     return one_pass
+
+
+def first_epoch(one_pass, cache: Path, read_ahead: str, server: psutil.Process) -> tuple[float, float, float]:
+    """(wall s, client CPU s, server CPU s) of one pass from an empty local cache (a new Storage:
+    its shards' versions unknown, so one HEAD per shard as well)."""
+    os.environ.update(PAN_DATA_CACHE=str(cache), PAN_DATA_READ_AHEAD=read_ahead)
+    before = server.cpu_times()
+    wall, cpu = time_call(one_pass)
+    after = server.cpu_times()
+    return wall, cpu, (after.user + after.system) - (before.user + before.system)
 
 
 def start_s3(cache: Path) -> subprocess.Popen:
@@ -145,13 +167,15 @@ def measure_size(tmp: Path, name: str, shapes, args, bucket: str | None) -> list
                         join(bucket, name) if bucket else None)
     size = f"{name} ({len(sample_bytes(0, latent, text)) / 1024:.0f} KiB)"
     rows = []
+    read_ahead = os.environ.get("PAN_DATA_READ_AHEAD", "16")
     for threads in (1, 4):
         candidates = {layout: reading(m, args.samples, threads, seed=threads) for layout, m in manifests.items()}
-        rate, cpu = {}, {}
+        rate, cpu, server_cpu = {}, {}, {}
         if "s3" in candidates:  # the first epoch: an empty cache, every member a ranged GET
-            os.environ["PAN_DATA_CACHE"] = str(tmp / f"cache-{name}-{threads}")
-            wall, cpu["s3 first epoch"] = time_call(candidates["s3"])
-            rate["s3 first epoch"] = args.samples / wall
+            for label, ahead in ((FIRST_ONE_AT_A_TIME, "0"), (FIRST, read_ahead)):
+                wall, cpu[label], server_cpu[label] = first_epoch(
+                    candidates["s3"], tmp / f"cache-{name}-{threads}-{ahead}", ahead, args.server)
+                rate[label] = args.samples / wall
         times = interleaved_times(candidates, repeats=args.rounds)
         rate.update({LABELS[layout]: args.samples / median(t["wall"]) for layout, t in times.items()})
         cpu.update({LABELS[layout]: median(t["cpu"]) for layout, t in times.items()})
@@ -160,19 +184,25 @@ def measure_size(tmp: Path, name: str, shapes, args, bucket: str | None) -> list
             rows.append({"sample": size, "layout": layout, "readers": threads, "samples_per_s": round(value, 1),
                          "vs_files": round(value / rate[files], 2), "vs_local_shards": round(value / rate[shards], 2),
                          "cpu_us_per_sample": round(cpu[layout] / args.samples * 1e6, 1),
-                         "cpu_vs_files": round(cpu[files] / cpu[layout], 2)})
+                         "cpu_vs_files": round(cpu[files] / cpu[layout], 2),
+                         "server_cpu_us_per_sample": (round(server_cpu[layout] / args.samples * 1e6, 1)
+                                                      if layout in server_cpu else None)})
     return rows
 
 
 def measure(args, sizes: dict) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         server = None if args.no_s3 else start_s3(Path(tmp) / "cache")
+        args.server = psutil.Process(server.pid) if server is not None else None
         try:
             bucket = None
             if server is not None:
                 import fsspec
                 fsspec.filesystem("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"]).mkdir("bench")
                 bucket = "s3://bench"
+                for ahead in ("0", os.environ.get("PAN_DATA_READ_AHEAD", "16")):  # both settings' clients
+                    os.environ["PAN_DATA_READ_AHEAD"] = ahead                   # made before any timing
+                    storage().listdir(bucket)
             return [row for name, shapes in sizes.items()
                     for row in measure_size(Path(tmp), name, shapes, args, bucket)]
         finally:
@@ -216,9 +246,10 @@ def main() -> None:
     print(f"{args.samples} samples of each size, shards of {args.shard_mb} MiB, median of {args.rounds} rounds "
           "(the s3 first epoch: one pass)")
     print_table(rows, ["sample", "layout", "readers", "samples_per_s", "vs_files", "vs_local_shards",
-                       "cpu_us_per_sample", "cpu_vs_files"])
+                       "cpu_us_per_sample", "cpu_vs_files", "server_cpu_us_per_sample"])
     print("\nfor docs/data.md (Sharded latents and object storage):\n" + markdown(rows))
     path = write_json(out, {"samples": args.samples, "shard_MiB": args.shard_mb, "rounds": args.rounds,
+                                 "read_ahead": os.environ.get("PAN_DATA_READ_AHEAD", "16"),
                                  "sizes": {k: {"latent": list(v[0]), "text": list(v[1])} for k, v in sizes.items()},
                                  "rows": rows})
     print(f"\nwrote {path}")

@@ -1,6 +1,7 @@
 """`benchmarks/data_shards.py --quick`: the three layouts read through the training reader (one
-file per sample, local shards, shards in a loopback S3 server it starts and stops itself), the
-table printed and the JSON written (the goals' ratios need the full size: the real run)."""
+file per sample, local shards, shards in a loopback S3 server it starts and stops itself; its first
+epoch with read-ahead and without), the table printed and the JSON written (the goals' ratios need
+the full size: the real run)."""
 
 import json
 import os
@@ -18,9 +19,10 @@ def test_data_shards_benchmark_quick_mode_prints_its_table_and_writes_json(tmp_p
     assert run.returncode == 0, run.stderr[-3000:]
     assert "samples_per_s" in run.stdout and "vs_local_shards" in run.stdout
     rows = json.loads(out.read_text())["rows"]
-    layouts = {"local files", "local shards", "s3 first epoch", "s3 later epochs"}
+    layouts = {"local files", "local shards", "s3 first epoch", "s3 first epoch, no read-ahead", "s3 later epochs"}
     assert {(r["layout"], r["readers"]) for r in rows} == {(name, n) for name in layouts for n in (1, 4)}
     assert all(r["samples_per_s"] > 0 for r in rows)
+    assert all((r["server_cpu_us_per_sample"] is not None) == r["layout"].startswith("s3 first") for r in rows)
     assert all(r["vs_files"] == 1 for r in rows if r["layout"] == "local files")
 
 

@@ -156,13 +156,14 @@ class Chunks:
 
 
 class ChunkReader(torch.utils.data.Dataset):
-    """The workers' dataset for Chunks: a list of visits read in order."""
+    """The workers' dataset for Chunks: a list of visits read in order, the members of remote shards
+    among them fetched ahead, concurrently (SampleReader.read_all)."""
 
     def __init__(self, reader: SampleReader):
         self.reader = reader
 
     def __getitem__(self, visits: list) -> list[Loaded]:
-        return [self.reader[visit] for visit in visits]
+        return self.reader.read_all(visits)
 
 
 class PackedLoader:

@@ -115,6 +115,33 @@ class SampleReader(Dataset):
             # I/O) spoils that sample only; it is logged with its type so real bugs stay visible.
             return Loaded(ref, None, "decode_error", f"{type(e).__name__}: {e}")
 
+    def read_all(self, visits: list) -> list[Loaded]:
+        """`self[visit]` of each visit, in order, the members of remote shards among them fetched
+        ahead, concurrently (Storage.read_ahead: PAN_DATA_READ_AHEAD at a time). Which sample each
+        visit reads, and what comes of it, is the same as without: read-ahead only warms bytes."""
+        with storage().read_ahead(span for span in map(self.remote_member, visits) if span):
+            return [self[visit] for visit in visits]
+
+    def remote_member(self, visit: Ref | KnownBad) -> tuple[str, int, int] | None:
+        """(url, offset, size) of the member of a remote shard that reading `visit` will fetch; None
+        for a visit that fetches none (a local path, a known-bad or cached row, any row that is
+        not a shard member or that the read will refuse before fetching)."""
+        if isinstance(visit, KnownBad) or visit.stream == IMAGE_STREAM:
+            return None
+        src = self.sources.get(visit.stream)
+        if not isinstance(src, VideoCsvSource) or not src.precomputed or (
+                self.cache is not None and (visit.stream, visit.index) in self.cache.samples):
+            return None
+        try:
+            row = src.rows[visit.index]
+            path = src.field(row, "latent_path")
+            if path is None or src.field(row, "latent_offset") is None or not src.field(row, "caption"):
+                return None
+            path = locate(src, path)
+            return (str(path), *member_span(src, row)) if is_url(path) else None
+        except Exception:  # noqa: BLE001 - a row the read itself will find bad: no read-ahead for it
+            return None
+
     def _read(self, ref: Ref) -> Sample:
         if ref.stream == IMAGE_STREAM:
             return self._image(ref.index)

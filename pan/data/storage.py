@@ -14,11 +14,14 @@ for gcsfs). The machine's own settings are environment variables too, because th
 machine (its local disk), not to the run's YAML that runs on a laptop and on a cluster alike:
 - PAN_DATA_CACHE: the cache folder (default $XDG_CACHE_HOME/pan/data, else ~/.cache/pan/data);
 - PAN_DATA_CACHE_GB: its size (default 20; 0 turns the cache off);
-- PAN_DATA_RETRIES: tries of a remote call before it fails (default 6).
+- PAN_DATA_RETRIES: tries of a remote call before it fails (default 6);
+- PAN_DATA_READ_AHEAD: remote shard members fetched ahead of the reader, concurrently, per process
+  (default 16; 0 turns read-ahead off). See pan/data/read_ahead.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import io
@@ -27,17 +30,22 @@ import posixpath
 import random
 import re
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TypeVar
+
+from pan.data.read_ahead import ReadAhead, Span
 
 T = TypeVar("T")
 PathLike = str | Path
 
 URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 ENV_CACHE, ENV_CACHE_GB, ENV_RETRIES = "PAN_DATA_CACHE", "PAN_DATA_CACHE_GB", "PAN_DATA_RETRIES"
+ENV_READ_AHEAD = "PAN_DATA_READ_AHEAD"
 
 
 class StorageError(OSError):
@@ -213,6 +221,7 @@ class DiskCache:
     def __init__(self, folder: Path, budget: int):
         self.folder, self.budget = Path(folder), budget
         self.used: int | None = None   # bytes in the folder, as this process last counted them
+        self.lock = threading.Lock()   # the count, of the threads of a process (read-ahead's among them)
 
     def path(self, key: str) -> Path:
         return self.folder / hashlib.sha256(key.encode()).hexdigest()[:40]
@@ -235,12 +244,13 @@ class DiskCache:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
-        if self.used is None:
-            self.used = sum(size for _, size, _ in self.entries())
-        else:
-            self.used += len(data)
-        if self.used > self.budget:
-            self.evict(keep=path)
+        with self.lock:
+            if self.used is None:
+                self.used = sum(size for _, size, _ in self.entries())
+            else:
+                self.used += len(data)
+            if self.used > self.budget:
+                self.evict(keep=path)
 
     def entries(self) -> list[tuple[float, int, Path]]:
         out = []
@@ -299,6 +309,7 @@ class Settings:
     cache_dir: Path
     cache_bytes: int
     retry: RetryPolicy
+    read_ahead: int = 16   # remote members fetched ahead per process (0: none)
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -307,7 +318,8 @@ class Settings:
         folder = Path(os.environ.get(ENV_CACHE) or os.path.join(home, "pan/data"))
         gb = _env_number(ENV_CACHE_GB, 20.0, float, 0)
         tries = int(_env_number(ENV_RETRIES, RetryPolicy.tries, int, 1))
-        return cls(folder, int(gb * 1e9), RetryPolicy(tries=tries))
+        ahead = int(_env_number(ENV_READ_AHEAD, cls.read_ahead, int, 0))
+        return cls(folder, int(gb * 1e9), RetryPolicy(tries=tries), ahead)
 
 
 class Storage:
@@ -317,6 +329,10 @@ class Storage:
         self.settings, self.sleep = settings, sleep
         self.cache = DiskCache(settings.cache_dir, settings.cache_bytes) if settings.cache_bytes else None
         self.versions: dict[str, str] = {}   # url -> size and ETag, of the shards read (read_member)
+        self.lock = threading.Lock()          # `versions` and the pool, shared with read-ahead's threads
+        self.pool: ThreadPoolExecutor | None = None   # read-ahead's threads, started by the first ReadAhead
+        self.pool_pid = os.getpid()
+        self.local = threading.local()        # .ahead: the ReadAhead of this thread's reads (read_ahead)
 
     # -- remote plumbing ---------------------------------------------------------------------------
     def _fs(self, url: str):
@@ -327,7 +343,9 @@ class Storage:
         protocol = url.split("://", 1)[0].lower()
         options = {}
         if protocol in ("s3", "s3a"):
-            options["config_kwargs"] = {"retries": {"total_max_attempts": 1, "mode": "standard"}}
+            options["config_kwargs"] = {"retries": {"total_max_attempts": 1, "mode": "standard"},
+                                        # botocore's default of 10 would queue read-ahead's requests
+                                        "max_pool_connections": max(10, self.settings.read_ahead)}
             # named, so that fsspec's cache of clients keeps one per endpoint (botocore reads it anyway)
             endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
             if endpoint:
@@ -340,14 +358,16 @@ class Storage:
             fs.retries = 1
         return fs, path
 
-    def _remote(self, url: str, call: Callable):
-        """`call(fs, path)` with retries. A refusal of the credentials is a StorageError as well:
-        like an unreachable store, it stops the run instead of making every sample a bad one."""
+    def _remote(self, url: str, call: Callable, once: bool = False):
+        """`call(fs, path)` with retries (`once`: one try, read-ahead's). A refusal of the credentials
+        is a StorageError as well: like an unreachable store, it stops the run instead of making
+        every sample a bad one."""
         def attempt():
             fs, path = self._fs(url)
             return call(fs, path)
         try:
-            return with_retries(attempt, str(url), self.settings.retry, sleep=self.sleep)
+            policy = RetryPolicy(tries=1) if once else self.settings.retry
+            return with_retries(attempt, str(url), policy, sleep=self.sleep)
         except Exception as e:
             if isinstance(e, StorageError) or not is_refusal(e):
                 raise
@@ -384,21 +404,75 @@ class Storage:
         """`size` bytes at `offset` of a remote object that does not change (a shard's member):
         through the local cache, keyed by the object's version, so that a later epoch reads local
         disk. A short read (a truncated object) is returned as it is and not cached."""
+        ahead = getattr(self.local, "ahead", None)
+        if ahead is not None:
+            data = ahead.take((url, offset, size))
+            if data is not None:   # fetched ahead (and put in the cache); else read here, as without
+                return data
         if self.cache is None:
             return self.read_range(url, offset, size)
-        version = self.versions.get(url)
-        if version is None:
-            st = self.stat(url)
-            version = self.versions[url] = f"{st.size}\0{st.etag or st.mtime}"
-            while len(self.versions) > 4096:  # the versions of the shards read lately, bounded
-                self.versions.pop(next(iter(self.versions)))
-        key = f"{url}\0{version}\0{offset}\0{size}"
+        key = self._member_key(url, offset, size)
         data = self.cache.get(key)
         if data is None:
             data = self.read_range(url, offset, size)
             if len(data) == size:
                 self.cache.put(key, data)
         return data
+
+    def _member_key(self, url: str, offset: int, size: int, once: bool = False) -> str:
+        """The cache key of a member: of the object's version (its size and ETag, a HEAD the first
+        time an object is met)."""
+        version = self.versions.get(url)
+        if version is None:
+            st = self.stat(url, once=once)
+            version = f"{st.size}\0{st.etag or st.mtime}"
+            with self.lock:
+                self.versions[url] = version
+                while len(self.versions) > 4096:  # the versions of the shards read lately, bounded
+                    self.versions.pop(next(iter(self.versions)))
+        return f"{url}\0{version}\0{offset}\0{size}"
+
+    def cached_member(self, url: str, offset: int, size: int) -> bool:
+        """Is the member in the local cache, as far as is known without a request?"""
+        version = self.versions.get(url)
+        return (self.cache is not None and version is not None
+                and self.cache.path(f"{url}\0{version}\0{offset}\0{size}").exists())
+
+    def fetch_member(self, url: str, offset: int, size: int) -> bytes:
+        """`read_member`'s bytes with one try of each request (no retries, no waits): read-ahead's
+        fetch, whose failure leaves the member to `read_member` and its retries."""
+        key = self._member_key(url, offset, size, once=True) if self.cache is not None else None
+        data = self.cache.get(key) if key is not None else None
+        if data is None:
+            data = self._remote(url, lambda fs, p: fs.cat_file(p, start=offset, end=offset + size), once=True)
+            if key is not None and len(data) == size:
+                self.cache.put(key, data)
+        return data
+
+    @contextlib.contextmanager
+    def read_ahead(self, spans: Iterable[Span]) -> Iterator[ReadAhead | None]:
+        """While in the block, this thread's `read_member` takes the members of `spans` (the members
+        it is about to read, in the order it reads them) from a `ReadAhead` fetching them. Nothing
+        happens without spans or with PAN_DATA_READ_AHEAD=0."""
+        spans = list(spans)
+        if not spans or self.settings.read_ahead <= 0:
+            yield None
+            return
+        outer = getattr(self.local, "ahead", None)
+        ahead = self.local.ahead = ReadAhead(self, spans, self.settings.read_ahead)
+        try:
+            yield ahead
+        finally:
+            ahead.close()
+            self.local.ahead = outer
+
+    def threads(self) -> ThreadPoolExecutor:
+        """Read-ahead's threads (PAN_DATA_READ_AHEAD of them), started when first asked for."""
+        with self.lock:
+            if self.pool is None or self.pool_pid != os.getpid():  # a forked copy has none of them
+                self.pool = ThreadPoolExecutor(self.settings.read_ahead, thread_name_prefix="pan-read-ahead")
+                self.pool_pid = os.getpid()
+            return self.pool
 
     def open_read(self, path: PathLike, buffer: int = 1 << 22) -> io.BufferedReader:
         """A seekable binary reader of the file: a remote one read `buffer` bytes at a time, each a
@@ -411,7 +485,7 @@ class Storage:
     def read_text(self, path: PathLike) -> str:
         return self.read_bytes(path).decode("utf-8-sig")
 
-    def stat(self, path: PathLike) -> Stat:
+    def stat(self, path: PathLike, once: bool = False) -> Stat:
         if not is_url(path):
             st = local(path).stat()
             return Stat(st.st_size, st.st_mtime, None)
@@ -419,7 +493,7 @@ class Storage:
         def fresh_info(fs, p):
             fs.invalidate_cache(p)   # a listing cached earlier would hide a newer version of the object
             return fs.info(p)
-        info = self._remote(str(path), fresh_info)
+        info = self._remote(str(path), fresh_info, once=once)
         if info.get("type") == "directory":
             raise IsADirectoryError(f"{path} is a folder, not a file")
         modified = info.get("LastModified") or info.get("mtime") or info.get("updated")
@@ -517,7 +591,7 @@ def storage() -> Storage:
     """This process's Storage, from the environment (made again in a forked process, whose
     object-store clients must not be its parent's, and when the PAN_DATA_* variables change)."""
     global _default
-    key = (os.getpid(), *(os.environ.get(k) for k in (ENV_CACHE, ENV_CACHE_GB, ENV_RETRIES)))
+    key = (os.getpid(), *(os.environ.get(k) for k in (ENV_CACHE, ENV_CACHE_GB, ENV_RETRIES, ENV_READ_AHEAD)))
     if _default is None or _default[0] != key:
         _default = (key, Storage(Settings.from_env()))
     return _default[1]
