@@ -18,12 +18,17 @@ WanPipeline pads them), in two cases:
   (`diffusers_per_length`: the exact step a bucketing trainer takes; its loss and gradients are compared
   with pan's).
 
+`pan_compiled` (unless `--no-compiled`; never under `--quick`) is `pan` with each block compiled in place
+as the trainer compiles them under `compile_transformer: true` (pan/parallel/fsdp.py; inductor's CPU
+backend here), its loss and gradients checked against diffusers as `pan`'s are; the eager `pan` stays
+the reference of the ratios.
+
 The candidates run round-robin in one process (interleaved rounds, median; benchmarks/common.py), so the
 ratios do not depend on the machine's drift. This process's CPU time is robust to other jobs on a
 shared machine; the wall time is what a user waits. Both are reported.
 
     OMP_NUM_THREADS=2 python benchmarks/wan_step.py [--repeats 5] [--cases same,mixed] [--quick]
-        [--out benchmarks/results/wan_step.json]
+        [--no-compiled] [--out benchmarks/results/wan_step.json]
 """
 
 from __future__ import annotations
@@ -70,12 +75,16 @@ def diffusers_model(config: dict, seed: int):
     return model.train()
 
 
-def pan_model(reference, backend: str = "sdpa") -> WanTransformer:
-    """pan's model with the reference's weights (the same names and shapes)."""
+def pan_model(reference, backend: str = "sdpa", compiled: bool = False) -> WanTransformer:
+    """pan's model with the reference's weights (the same names and shapes); `compiled`: each block
+    compiled in place, as the trainer does under `compile_transformer: true`."""
     config = config_from_dict({k: v for k, v in dict(reference.config).items() if not k.startswith("_")})
     model = WanTransformer(config)
     model.load_state_dict(reference.state_dict(), strict=True)
     set_attention_backend(model, backend)
+    if compiled:
+        for block in model.fsdp_blocks():
+            block.compile()
     return model.train()
 
 
@@ -211,9 +220,16 @@ def measure_case(case: str, reference, args) -> dict:
         row["padded_loss"] = candidates["diffusers_padded"]().detach().item()
     reference_loss = candidates[exact]()
     row |= agreement(pan, candidates["pan"](), reference, reference_loss)
-    if row["loss_rel_diff"] > 1e-4:
-        raise SystemExit(f"{case}: pan's loss {row['pan_loss']} is not diffusers' {row['diffusers_loss']}: "
-                         "the two steps do not compute the same thing.")
+    check_agreement(case, row)
+    if args.compiled:
+        compiled = pan_model(reference, compiled=True)
+        candidates["pan_compiled"] = pan_step(compiled, clips)
+        reference_loss = candidates[exact]()   # the reference's gradients again (pan's step cleared none)
+        started = time.perf_counter()
+        checked = agreement(compiled, candidates["pan_compiled"](), reference, reference_loss)
+        row["pan_compiled_first_step_wall_s"] = time.perf_counter() - started   # compiling, mostly
+        row |= {f"pan_compiled_{key}": value for key, value in checked.items()}
+        check_agreement(case, checked, "pan_compiled")
     times = interleaved_times(candidates, repeats=args.repeats, warmup=args.warmup)
     row["times"] = times
     if args.kernel_share:
@@ -224,18 +240,35 @@ def measure_case(case: str, reference, args) -> dict:
         for name in seconds:
             if name != "pan":
                 row[f"{name}/pan_{clock}"] = seconds[name] / seconds["pan"]
+            if name.startswith("diffusers") and "pan_compiled" in seconds:
+                row[f"{name}/pan_compiled_{clock}"] = seconds[name] / seconds["pan_compiled"]
     return row
+
+
+def check_agreement(case: str, row: dict, name: str = "pan") -> None:
+    if row["loss_rel_diff"] > 1e-4:
+        raise SystemExit(f"{case}: {name}'s loss {row['pan_loss']} is not diffusers' {row['diffusers_loss']}: "
+                         "the two steps do not compute the same thing.")
 
 
 def report(rows: list[dict], repeats: int) -> None:
     print_table(rows, ["case", "clips", "latent_frames", "video_tokens", "padded_tokens", "pan_step_gflop",
                        "loss_rel_diff", "grad_max_rel_diff", "pan_kernel_share", "diffusers_kernel_share",
                        "diffusers_padded_kernel_share", "diffusers_per_length_kernel_share"])
+    if any("pan_compiled_loss_rel_diff" in row for row in rows):
+        print("\npan_compiled (each block compiled as compile_transformer does) against diffusers:")
+        print_table(rows, ["case", "pan_compiled_loss_rel_diff", "pan_compiled_grad_max_rel_diff",
+                           "pan_compiled_kernel_share", "pan_compiled_first_step_wall_s"])
     for clock in ("cpu", "wall"):
         print(f"\n{clock} clock, seconds a step (median of {repeats} interleaved rounds) and diffusers / pan:")
         print_table(rows, ["case", f"pan_{clock}_s", f"diffusers_{clock}_s", f"diffusers/pan_{clock}",
                            f"diffusers_padded_{clock}_s", f"diffusers_padded/pan_{clock}",
                            f"diffusers_per_length_{clock}_s", f"diffusers_per_length/pan_{clock}"])
+        if any(f"pan_compiled_{clock}_s" in row for row in rows):
+            print(f"\n{clock} clock, pan_compiled: seconds a step, against eager pan and diffusers / pan_compiled:")
+            print_table(rows, ["case", f"pan_compiled_{clock}_s", f"pan_compiled/pan_{clock}",
+                               f"diffusers/pan_compiled_{clock}", f"diffusers_padded/pan_compiled_{clock}",
+                               f"diffusers_per_length/pan_compiled_{clock}"])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -247,14 +280,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-kernel-share", dest="kernel_share", action="store_false",
                         help="leave out the profiled share of time in the dense kernels")
+    parser.add_argument("--no-compiled", dest="compiled", action="store_false",
+                        help="leave out pan_compiled (compiling takes a minute or two a case)")
     parser.add_argument("--quick", action="store_true",
-                        help="a tiny config, one round, no profile: checks the script (tests), measures nothing")
+                        help="a tiny config, one round, no profile, no pan_compiled: checks the script (tests), "
+                             "measures nothing")
     parser.add_argument("--out", default="benchmarks/results/wan_step.json", help="JSON output path")
     args = parser.parse_args(argv)
     args.config, args.hw, args.text_rows = ((QUICK_CONFIG, QUICK_LATENT_HW, QUICK_TEXT_ROWS) if args.quick
                                             else (CONFIG, LATENT_HW, TEXT_ROWS))
     if args.quick:
-        args.repeats, args.warmup, args.kernel_share = 1, 0, False
+        args.repeats, args.warmup, args.kernel_share, args.compiled = 1, 0, False, False
     torch.set_num_threads(args.threads)
     reference = diffusers_model(args.config, args.seed)
     load_before, t0 = os.getloadavg(), time.perf_counter()   # the machine is shared: how busy it was
@@ -265,7 +301,8 @@ def main(argv: list[str] | None = None) -> None:
           f"after {load['after']}")
     path = write_json(args.out, {"benchmark": "wan_step", "config": args.config, "latent_hw": args.hw,
                                  "text_rows": args.text_rows, "cases": CASES, "repeats": args.repeats,
-                                 "warmup": args.warmup, "quick": args.quick, "load_average": load, "rows": rows})
+                                 "warmup": args.warmup, "quick": args.quick, "compiled": args.compiled,
+                                 "load_average": load, "rows": rows})
     print(f"wrote {path}")
 
 

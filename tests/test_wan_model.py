@@ -132,11 +132,11 @@ def dense_inputs(cfg: dict, name: str, seed: int = 0, batch: int = 2) -> dict:
     if image is not None and cfg["pos_embed_seq_len"]:
         image = image.reshape(2 * batch, -1, cfg["image_dim"])   # diffusers' FLF2V layout: images one by one
     timestep = draw_timesteps(gen, cfg, name, [DENSE_GRID] * batch)
+    text = torch.randn(batch, text_len, cfg["text_dim"], generator=gen, dtype=torch.float64)
+    text[0, max(1, text_len // 3):] = 0   # the first caption zero-padded, as WanPipeline pads them; the rest full
     return dict(hidden_states=torch.randn(batch, cfg["in_channels"], *latent_shape(cfg, DENSE_GRID),
                                           generator=gen, dtype=torch.float64),
-                timestep=timestep.reshape(batch, -1).squeeze(1),
-                encoder_hidden_states=torch.randn(batch, text_len, cfg["text_dim"], generator=gen,
-                                                  dtype=torch.float64),
+                timestep=timestep.reshape(batch, -1).squeeze(1), encoder_hidden_states=text,
                 encoder_hidden_states_image=image)
 
 

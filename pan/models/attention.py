@@ -145,14 +145,19 @@ def _per_layout(q: Tensor, k: Tensor, v: Tensor, segments: AttnSegments, full: K
     query_rows = [b.count * b.query_len for b in plan.batches]
     key_rows = [b.count * b.key_len for b in plan.batches]
     key_rows.append(k.shape[0] - sum(key_rows))   # segments that ask nothing: read by no batch
+    if query_rows == [qs.shape[0]] and key_rows[1] == 0:   # one layout holds every row: no cut, no join
+        pieces = [(qs, ks, vs)]                        # (each a copy forward or backward, for nothing)
+    else:
+        pieces = zip(qs.split(query_rows), ks.split(key_rows), vs.split(key_rows))
     outs = []
-    for b, qb, kb, vb in zip(plan.batches, qs.split(query_rows), ks.split(key_rows), vs.split(key_rows)):
+    for b, (qb, kb, vb) in zip(plan.batches, pieces):
         batched = [t.view(b.count, -1, *t.shape[1:]) for t in (qb, kb, vb)]
         out = full(*batched) if b.groups is None else block_causal(*batched, b.groups)
         outs.append(out.reshape(qb.shape))
     if not outs:   # no segment asks anything
         return torch.empty_like(q)
-    return permute_rows(torch.cat(outs), plan.query_inverse, plan.query_order)
+    joined = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return permute_rows(joined, plan.query_inverse, plan.query_order)
 
 
 def frame_group_attention(q: Tensor, k: Tensor, v: Tensor, groups: FrameGroups, kernel: Kernel) -> Tensor:

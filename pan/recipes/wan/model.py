@@ -23,7 +23,8 @@ residual stream stays so: the same as diffusers in fp32; a float64 model stays f
 `.float()` rounds a float64 model to fp32 at every block); under bf16 autocast (how pan runs bf16
 weights) the stream stays fp32, as in Wan's own code, where a bf16 diffusers model keeps it in bf16.
 The sinusoidal timestep frequencies and the RoPE rotations are fp32 values in every dtype, as in
-diffusers.
+diffusers. A caption's zero padding rows are embedded and projected once and attended to as one key
+weighted by their count (`distinct_text_rows`): the same values, other summation orders.
 
 Shapes: B samples, Nv / Nt / Ni video / text / image rows, G modulation groups (samples, or runs of
 equal per-token timesteps), D = heads x head_dim, H heads, d head dim, p = patch volume.
@@ -32,12 +33,15 @@ equal per-token timesteps), D = heads x head_dim, H heads, d head dim, p = patch
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import is_fake
 
 from pan.config.core import ConfigError, knob
 from pan.models.attention import AttentionBackend, InnerAttention, set_attention_backend
@@ -128,6 +132,83 @@ def timestep_features(t: Tensor, dim: int) -> Tensor:
     return F.pad(torch.cat([torch.cos(args), torch.sin(args)], dim=-1), (0, dim % 2))
 
 
+@dataclass(frozen=True)
+class TextRows:
+    """Where the caption rows' distinct rows go (`distinct_text_rows`): the caption rows of every sample
+    (`index`), and each sample's keys of the cross-attention, its nonzero rows then the zero row once
+    (`keys`, `key_lens`) with the log of how many of its rows each stands for (`key_bias`: 0, or the log
+    of its zero rows' count)."""
+    index: Tensor                  # [Nt]: the distinct row of each caption row
+    keys: Tensor                   # [Nk]: the distinct row of each sample's keys, sample after sample
+    key_lens: tuple[int, ...]      # each sample's keys
+    key_bias: Tensor               # [Nk] float64
+
+
+def distinct_text_rows(text: Tensor, text_lens: Sequence[int]) -> tuple[Tensor, TextRows | None]:
+    """Caption rows [Nt, text_dim] (`text_lens` a sample) as (their nonzero rows, then one zero row:
+    [Nu, text_dim]; where each caption row and each sample's keys are among them), or (text, None) when
+    no row is zero.
+
+    Captions come zero-padded to 512 rows (WanPipeline's padding, the task's `padded`), most of them
+    padding. Everything the text goes through before attention (the text projection, each block's
+    to_k / to_v and norm_k) works row by row, so a zero row gives the same k and v in every sample:
+    computed once, and exactly (a Linear of a zero row is its bias, to the bit). In the cross-attention
+    the m equal keys of a sample's padding are one key with log(m) added to its scores, which is their
+    attention exactly (m e^s = e^(s + log m)); only sums are taken in another order. At the benchmark's
+    captions (32..128 real rows of 512) this saves ~80% of the text-side matmuls and of the
+    cross-attention's scores. Costs a host sync (the counts). Rows without values (fake or meta
+    tensors: pan's estimates trace the model on them; a traced graph) are taken as they are.
+    """
+    if text.device.type == "meta" or is_fake(text) or torch.compiler.is_compiling():
+        return text, None
+    nonzero = text.ne(0).any(dim=1)                                                        # [Nt]
+    real = torch.stack([part.sum() for part in nonzero.split(list(text_lens))]).tolist() if text_lens else []
+    total = sum(real)
+    if total == text.shape[0]:
+        return text, None
+    rows = torch.cat([text[nonzero], text.new_zeros(1, text.shape[1])])                   # [total + 1, text_dim]
+    index = torch.where(nonzero, nonzero.cumsum(0) - 1, total)                             # zero rows -> the last
+    keys, bias, starts = [], [], [0, *itertools.accumulate(real)]
+    for start, n, length in zip(starts, real, text_lens):
+        keys += [*range(start, start + n), *([total] if length > n else [])]
+        bias += [0.0] * n + ([math.log(length - n)] if length > n else [])
+    key_lens = tuple(n + (length > n) for n, length in zip(real, text_lens))
+    return rows, TextRows(index, torch.tensor(keys, device=text.device), key_lens,
+                          torch.tensor(bias, dtype=torch.float64, device=text.device))
+
+
+def _rows(x: Tensor, rows: TextRows | None) -> Tensor:
+    """x's rows in caption order: the distinct text rows gathered back (`distinct_text_rows`)."""
+    return x if rows is None else x.index_select(0, rows.index)
+
+
+def _equal_group_rows(groups: Samples) -> int | None:
+    """The rows of each modulation group when there are several and all have as many (a batch of clips
+    of one size), else None (also under torch.compile, where `modulate` gathers and the compiler fuses)."""
+    counts = groups.counts
+    return counts[0] if len(counts) > 1 and len(set(counts)) == 1 else None
+
+
+def _modulate(x: Tensor, shift: Tensor, one_plus_scale: Tensor, groups: Samples) -> Tensor:
+    """`modulate` (shift + x * scale per group [G, D]); groups of equal size broadcast over a [G, n, D]
+    view, one op forward and one per gradient as in diffusers' [B, L, D] layout, where `modulate` takes
+    the groups one by one (twice the ops at two groups, each a parallel region of its own)."""
+    n = _equal_group_rows(groups)
+    if n is None:
+        return modulate(x, shift, one_plus_scale, groups)
+    rows = x.reshape(shift.shape[0], n, x.shape[-1])
+    return torch.addcmul(shift[:, None], rows, one_plus_scale[:, None]).view(x.shape)
+
+
+def _gated_residual(x: Tensor, gate: Tensor, y: Tensor, groups: Samples) -> Tensor:
+    """`gated_residual` (x + gate * y per group [G, D]), broadcast over equal groups as `_modulate`."""
+    n = _equal_group_rows(groups)
+    if n is None:
+        return gated_residual(x, gate, y, groups)
+    g, d = gate.shape
+    return torch.addcmul(x.reshape(g, n, d), gate[:, None], y.reshape(g, n, d)).view(x.shape)
+
+
 def _heads(x: Tensor, heads: int) -> Tensor:
     return x.unflatten(-1, (heads, -1))                                   # [N, D] -> [N, H, d]
 
@@ -216,6 +297,12 @@ class ConditionEmbedder(nn.Module):
         self.image_embedder = (None if c.image_dim is None
                                else ImageEmbedder(c.image_dim, d, c.pos_embed_seq_len))
 
+    def text(self, text: Tensor, text_lens: Sequence[int]) -> tuple[Tensor, TextRows | None]:
+        """[Nt, text_dim] caption rows -> (embedded distinct rows [Nu, D], where they go: None when every
+        row is its own); see `distinct_text_rows`."""
+        rows, where = distinct_text_rows(text, text_lens)
+        return self.text_embedder(rows), where
+
     def time(self, t: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """[G] timesteps -> temb [G, D] (in `dtype`: the text's, as diffusers casts it) and the blocks'
         modulation projection [G, 6D]."""
@@ -263,11 +350,19 @@ class CrossAttention(nn.Module):
         self.cross_attention = InnerCrossAttention()
 
     def forward(self, x: Tensor, text: Tensor, plan: WanPlan, image: Tensor | None) -> Tensor:
-        # x [Nv, D], text [Nt, D], image [Ni, D] or None -> [Nv, D]
+        # x [Nv, D], text [Nu, D]: the distinct text rows (plan.text_rows) -> [Nv, D]
         q = _heads(self.norm_q(self.to_q(x)), self.heads)                                    # [Nv, H, d]
-        v = _heads(self.to_v(text), self.heads)                                               # [Nt, H, d]
-        qt, k = like_v(v, q, _heads(self.norm_k(self.to_k(text)), self.heads))
-        out = self.cross_attention(qt, k, v, plan.text)
+        k, v = self.norm_k(self.to_k(text)), self.to_v(text)                                  # [Nu, D]
+        rows = plan.text_rows
+        if rows is not None and self.cross_attention.takes_key_bias(q, plan.text):
+            # each sample's distinct rows as keys, its zero rows' one key weighted by their count
+            v = _heads(v.index_select(0, rows.keys), self.heads)                              # [Nk, H, d]
+            qt, k = like_v(v, q, _heads(k.index_select(0, rows.keys), self.heads))
+            out = self.cross_attention(qt, k, v, plan.text_keys, key_bias=rows.key_bias)
+        else:
+            v = _heads(_rows(v, rows), self.heads)                                            # [Nt, H, d]
+            qt, k = like_v(v, q, _heads(_rows(k, rows), self.heads))
+            out = self.cross_attention(qt, k, v, plan.text)
         if image is not None:
             v = _heads(self.add_v_proj(image), self.heads)                                    # [Ni, H, d]
             qi, k = like_v(v, q, _heads(self.norm_added_k(self.add_k_proj(image)), self.heads))
@@ -289,15 +384,21 @@ class WanPlan:
     text: AttnSegments           # this rank's video rows of sample i -> text rows of sample i
     image: AttnSegments | None   # this rank's video rows of sample i -> image rows of sample i (I2V)
     groups: Samples              # modulation group of each video row (contiguous runs)
+    text_rows: TextRows | None = None   # where the distinct text rows go (`distinct_text_rows`)
+    text_keys: AttnSegments | None = None   # with text_rows: this rank's video rows -> the sample's keys
 
     @classmethod
-    def of(cls, pack: PackInfo, image_rows: int | None, device, groups: Samples) -> WanPlan:
+    def of(cls, pack: PackInfo, image_rows: int | None, device, groups: Samples,
+           text_rows: TextRows | None = None) -> WanPlan:
         video = AttnSegments.from_lengths(pack.video_lens, device)
         if pack.cp_size > 1:
             video = dataclasses.replace(video, local_index=pack.video_index)
         queries = pack.video_counts
         image = None if image_rows is None else cross_segments(queries, [image_rows] * pack.num_samples, device)
-        return cls(video=video, text=cross_segments(queries, pack.text_lens, device), image=image, groups=groups)
+        # built here, not in the (maybe compiled) blocks: their lengths change with every batch
+        keys = None if text_rows is None else cross_segments(queries, text_rows.key_lens, device)
+        return cls(video=video, text=cross_segments(queries, pack.text_lens, device), image=image, groups=groups,
+                   text_rows=text_rows, text_keys=keys)
 
 
 class WanBlock(nn.Module):
@@ -320,12 +421,12 @@ class WanBlock(nn.Module):
         mod = self.scale_shift_table + _up(proj).unflatten(-1, (6, -1))                       # [G, 6, D]
         shift1, scale1, gate1, shift2, scale2, gate2 = mod.unbind(1)                           # [G, D] each
         g = plan.groups
-        h = modulate(_layer_norm(vid, self.eps), shift1, 1 + scale1, g)
-        vid = gated_residual(vid, gate1, self.attn1(h, rope, plan.video), g)
+        h = _modulate(_layer_norm(vid, self.eps), shift1, 1 + scale1, g)
+        vid = _gated_residual(vid, gate1, self.attn1(h, rope, plan.video), g)
         h = vid if self.norm2 is None else _layer_norm(vid, self.eps, self.norm2)
         vid = vid + self.attn2(h, text, plan, image)
-        h = modulate(_layer_norm(vid, self.eps), shift2, 1 + scale2, g)
-        return gated_residual(vid, gate2, self.ffn(h), g)
+        h = _modulate(_layer_norm(vid, self.eps), shift2, 1 + scale2, g)
+        return _gated_residual(vid, gate2, self.ffn(h), g)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -410,7 +511,9 @@ class WanTransformer(nn.Module):
         all heads; under cp a rank attends whole sequences for 1/cp of the heads, and its own video rows
         to the whole text). The text (and image) rows are projected on every cp rank. The timestep MLP
         and modulation are counted once per sample (per-token TI2V timesteps add a group or two); norms,
-        RoPE and elementwise work are not counted. `image_rows`: CLIP rows per sample (I2V)."""
+        RoPE and elementwise work are not counted. `image_rows`: CLIP rows per sample (I2V). Every text
+        row counts as given: the zero rows a caption is padded with cost less (`distinct_text_rows`), so
+        on padded captions this is more than is computed."""
         c, d = self.config, self.config.inner_dim
         nv, nt, b = pack.num_video_tokens, sum(pack.text_lens), pack.num_samples
         ni = image_rows * b
@@ -438,8 +541,8 @@ class WanTransformer(nn.Module):
         self._check_inputs(x, text, pack, image)
         t, groups = timestep_groups(timesteps, pack)
         temb, proj = self.condition_embedder.time(t, text.dtype)                             # [G, D], [G, 6D]
-        text = self.condition_embedder.text_embedder(text)                                    # [Nt, D]
-        plan = WanPlan.of(pack, None if image is None else image.shape[1], x.device, groups)
+        text, text_rows = self.condition_embedder.text(text, pack.text_lens)                 # [Nu, D]
+        plan = WanPlan.of(pack, None if image is None else image.shape[1], x.device, groups, text_rows)
         if image is not None:
             image = self.condition_embedder.image_embedder(image).flatten(0, 1)               # [Ni, D]
         rope = rope_frequencies(pack.video_pos, self.config.rope_axes_dim, ROPE_THETA, 1.0)   # [Nv, d/2]
@@ -447,7 +550,7 @@ class WanTransformer(nn.Module):
         for block in self.blocks:
             vid = block(vid, proj, rope, text, image, plan)
         shift, scale = (self.scale_shift_table + temb.unsqueeze(1)).unbind(1)                 # [G, D] each
-        out = self.proj_out(modulate(_layer_norm(vid, self.config.eps), shift, 1 + scale, groups))  # [Nv, p * C]
+        out = self.proj_out(_modulate(_layer_norm(vid, self.config.eps), shift, 1 + scale, groups))  # [Nv, p * C]
         # proj_out's rows are (pt, ph, pw, c) per token; pan's patchify order is (c, pt, ph, pw)
         return out.unflatten(-1, (self.config.patch_volume, -1)).transpose(1, 2).flatten(1)
 
