@@ -44,3 +44,20 @@ def test_the_docs_table_is_the_recorded_benchmark():
     assert min(row["index_rows_per_s"] for row in rows[1:]) >= GOALS["index_rows_per_s"]
     assert largest["first_step_delta_s"] <= GOALS["first_step_delta_s"]
     assert max(largest["rank_uss_delta_MiB"], largest["worker_uss_delta_MiB"]) <= GOALS["uss_delta_MiB"]
+
+
+def test_the_docs_hundred_million_row_table_is_its_recorded_run():
+    """The 100-million-row run docs/data.md quotes (benchmarks/recorded/data_scale_100m.json): its
+    table, and the goals at that size."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from data_scale import GOALS, markdown_table
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    rows = json.loads((ROOT / "benchmarks" / "recorded" / "data_scale_100m.json").read_text())["rows"]
+    assert markdown_table(rows) in (ROOT / "docs" / "data.md").read_text()
+    assert [row["rows"] for row in rows] == [1000, 100_000_000]
+    largest = rows[-1]
+    assert largest["index_rows_per_s"] >= GOALS["index_rows_per_s"]
+    assert largest["first_step_delta_s"] <= GOALS["first_step_delta_s"]
+    assert max(largest["rank_uss_delta_MiB"], largest["worker_uss_delta_MiB"]) <= GOALS["uss_delta_MiB"]
