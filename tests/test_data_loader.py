@@ -379,3 +379,32 @@ def test_sample_cache_drops_the_least_recently_used_beyond_its_budget_and_hands_
     assert cache.get(("s", 3)) is None            # larger than the whole budget: not kept
     cache.put(("s", 2), sample(2))                # put again: held once
     assert cache.used == 512 and len(cache.samples) == 2
+
+
+STUCK_WORKER = """
+import sys, threading, time
+from pathlib import Path
+from pan.data import build_data_loader
+from pan.data.reader import SampleReader
+from test_data_sources import clips_csv, small_config, tokens_of
+
+# every read hangs, as one from a store that stopped answering: the decoding worker is stuck in it
+SampleReader.__getitem__ = lambda self, ref: time.sleep(3600)
+cfg = small_config(video_csv_paths=[str(clips_csv(Path(sys.argv[1])))], packed_dataloader_num_workers=1)
+loader = build_data_loader(cfg, tokens_of=tokens_of, dp_rank=0, dp_size=1, seed=0)
+threading.Thread(target=lambda: next(loader), daemon=True).start()   # waits on the stuck worker
+time.sleep(3)
+del loader
+sys.exit(0)
+"""
+
+
+def test_a_process_exits_while_its_decoding_worker_is_stuck_in_a_read(tmp_path):
+    """The workers ignore SIGTERM (they outlive a job step's SIGTERM until the trainer's last save),
+    so multiprocessing's exit-time terminate() cannot stop one stuck in a read and its join would wait
+    forever; the loader kills them at exit instead (before it, `python tests/test_data_s3.py`'s outage
+    test never ended)."""
+    run = subprocess.run([sys.executable, "-c", STUCK_WORKER, str(tmp_path / "clips.csv")], cwd=TESTS_DIR,
+                         env={**os.environ, "PYTHONPATH": str(TESTS_DIR)}, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]

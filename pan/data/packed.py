@@ -66,10 +66,25 @@ def _ignore_sigterm(worker_id: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def _close_at_exit(loader_ref: weakref.ref) -> None:
-    loader = loader_ref()
-    if loader is not None:
-        loader.close()
+def _stop_workers(batches) -> None:
+    """Stop a DataLoader iterator's worker processes now (torch's orderly stop), not when the iterator
+    is collected (an exception raised through it, a store gone past its retries, keeps it alive in
+    its traceback); then `_kill`."""
+    shutdown = getattr(batches, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+        _kill(getattr(batches, "_workers", ()))
+
+
+def _kill(workers) -> None:
+    """SIGKILL the workers still alive. torch's last resort is SIGTERM, which they ignore
+    (`_ignore_sigterm`), and a worker waiting on a store that is gone (its reads, its read-ahead
+    threads) outlasts torch's stop; multiprocessing would then wait for it at exit, forever. Nothing a
+    worker holds is kept."""
+    for worker in workers:
+        if worker.is_alive():
+            worker.kill()
+            worker.join()
 
 
 Key = tuple[str, int]  # a row: (stream, index)
@@ -194,7 +209,7 @@ class PackedLoader:
         self.batches = 0                    # batches made so far (saved: it numbers the next one)
         self.batched_samples = 0            # samples in them
         self._results = None
-        self._closes_at_exit = False
+        self._batches = None   # the DataLoader's iterator (its worker processes), when running
 
     # --- iteration -------------------------------------------------------------------------------
 
@@ -329,12 +344,10 @@ class PackedLoader:
 
     def _start_workers(self) -> None:
         loader, workers = self._data_loader(), self.cfg.packed_dataloader_num_workers
-        self._results = itertools.chain.from_iterable(loader) if workers else iter(loader)  # workers: lists (Chunks)
-        if workers and not self._closes_at_exit:
-            # The workers ignore SIGTERM, so multiprocessing's exit-time terminate() and join would
-            # wait for them forever: stop them first (atexit runs the newest handler first).
-            atexit.register(_close_at_exit, weakref.ref(self))
-            self._closes_at_exit = True
+        self._batches = iter(loader)
+        self._results = itertools.chain.from_iterable(self._batches) if workers else self._batches  # workers: lists
+        if workers:   # before multiprocessing's exit-time join (atexit runs the newest handler first)
+            atexit.register(_kill, list(getattr(self._batches, "_workers", ())))
 
     def _data_loader(self) -> DataLoader:
         workers = self.cfg.packed_dataloader_num_workers
@@ -370,7 +383,8 @@ class PackedLoader:
 
     def close(self) -> None:
         """Stop the decoding workers (they restart on the next batch, from what the trainer took)."""
-        self._results = None
+        _stop_workers(self._batches)
+        self._batches = self._results = None
         self._arrived.clear()
         for key in [key for key, shard in self.visits.reading.items() if shard == self.dp_rank]:
             del self.visits.reading[key]
