@@ -19,6 +19,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, ClassVar
 
 import pytest
 
@@ -95,10 +96,17 @@ class Endpoint:
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
 
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket) -> None:
+    # Tests may watch the traffic: called with (src, dst, data) for the first bytes of each direction
+    # of each connection (the client opens a connection per request).
+    first_bytes: ClassVar[Callable[[socket.socket, socket.socket, bytes], None] | None] = None
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        first = True
         try:
             while data := src.recv(65536):
+                if first and self.first_bytes is not None:
+                    self.first_bytes(src, dst, data)
+                first = False
                 dst.sendall(data)
         except OSError:
             pass

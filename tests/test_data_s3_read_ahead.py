@@ -7,7 +7,6 @@ for each other (Storage with only its object-store client replaced), then agains
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from pathlib import Path
@@ -236,38 +235,24 @@ def test_a_bad_read_ahead_setting_is_refused(monkeypatch):
 # ----------------------------------------------------------------------------------------------
 
 class RequestsInFlight:
-    """The S3 server's requests in flight: the relay's pump (tests/s3_server.py Endpoint._pump), also
-    counting each connection from its request's first bytes to its answer's (the client opens a
-    connection per request here)."""
+    """The S3 server's requests in flight, seen by the relay in front of it (tests/s3_server.py
+    Endpoint.first_bytes): each connection from its request's first bytes to its answer's."""
 
     def __init__(self):
         self.lock = threading.Lock()
         self.asked: set[frozenset] = set()
         self.now = self.most = 0
 
-    def pump(self, src, dst) -> None:
-        connection, first = frozenset((id(src), id(dst))), True
-        try:
-            while data := src.recv(65536):
-                if first:
-                    first = False
-                    with self.lock:
-                        if not data.startswith(b"HTTP/"):     # a request, on its way to the server
-                            self.asked.add(connection)
-                            self.now += 1
-                            self.most = max(self.most, self.now)
-                        elif connection in self.asked:         # its answer, on its way back
-                            self.asked.discard(connection)
-                            self.now -= 1
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+    def __call__(self, src, dst, data: bytes) -> None:
+        connection = frozenset((id(src), id(dst)))
+        with self.lock:
+            if not data.startswith(b"HTTP/"):     # a request, on its way to the server
+                self.asked.add(connection)
+                self.now += 1
+                self.most = max(self.most, self.now)
+            elif connection in self.asked:         # its answer, on its way back
+                self.asked.discard(connection)
+                self.now -= 1
 
 
 def test_the_first_epoch_from_s3_has_several_gets_in_flight_and_reads_the_same_samples(  # noqa: F811
@@ -280,7 +265,7 @@ def test_the_first_epoch_from_s3_has_several_gets_in_flight_and_reads_the_same_s
     for ahead in ("0", "8"):
         monkeypatch.setenv("PAN_DATA_READ_AHEAD", ahead)   # a new Storage
         counter = RequestsInFlight()
-        monkeypatch.setattr(Endpoint, "_pump", staticmethod(counter.pump))
+        monkeypatch.setattr(Endpoint, "first_bytes", staticmethod(counter))
         results[ahead] = outcomes(ChunkReader(SampleReader({stream_name(source): source}, None, RULES))[visits])
         most[ahead] = counter.most
     assert results["8"] == results["0"] == [(v.index, "", float(v.index)) for v in visits]
