@@ -18,6 +18,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
+from pan.runtime.byte_range import ByteRangeFile
+
 
 class DirectReader(FileSystemReader):
     """DCP's file reader, reading each stored tensor straight into the tensor it restores.
@@ -122,36 +124,20 @@ class _OutsideEdges(Exception):
     pass
 
 
-class _EdgesOnly(io.RawIOBase):
+class _EdgesOnly(ByteRangeFile):
     """A read-only file of `length` bytes of which only the head and tail are known."""
 
     def __init__(self, head: bytes, tail: bytes, length: int):
-        self.head, self.tail, self.length, self.pos = head, tail, length, 0
+        super().__init__(length)
+        self.head, self.tail = head, tail
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self.pos = offset + (0, self.pos, self.length)[whence]
-        return self.pos
-
-    def readinto(self, buffer) -> int:
-        n = min(len(buffer), self.length - self.pos)
-        tail_start = self.length - len(self.tail)
-        if self.pos + n <= len(self.head):
-            buffer[:n] = self.head[self.pos:self.pos + n]
-        elif self.pos >= tail_start:
-            buffer[:n] = self.tail[self.pos - tail_start:self.pos - tail_start + n]
-        else:
-            raise _OutsideEdges
-        self.pos += n
-        return n
+    def read_at(self, offset: int, count: int) -> bytes:
+        tail_start = self.size - len(self.tail)
+        if offset + count <= len(self.head):
+            return self.head[offset:offset + count]
+        if offset >= tail_start:
+            return self.tail[offset - tail_start:offset - tail_start + count]
+        raise _OutsideEdges
 
 
 def _pread(f, offset: int, length: int) -> bytes:

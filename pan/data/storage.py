@@ -39,6 +39,7 @@ from pathlib import Path, PurePosixPath
 from typing import TypeVar
 
 from pan.data.read_ahead import ReadAhead, Span
+from pan.runtime.byte_range import ByteRangeFile
 
 T = TypeVar("T")
 PathLike = str | Path
@@ -553,35 +554,15 @@ class Storage:
         os.replace(source, path)
 
 
-class RemoteFile(io.RawIOBase):
+class RemoteFile(ByteRangeFile):
     """A remote object as a raw seekable file: each read is `Storage.read_range` (one ranged GET)."""
 
     def __init__(self, store: Storage, url: str, size: int):
-        super().__init__()
-        self.store, self.url, self.size, self.pos = store, url, size, 0
+        super().__init__(size)
+        self.store, self.url = store, url
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
-        self.pos = max(0, base + offset)
-        return self.pos
-
-    def readinto(self, buffer) -> int:
-        want = min(len(buffer), self.size - self.pos)
-        if want <= 0:
-            return 0
-        data = self.store.read_range(self.url, self.pos, want)
-        buffer[:len(data)] = data
-        self.pos += len(data)
-        return len(data)
+    def read_at(self, offset: int, count: int) -> bytes:
+        return self.store.read_range(self.url, offset, count)
 
 
 _default: tuple[tuple, Storage] | None = None
