@@ -92,19 +92,25 @@ def config_dict(model: nn.Module) -> dict:
             **dataclasses.asdict(model.config)}
 
 
-def read_weights(folder: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's safetensors file (or of the shards its index lists)."""
+def weight_files(folder: str | Path) -> list[Path]:
+    """The folder's safetensors file, or the shard files its index lists (whether they exist or not);
+    FileNotFoundError when it holds neither, ValueError (or KeyError, TypeError) for an unreadable index."""
     folder = Path(folder)
     if (folder / WEIGHTS_NAME).is_file():
-        return load_file(str(folder / WEIGHTS_NAME))
+        return [folder / WEIGHTS_NAME]
     if (folder / WEIGHTS_INDEX_NAME).is_file():
-        shards = sorted(set(json.loads((folder / WEIGHTS_INDEX_NAME).read_text())["weight_map"].values()))
-        state = {}
-        for shard in shards:
-            state.update(load_file(str(folder / shard)))
-        return state
+        shards = json.loads((folder / WEIGHTS_INDEX_NAME).read_text())["weight_map"].values()
+        return [folder / shard for shard in sorted(set(shards))]
     raise FileNotFoundError(f"{folder} holds neither {WEIGHTS_NAME} nor {WEIGHTS_INDEX_NAME} (pan reads "
                             "safetensors only; convert a .bin checkpoint with diffusers first).")
+
+
+def read_weights(folder: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's safetensors file (or of the shards its index lists)."""
+    state = {}
+    for path in weight_files(folder):
+        state.update(load_file(str(path)))
+    return state
 
 
 def check_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:

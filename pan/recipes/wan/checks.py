@@ -13,7 +13,7 @@ import struct
 from pathlib import Path
 
 from pan.lora.adapters import base_names
-from pan.models.pyramid_io import WEIGHTS_INDEX_NAME, WEIGHTS_NAME
+from pan.models.pyramid_io import weight_files
 from pan.models.state_dict import ShapeDiff
 from pan.preflight.checks import (
     check_cpu,
@@ -41,12 +41,9 @@ def stored_shapes(folder: Path) -> dict[str, tuple[int, ...]] | None:
     check refuses that for a trained expert: `missing_weights`). Only each file's header is read (no
     mapping of the file: a 14B expert is 57 GB); a file shorter or longer than its header says (a
     download cut short) raises ValueError naming it."""
-    if (folder / WEIGHTS_NAME).is_file():
-        files = [folder / WEIGHTS_NAME]
-    elif (folder / WEIGHTS_INDEX_NAME).is_file():
-        shards = json.loads((folder / WEIGHTS_INDEX_NAME).read_text())["weight_map"].values()
-        files = [folder / f for f in sorted(set(shards))]
-    else:
+    try:
+        files = weight_files(folder)
+    except FileNotFoundError:
         return None
     shapes = {}
     for path in files:

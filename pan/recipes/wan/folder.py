@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pan.config.core import ConfigError, require
-from pan.models.pyramid_io import WEIGHTS_INDEX_NAME, WEIGHTS_NAME
+from pan.models.pyramid_io import WEIGHTS_INDEX_NAME, WEIGHTS_NAME, weight_files
 from pan.recipes.wan.model import WanConfig
 from pan.recipes.wan.weights import load_config
 
@@ -103,20 +103,16 @@ def missing_weights(folder: WanFolder, name: str) -> str | None:
     checked by `pan check`'s headers and the run's strict load): no `diffusion_pytorch_model.safetensors`
     and no shard index, an index that cannot be read, or shards the index names that are absent."""
     where = folder.expert_dir(name)
-    if (where / WEIGHTS_NAME).is_file():
-        return None
-    index = where / WEIGHTS_INDEX_NAME
-    if not index.is_file():
+    try:
+        files = weight_files(where)
+    except FileNotFoundError:
         return (f"{where}/ holds no weights: neither {WEIGHTS_NAME} nor a shard index {WEIGHTS_INDEX_NAME} "
                 f"(files there: {', '.join(sorted(p.name for p in where.iterdir())) or 'none'})")
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-        shards = sorted(set(weight_map.values()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        return f"{index} cannot be read as a safetensors shard index ({type(e).__name__}: {e})"
-    absent = [shard for shard in shards if not (where / shard).is_file()]
+        return f"{where / WEIGHTS_INDEX_NAME} cannot be read as a safetensors shard index ({type(e).__name__}: {e})"
+    absent = [f.name for f in files if not f.is_file()]
     if absent:
-        return (f"{where}/ lacks {len(absent)} of the {len(shards)} shard files its {WEIGHTS_INDEX_NAME} names "
+        return (f"{where}/ lacks {len(absent)} of the {len(files)} shard files its {WEIGHTS_INDEX_NAME} names "
                 f"({', '.join(absent[:3])}{', ...' if len(absent) > 3 else ''})")
     return None
 
